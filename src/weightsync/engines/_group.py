@@ -1,0 +1,125 @@
+"""Topology shared by the store-based engines (``shm``, ``collective``).
+
+Each trainer rank hosts a small TCPStore in ``prepare()`` (a free port on the configured
+interface, loopback by default) that carries its stream's control messages.
+``build_topology`` hands every worker the addresses of all trainer stores and a fresh
+random token; every key of the job lives under that token, and each new topology gets a
+new one, so messages of an old group can never reach a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..errors import TopologyError
+from ._control import Inbox, connect_store, host_store
+from ._ownership import Ownership
+from .base import check_topology
+
+__all__ = ["StoreGroupMixin"]
+
+
+class StoreGroupMixin:
+    """prepare / build_topology / joining for engines whose trainers host a store."""
+
+    _server: Optional[dist.TCPStore] = None
+
+    def prepare(self) -> dict[str, Any]:
+        meta = {"role": self.config.role, "hostname": socket.gethostname(), "pid": os.getpid(),
+                "backend": self.backend_name}
+        if self.config.role == "trainer":
+            if self._server is None:
+                self._server = host_store(self.config.host, self.config.timeout)
+            meta.update(host=self.config.host, port=self._server.port)
+        return meta
+
+    @classmethod
+    def _check_hosts(cls, metadata: list[dict[str, Any]]) -> None:
+        """Hook: backends limited to one host reject others here."""
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]):
+        name = cls.backend_name or cls.__name__
+        check_topology(name, trainer_world_size, rollout_world_size, metadata)
+        for i, meta in enumerate(metadata[:trainer_world_size]):
+            if not isinstance(meta, dict) or "port" not in meta:
+                raise TopologyError(
+                    f"{name}: trainer rank {i} hosts no store; construct trainer engines "
+                    "with role='trainer'", peer=f"trainer rank {i}", phase="build_topology")
+        cls._check_hosts(list(metadata))
+        common = {
+            "world": trainer_world_size,
+            "num_receivers": rollout_world_size,
+            "streams": [[m["host"], int(m["port"])] for m in metadata[:trainer_world_size]],
+            "token": secrets.token_hex(16),
+        }
+        trainers = [dict(common, role="trainer", rank=i) for i in range(trainer_world_size)]
+        rollouts = [dict(common, role="rollout", rank=j) for j in range(rollout_world_size)]
+        return trainers, rollouts
+
+    def _join(self, *, role: str, rank: int, world: int, num_receivers: int,
+              streams: list, token: str) -> None:
+        """Validate this worker's topology entry and open its control channels."""
+        if role not in ("trainer", "rollout"):
+            raise ValueError(f"role must be 'trainer' or 'rollout', got {role!r}")
+        if self.config.role not in (None, role):
+            raise ValueError(f"engine built with role={self.config.role!r} got a {role} entry")
+        if not (isinstance(world, int) and world >= 1 and len(streams) == world):
+            raise ValueError(f"world={world!r} does not match {len(streams)} stream addresses")
+        bound = world if role == "trainer" else num_receivers
+        if not (isinstance(rank, int) and 0 <= rank < bound):
+            raise ValueError(f"{role} rank {rank!r} out of range [0, {bound})")
+        if not isinstance(token, str) or len(token) < 16:
+            raise ValueError("token must be the random string from build_topology")
+        if self._rank >= 0:
+            self._release()
+        self.config.role = role
+        self._rank, self._world, self._num_receivers = rank, world, num_receivers
+        self._seq = 0
+        self._token = token
+        self.reset_plan()
+        t = self.config.timeout
+        if role == "trainer":
+            if self._server is None:
+                raise TopologyError("init_process_group before prepare() on a trainer",
+                                    phase="init")
+            self._tx_inbox = Inbox(self._server, self._prefix(rank), "t", t)
+            self._ownership = None
+            if world > 1:
+                store0 = self._server if rank == 0 else connect_store(
+                    *streams[0], t, peer="trainer rank 0", phase="init")
+                self._ownership = Ownership(store0, f"ws/{token}", rank, world, t)
+            return
+        self._rx_push, self._rx_pop = {}, {}
+        for s, (host, port) in enumerate(streams):
+            store = connect_store(host, port, t, peer=f"trainer rank {s}", phase="init")
+            self._rx_push[s] = Inbox(store, self._prefix(s), f"r{rank}", t)
+            self._rx_pop[s] = Inbox(store, self._prefix(s), f"r{rank}", t)
+
+    def _prefix(self, stream: int) -> str:
+        return f"ws/{self._token}/s{stream}"
+
+    def _tx_control(self) -> Inbox:
+        return self._tx_inbox
+
+    def _rx_control(self, stream: int) -> Inbox:
+        return self._rx_push[stream]
+
+    def _rx_pump_inbox(self, stream: int) -> Inbox:
+        return self._rx_pop[stream]
+
+    def _leave(self) -> None:
+        """Drop control channels (the store server survives until ``close_server``)."""
+        self._tx_inbox = None
+        self._rx_push, self._rx_pop = {}, {}
+        self._ownership = None
+        self._rank = -1
+
+    def close_server(self) -> None:
+        self._server = None

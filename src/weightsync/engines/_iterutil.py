@@ -1,0 +1,62 @@
+"""Small helpers shared by the engines."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, AsyncIterator
+
+import torch
+
+try:  # optional, faster
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+__all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes"]
+
+#: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
+CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+async def aiter_items(items: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Iterate a sync or async iterable of ``(name, tensor)`` with checks."""
+    if hasattr(items, "__aiter__"):
+        async for item in items:
+            yield _check_item(item)
+    else:
+        for item in items:
+            yield _check_item(item)
+
+
+def _check_item(item: Any) -> tuple[str, torch.Tensor]:
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise ValueError(f"named_tensors must yield (name, tensor) pairs, got {type(item).__name__}")
+    name, tensor = item
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tensor name must be a non-empty str, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if hasattr(tensor, "full_tensor") and type(tensor).__name__ == "DTensor":
+        raise ValueError(f"{name!r}: pass DTensor.full_tensor() (or use weightsync.trainer)")
+    return name, tensor
+
+
+def wire_dtype(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
+    if cast is not None and tensor.dtype in CASTABLE:
+        return cast
+    return tensor.dtype
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a contiguous tensor (any dtype, 0-d included)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """Cheap 63-bit checksum of a CPU uint8 tensor's bytes (xxh3 if available, else crc32)."""
+    if buf.device.type != "cpu":
+        buf = buf.cpu()
+    mv = memoryview(buf.numpy())
+    if _xxhash is not None:
+        return _xxhash.xxh3_64_intdigest(mv) & ((1 << 62) - 1)
+    return zlib.crc32(mv)

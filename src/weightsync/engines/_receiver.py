@@ -1,0 +1,225 @@
+"""Receiver half of the bucketed protocol (see :mod:`weightsync.engines._bucketed`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import torch
+
+from ..errors import (IntegrityError, PlanMismatch, SyncTimeout, VersionMismatch,
+                      WeightSyncError)
+from ..plan import Bucket, TensorMeta, bucket_digest, dtype_from_name, plan_signature
+from ..wire import AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from ._iterutil import checksum
+
+__all__ = ["ReceiverMixin"]
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+@dataclass
+class _RecvState:
+    seq: int
+    version: Any
+    q: "queue.Queue[tuple]"
+    remaining: set
+    seen: set = field(default_factory=set)
+    partial: dict = field(default_factory=dict)      # name -> (stream, staging tensor)
+    tensors: int = 0
+    nbytes: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class ReceiverMixin:
+    """``receive_weights`` for :class:`BucketedEngine` subclasses."""
+
+    async def receive_weights(self, version: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        if self.config.role != "rollout" or self._rank < 0:
+            raise RuntimeError(f"{self.backend_name}: receive_weights needs a rollout engine "
+                               "after init_process_group")
+        self._seq += 1
+        state = _RecvState(self._seq, version, queue.Queue(), set(range(self._world)))
+        pumps = [threading.Thread(target=self._pump, args=(s, state), daemon=True,
+                                  name=f"weightsync-rx{self._rank}-s{s}")
+                 for s in range(self._world)]
+        for t in pumps:
+            t.start()
+        start = time.perf_counter()
+        try:
+            while state.remaining:
+                item = await self._next_item(state)
+                async for pair in self._handle(state, item):
+                    yield pair
+        except BaseException as exc:
+            self._abort_receive(state, exc)
+            raise
+        finally:
+            state.stop.set()
+            for t in pumps:
+                t.join(timeout=5.0)
+        seconds = time.perf_counter() - start
+        logger.info("weightsync %s: rollout rank %d received version %s: %d tensors, %d bytes "
+                    "in %.4f s (%.2f GB/s)", self.backend_name, self._rank, version,
+                    state.tensors, state.nbytes, seconds,
+                    state.nbytes / seconds / 1e9 if seconds > 0 else 0.0)
+
+    async def _next_item(self, state: _RecvState) -> tuple:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, state.q.get, True, self.config.timeout + 5)
+        except queue.Empty:
+            raise SyncTimeout("receive pump stalled", peer=f"trainer ranks {sorted(state.remaining)}",
+                              phase="receive", version=state.version) from None
+
+    def _pump(self, stream: int, state: _RecvState) -> None:
+        """Thread: pop this stream's messages, fetch bucket bytes, hand them to the consumer."""
+        inbox = self._rx_pump_inbox(stream)
+        peer = f"trainer rank {stream}"
+        try:
+            while not state.stop.is_set():
+                msg = inbox.pop(peer=peer, phase="receive", version=state.version)
+                seq = getattr(msg, "seq", state.seq)
+                if seq < state.seq:
+                    continue  # left over from an earlier, failed sync
+                if seq > state.seq:
+                    raise PlanMismatch(f"out of step: this receiver is at sync {state.seq}, "
+                                       f"the sender at sync {seq}; re-initialize the group",
+                                       peer=peer, phase="receive", version=state.version)
+                if isinstance(msg, BucketMsg):
+                    self._check_version(state, msg.version, peer)
+                    state.q.put(("bucket", stream, msg, self._rx_fetch(stream, msg)))
+                    continue
+                state.q.put(("msg", stream, msg, None))
+                if isinstance(msg, (DoneMsg, ErrorMsg)):
+                    return
+        except BaseException as exc:  # handed to the consumer, which raises it
+            state.q.put(("exc", stream, exc, None))
+
+    def _check_version(self, state: _RecvState, got: Any, peer: str) -> None:
+        if state.version is not None and state.version != got:
+            raise VersionMismatch(f"expected weights of version {state.version!r}, "
+                                  f"{peer} sends version {got!r}", peer=peer,
+                                  phase="receive", version=got)
+
+    async def _handle(self, state: _RecvState, item: tuple) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        kind, stream, msg, buf = item
+        if kind == "exc":
+            raise msg
+        if isinstance(msg, ErrorMsg):
+            from ._bucketed import raise_remote
+            raise_remote(msg, phase="receive")
+        if isinstance(msg, DoneMsg):
+            self._rx_finish_stream(state, stream, msg)
+            return
+        entries = self._layout(stream, msg)
+        if self.config.checksum and msg.checksum is not None:
+            if checksum(buf[: msg.nbytes]) != msg.checksum:
+                raise IntegrityError(f"bucket {msg.index} failed its checksum",
+                                     peer=f"trainer rank {stream}", phase="receive",
+                                     version=msg.version)
+        for meta in entries:
+            out = self._take(state, stream, meta, buf)
+            if out is not None:
+                yield out
+        self._rx_release(stream, msg)
+        self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
+                                                  rank=self._rank, index=msg.index))
+
+    def _layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
+        plan = self._rx_plans.setdefault(stream, [])
+        if msg.entries is None:
+            if msg.index >= len(plan) or bucket_digest(plan[msg.index]) != msg.layout:
+                raise PlanMismatch(f"bucket {msg.index} replays a layout this receiver does "
+                                   "not hold (it joined late or missed a sync); re-initialize",
+                                   peer=f"trainer rank {stream}", phase="receive",
+                                   version=msg.version)
+            return plan[msg.index].entries
+        limit = self.config.bucket_size
+        for e in msg.entries:
+            if e.offset + e.nbytes > min(limit, msg.nbytes) or e.chunk_offset + e.nbytes > e.total_nbytes:
+                raise PlanMismatch(f"entry {e.name!r} lies outside bucket {msg.index}",
+                                   peer=f"trainer rank {stream}", phase="receive",
+                                   version=msg.version)
+        bucket = Bucket(msg.index, msg.nbytes, msg.entries)
+        if bucket_digest(bucket) != msg.layout:
+            raise PlanMismatch(f"layout of bucket {msg.index} does not match its digest",
+                               peer=f"trainer rank {stream}", phase="receive",
+                               version=msg.version)
+        if msg.index < len(plan):
+            plan[msg.index] = bucket
+        elif msg.index == len(plan):
+            plan.append(bucket)
+        else:
+            raise PlanMismatch(f"bucket {msg.index} arrived before bucket {len(plan)}",
+                               peer=f"trainer rank {stream}", phase="receive",
+                               version=msg.version)
+        return msg.entries
+
+    def _take(self, state: _RecvState, stream: int, meta: TensorMeta,
+              buf: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
+        """The tensor completed by this piece (a view for whole tensors), else None."""
+        dtype = dtype_from_name(meta.dtype)
+        if meta.chunk_offset == 0:
+            if meta.name in state.seen or meta.name in state.partial:
+                return None  # a duplicate from another trainer rank
+            if meta.total_nbytes == 0:
+                state.seen.add(meta.name)
+                return meta.name, torch.empty(meta.shape, dtype=dtype, device=buf.device)
+            if not meta.is_chunk:
+                state.seen.add(meta.name)
+                state.tensors += 1
+                state.nbytes += meta.nbytes
+                view = buf[meta.offset: meta.offset + meta.nbytes]
+                return meta.name, view.view(dtype).view(meta.shape)
+            state.partial[meta.name] = (stream, torch.empty(meta.total_nbytes, dtype=torch.uint8,
+                                                            device=buf.device))
+        owner, staging = state.partial.get(meta.name, (None, None))
+        if owner != stream:
+            return None
+        staging[meta.chunk_offset: meta.chunk_offset + meta.nbytes].copy_(
+            buf[meta.offset: meta.offset + meta.nbytes])
+        if not meta.is_last_chunk:
+            return None
+        del state.partial[meta.name]
+        state.seen.add(meta.name)
+        state.tensors += 1
+        state.nbytes += meta.total_nbytes
+        return meta.name, staging.view(dtype).view(meta.shape)
+
+    def _rx_finish_stream(self, state: _RecvState, stream: int, msg: DoneMsg) -> None:
+        peer = f"trainer rank {stream}"
+        self._check_version(state, msg.version, peer)
+        plan = self._rx_plans.setdefault(stream, [])
+        del plan[msg.num_buckets:]
+        if len(plan) != msg.num_buckets or \
+                plan_signature(self.config.bucket_size, plan) != msg.signature:
+            self._rx_plans.pop(stream, None)
+            raise PlanMismatch("the replayed layout does not match the sender's plan "
+                               "signature", peer=peer, phase="receive", version=msg.version)
+        state.remaining.discard(stream)
+        if not state.remaining and state.partial:
+            raise PlanMismatch(f"tensors left incomplete: {sorted(state.partial)[:10]}",
+                               peer=peer, phase="receive", version=msg.version)
+        self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
+                                                  rank=self._rank, index=0, final=True))
+
+    def _abort_receive(self, state: _RecvState, exc: BaseException) -> None:
+        """Tell every sender (which relays to the other receivers) that this sync failed."""
+        if isinstance(exc, GeneratorExit):
+            exc = WeightSyncError("the consumer stopped iterating before the end")
+        from ._bucketed import error_msg
+        msg = error_msg(exc, seq=state.seq, version=state.version,
+                        peer=f"rollout rank {self._rank}", phase="receive")
+        for stream in range(self._world):
+            try:
+                self._rx_control(stream).push("t", msg)
+                self._rx_control(stream).push(f"r{self._rank}", msg)  # wakes our own pump
+            except Exception:
+                logger.debug("could not report the failure to stream %d", stream, exc_info=True)

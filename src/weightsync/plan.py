@@ -1,0 +1,257 @@
+"""Tensor metadata and the bucket layout of a weight sync.
+
+A *plan* lays an ordered stream of named tensors into buckets of ``bucket_size`` bytes.
+The layout is a pure function of the sequence of ``(name, shape, dtype)`` and of the
+bucket size, so sender and receivers that see the same sequence compute the same plan;
+after the first sync only the bucket indices travel (the plan is replayed).
+
+Packing rule, per tensor of ``n`` bytes, with ``cursor`` the first free byte of the open
+bucket, aligned up to ``alignment``:
+
+* ``n == 0``: the tensor takes no space (offset 0, nbytes 0) in the open bucket;
+* it fits behind the cursor: it goes there;
+* ``n <= bucket_size``: the open bucket is closed and the tensor starts a new one;
+* ``n > bucket_size``: the open bucket is closed (if not empty) and the tensor is cut into
+  chunks of ``bucket_size`` bytes, one per bucket; its last chunk leaves room for the
+  next tensors. Memory per bucket therefore stays bounded whatever the tensor size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "itemsize",
+    "TensorMeta",
+    "Bucket",
+    "WeightPlan",
+    "PlanBuilder",
+    "build_plan",
+    "bucket_digest",
+    "plan_signature",
+    "DEFAULT_ALIGNMENT",
+]
+
+DEFAULT_ALIGNMENT = 256
+
+
+def _collect_dtypes() -> dict[str, torch.dtype]:
+    names = [
+        "float64", "float32", "float16", "bfloat16",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "int8", "int16", "int32", "int64",
+        "uint8", "uint16", "uint32", "uint64",
+        "bool", "complex64", "complex128",
+    ]
+    out = {}
+    for name in names:
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype):
+            out[name] = dt
+    return out
+
+
+#: The dtypes a plan may carry (a whitelist: the wire rejects any other name).
+DTYPES: dict[str, torch.dtype] = _collect_dtypes()
+_NAME_OF = {dt: name for name, dt in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Canonical wire name of a torch dtype; ``ValueError`` for unsupported ones."""
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be synced by weightsync") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; ``ValueError`` for names off the whitelist."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype name {name!r}") from None
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a whitelisted dtype name."""
+    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where (a piece of) one tensor lies in one bucket.
+
+    ``offset``/``nbytes`` locate the piece inside the bucket; ``chunk_offset`` is the
+    piece's byte offset inside the whole tensor of ``total_nbytes`` bytes. A tensor that
+    fits in a bucket is one piece with ``chunk_offset == 0`` and
+    ``nbytes == total_nbytes``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+    chunk_offset: int = 0
+    total_nbytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.total_nbytes < 0:
+            object.__setattr__(self, "total_nbytes", self.nbytes)
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.nbytes != self.total_nbytes
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.chunk_offset + self.nbytes == self.total_nbytes
+
+    def to_list(self) -> list:
+        return [self.name, list(self.shape), self.dtype, self.offset, self.nbytes,
+                self.chunk_offset, self.total_nbytes]
+
+    @classmethod
+    def from_list(cls, item: Sequence) -> "TensorMeta":
+        name, shape, dtype, offset, nbytes, chunk_offset, total = item
+        return cls(name, tuple(shape), dtype, offset, nbytes, chunk_offset, total)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket: its index in the stream, the bytes used, and the pieces it holds."""
+
+    index: int
+    nbytes: int
+    entries: tuple[TensorMeta, ...]
+
+
+def bucket_digest(bucket: Bucket) -> str:
+    """Short stable hash of one bucket's layout (checked before a cached layout is used)."""
+    h = hashlib.sha256(json.dumps([bucket.index, bucket.nbytes,
+                                   [e.to_list() for e in bucket.entries]],
+                                  separators=(",", ":")).encode())
+    return h.hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """A complete layout of one tensor stream into buckets."""
+
+    bucket_size: int
+    buckets: tuple[Bucket, ...]
+    alignment: int = DEFAULT_ALIGNMENT
+    signature: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.signature:
+            object.__setattr__(self, "signature", plan_signature(self.bucket_size, self.buckets))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for b in self.buckets for e in b.entries)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for b in self.buckets for e in b.entries if e.chunk_offset == 0]
+
+    @property
+    def max_chunk(self) -> int:
+        """Largest tensor that is split across buckets (0 if none)."""
+        return max((e.total_nbytes for b in self.buckets for e in b.entries if e.is_chunk),
+                   default=0)
+
+
+def plan_signature(bucket_size: int, buckets: Iterable[Bucket]) -> str:
+    """Stable hash of a layout: equal across processes and Python runs."""
+    h = hashlib.sha256()
+    h.update(f"weightsync-plan-v1|{int(bucket_size)}|".encode())
+    for b in buckets:
+        h.update(json.dumps([b.index, b.nbytes, [e.to_list() for e in b.entries]],
+                            separators=(",", ":")).encode())
+    return h.hexdigest()[:32]
+
+
+class PlanBuilder:
+    """Lays tensors into buckets one at a time (streaming; bounded memory).
+
+    ``add`` returns the pieces of the tensor as ``(bucket_index, TensorMeta)``; every
+    bucket index below ``open_index`` is closed and can be published.
+    """
+
+    def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        if not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise ValueError(f"bucket_size must be a positive int, got {bucket_size!r}")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if bucket_size % alignment:
+            raise ValueError(f"bucket_size {bucket_size} must be a multiple of {alignment}")
+        self.bucket_size = bucket_size
+        self.alignment = alignment
+        self.open_index = 0
+        self._cursor = 0
+        self._entries: list[TensorMeta] = []
+        self.closed: list[Bucket] = []
+
+    def _close(self) -> None:
+        self.closed.append(Bucket(self.open_index, self._cursor, tuple(self._entries)))
+        self.open_index += 1
+        self._cursor = 0
+        self._entries = []
+
+    def add(self, name: str, shape: Sequence[int], dtype: str) -> list[tuple[int, TensorMeta]]:
+        shape = tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * itemsize(dtype)
+        start = -(-self._cursor // self.alignment) * self.alignment
+        if nbytes == 0:
+            return self._place(TensorMeta(name, shape, dtype, 0, 0, 0, 0))
+        if start + nbytes <= self.bucket_size:
+            return self._place(TensorMeta(name, shape, dtype, start, nbytes, 0, nbytes))
+        if self._entries:
+            self._close()
+        if nbytes <= self.bucket_size:
+            return self._place(TensorMeta(name, shape, dtype, 0, nbytes, 0, nbytes))
+        pieces = []
+        for off in range(0, nbytes, self.bucket_size):
+            size = min(self.bucket_size, nbytes - off)
+            pieces += self._place(TensorMeta(name, shape, dtype, 0, size, off, nbytes))
+            if size == self.bucket_size:
+                self._close()
+        return pieces
+
+    def _place(self, meta: TensorMeta) -> list[tuple[int, TensorMeta]]:
+        self._entries.append(meta)
+        self._cursor = max(self._cursor, meta.offset + meta.nbytes)
+        return [(self.open_index, meta)]
+
+    def finish(self) -> WeightPlan:
+        """Close the open bucket (if it holds anything) and return the whole plan."""
+        if self._entries:
+            self._close()
+        return WeightPlan(self.bucket_size, tuple(self.closed), self.alignment)
+
+
+def build_plan(
+    tensors: Iterable[tuple[str, Sequence[int], str | torch.dtype]],
+    bucket_size: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> WeightPlan:
+    """Plan for a whole sequence of ``(name, shape, dtype)`` at once."""
+    builder = PlanBuilder(bucket_size, alignment)
+    seen: set[str] = set()
+    for name, shape, dtype in tensors:
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        builder.add(name, shape, dtype if isinstance(dtype, str) else dtype_name(dtype))
+    return builder.finish()
