@@ -1,0 +1,97 @@
+"""One conformance suite, run against every registered backend that works on this machine."""
+
+import pytest
+import torch
+
+from weightsync import CheckpointEngineRegistry
+from weightsync.testing import GroupSpec, run_group
+
+BUCKET = 64 * 1024
+
+
+def cpu_backends():
+    return [n for n in CheckpointEngineRegistry.names()
+            if "cpu" in CheckpointEngineRegistry.get(n).capabilities]
+
+
+BACKENDS = cpu_backends()
+
+
+def test_builtin_cpu_backends_are_registered():
+    assert {"inproc", "shm", "collective"} <= set(BACKENDS)
+
+
+def _assert_clean(results, spec):
+    for r in results:
+        assert "fatal" not in r, r.get("fatal")
+        assert not r["errors"], (r["role"], r["rank"], r["errors"])
+        assert len(r["steps"]) == spec.steps
+        assert not r.get("threads"), f"threads left behind: {r.get('threads')}"
+    for r in results:
+        if r["role"] == "rollout":
+            for step in r["steps"]:
+                assert not step["missing"], step["missing"][:5]
+                assert not step["dupes"], step["dupes"][:5]
+                assert not step["bad"], step["bad"][:5]
+
+
+def _spec(backend, **kw):
+    kw.setdefault("engine_kwargs", {})
+    kw["engine_kwargs"] = {"bucket_size": BUCKET, "timeout": 60, **kw["engine_kwargs"]}
+    return GroupSpec(backend=backend, **kw)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("receivers", [1, 3])
+def test_one_trainer_many_receivers(backend, receivers, shm_segments):
+    before = shm_segments()
+    spec = _spec(backend, receivers=receivers, steps=3, tiny=1500)
+    results = run_group(spec)
+    _assert_clean(results, spec)
+    assert shm_segments() == before
+    trainer = results[0]["steps"]
+    if backend != "inproc":
+        # plan replay: the second and third sync send no layout at all
+        assert trainer[0]["buckets_with_layout"] == trainer[0]["buckets"] > 3
+        assert trainer[1]["buckets_with_layout"] == 0
+        assert trainer[2]["buckets_with_layout"] == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pattern", ["full", "disjoint"])
+def test_two_trainers(backend, pattern):
+    spec = _spec(backend, trainers=2, receivers=2, steps=3, pattern=pattern)
+    results = run_group(spec)
+    _assert_clean(results, spec)
+    if backend == "inproc":
+        return
+    sent = [sum(r["steps"][s]["tensors"] for r in results if r["role"] == "trainer")
+            for s in range(3)]
+    total = results[-1]["steps"][0]["count"]
+    # after the first sync each name is sent exactly once, spread over both ranks
+    assert sent[1] == sent[2] == total
+    per_rank = [r["steps"][2]["tensors"] for r in results if r["role"] == "trainer"]
+    assert min(per_rank) > 0.25 * total
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtype_cast(backend):
+    spec = _spec(backend, receivers=2, steps=2, engine_kwargs={"dtype": torch.bfloat16})
+    _assert_clean(run_group(spec), spec)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_version_mismatch_is_an_error_not_wrong_weights(backend):
+    spec = _spec(backend, receivers=2, steps=1, expect_version_offset=1000,
+                 engine_kwargs={"timeout": 20})
+    results = run_group(spec)
+    for r in results:
+        assert "fatal" not in r, r.get("fatal")
+        assert r["errors"], r
+        if r["role"] == "rollout":
+            assert r["errors"][0].startswith(("VersionMismatch", "PeerFailed")), r["errors"]
+    assert any(e.startswith("VersionMismatch") for r in results for e in r["errors"])

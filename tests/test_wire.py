@@ -1,0 +1,92 @@
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from weightsync.errors import WireError
+from weightsync.plan import TensorMeta
+from weightsync.wire import (AckMsg, BucketMsg, DoneMsg, ErrorMsg, HelloMsg, NamesMsg, decode,
+                             encode)
+
+MESSAGES = [
+    BucketMsg(version=3, seq=1, stream=0, index=2, slot=1, nbytes=100, layout="ab",
+              entries=(TensorMeta("a", (2, 3), "float32", 0, 24),), checksum=7),
+    BucketMsg(version=None, seq=1, stream=0, index=2, slot=1, nbytes=100, layout="ab"),
+    DoneMsg(version="v1", seq=1, stream=0, num_buckets=2, num_tensors=3, nbytes=5,
+            signature="x"),
+    ErrorMsg(version=1, seq=2, error="SyncTimeout", message="m", peer="p", phase="send"),
+    NamesMsg(seq=1, rank=0, digest="d", names=("a", "b")),
+    AckMsg(seq=1, stream=0, rank=3, index=4, final=True),
+    HelloMsg(stream=0, rank=1, bucket_size=256, num_slots=2, segments=("s",)),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.kind)
+def test_roundtrip(msg):
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"null", b"[]", b'{"wsv": 2, "kind": "ack"}', b'{"wsv": 1, "kind": "evil"}',
+    b'{"wsv": 1, "kind": "ack", "seq": 1, "stream": 0, "rank": 0, "index": -1}',
+    b'{"wsv": 1, "kind": "ack", "seq": true, "stream": 0, "rank": 0, "index": 1}',
+    b'{"wsv": 1, "kind": "ack", "seq": 1, "stream": 0, "rank": 0, "index": 1, "x": 1}',
+    b"\x80\x04\x95",  # a pickle header is just bad JSON here
+])
+def test_rejects_malformed(raw):
+    with pytest.raises(WireError):
+        decode(raw)
+
+
+def _bucket_with(entry):
+    body = json.loads(encode(MESSAGES[0]))
+    body["entries"] = [entry]
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("entry", [
+    ["a", [2, 3], "object", 0, 24, 0, 24],          # dtype off the whitelist
+    ["a", [2, 3], "float32", 0, 24, 0, 25],         # total does not match shape
+    ["a", [2, 3], "float32", 0, 24, 8, 24],         # chunk runs past the end
+    ["a", [-2, 3], "float32", 0, 24, 0, 24],        # negative dim
+    ["a", [2, 3], "float32", 0, 24, 0],             # too few fields
+])
+def test_rejects_bad_tensor_entries(entry):
+    with pytest.raises(WireError):
+        decode(_bucket_with(entry))
+
+
+def test_size_limit():
+    with pytest.raises(WireError):
+        decode(b" " * 100, max_bytes=10)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzz_bytes_only_wire_errors(raw):
+    try:
+        decode(raw)
+    except WireError:
+        pass
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 2**63) | st.text(max_size=8),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.sampled_from(["bucket", "done", "error", "names", "ack", "hello"]),
+       st.dictionaries(st.sampled_from(["version", "seq", "stream", "index", "slot", "nbytes",
+                                        "layout", "entries", "checksum", "num_buckets",
+                                        "num_tensors", "signature", "error", "message", "peer",
+                                        "phase", "rank", "digest", "names", "final",
+                                        "bucket_size", "num_slots", "segments"]),
+                       json_values, max_size=10))
+def test_fuzz_structured_only_wire_errors(kind, fields):
+    raw = json.dumps({"wsv": 1, "kind": kind, **fields}).encode()
+    try:
+        decode(raw)
+    except WireError:
+        pass
