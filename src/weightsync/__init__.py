@@ -14,6 +14,7 @@ from .engines import CheckpointEngine, CheckpointEngineRegistry
 from .errors import (BackendUnavailable, IntegrityError, PeerFailed, PlanMismatch, SyncTimeout,
                      TopologyError, VersionMismatch, WeightSyncError, WireError)
 from .plan import Bucket, PlanBuilder, TensorMeta, WeightPlan, build_plan
+from .rendezvous import connect
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "CheckpointEngine",
     "CheckpointEngineRegistry",
     "EngineConfig",
+    "connect",
     "TensorMeta",
     "Bucket",
     "WeightPlan",

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from .engines import CheckpointEngineRegistry
+from .engines.base import worker_kwargs
 from .engines._iterutil import CASTABLE
 from .plan import DTYPES
 
@@ -160,8 +161,10 @@ def _run_inproc(spec: GroupSpec) -> list[dict[str, Any]]:
     rollouts = [cls(role="rollout", **spec.engine_kwargs) for _ in range(spec.receivers)]
     tk, rk = cls.build_topology(spec.trainers, spec.receivers,
                                 [e.prepare() for e in trainers + rollouts])
-    for e, kw in zip(trainers + rollouts, tk + rk):
-        e.init_process_group(**kw)
+    for i, e in enumerate(trainers):
+        e.init_process_group(**worker_kwargs(tk, i))
+    for j, e in enumerate(rollouts):
+        e.init_process_group(**worker_kwargs(rk, j))
 
     async def main():
         jobs = [_run_role(e, spec, "trainer", i) for i, e in enumerate(trainers)]
@@ -195,7 +198,9 @@ def run_group(spec: GroupSpec) -> list[dict[str, Any]]:
             if "fatal" in m:
                 raise RuntimeError(m["fatal"])
         tk, rk = cls.build_topology(spec.trainers, spec.receivers, metas)
-        for c, kw in zip(pipes, tk + rk):
+        kws = [worker_kwargs(tk, i) for i in range(spec.trainers)] + \
+              [worker_kwargs(rk, j) for j in range(spec.receivers)]
+        for c, kw in zip(pipes, kws):
             c.send(kw)
         return [_recv(c, spec.timeout, what="result") for c in pipes]
     finally:

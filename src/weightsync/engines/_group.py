@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..errors import TopologyError
 from ._control import Inbox, connect_store, host_store
 from ._ownership import Ownership
-from .base import check_topology
+from .base import check_topology, per_worker
 
 __all__ = ["StoreGroupMixin"]
 
@@ -61,7 +61,7 @@ class StoreGroupMixin:
         }
         trainers = [dict(common, role="trainer", rank=i) for i in range(trainer_world_size)]
         rollouts = [dict(common, role="rollout", rank=j) for j in range(rollout_world_size)]
-        return trainers, rollouts
+        return per_worker(trainers), per_worker(rollouts)
 
     def _join(self, *, role: str, rank: int, world: int, num_receivers: int,
               streams: list, token: str) -> None:

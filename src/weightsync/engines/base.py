@@ -6,7 +6,8 @@ Lifecycle, the same on both sides (trainer workers send, rollout workers receive
     meta = engine.prepare()                     # every worker; returns a small dict
     trainer_kw, rollout_kw = Engine.build_topology(A, R, [meta of trainer ranks..., meta
                                                           of rollout ranks...])
-    engine.init_process_group(**kw)             # every worker, concurrently
+    # trainer_kw = {"rank": [0, 1, ...], "token": [...], ...}: one list entry per worker
+    engine.init_process_group(**worker_kwargs(trainer_kw, i))   # every worker, concurrently
     await engine.send_weights(named_tensors, version)        # trainer ranks
     async for name, t in engine.receive_weights(version):    # rollout ranks
         ...
@@ -40,7 +41,8 @@ import torch
 from ..config import EngineConfig
 from ..errors import TopologyError
 
-__all__ = ["CheckpointEngine", "NamedTensors", "check_topology"]
+__all__ = ["CheckpointEngine", "NamedTensors", "check_topology", "worker_kwargs",
+           "per_worker", "validate_topology"]
 
 NamedTensors = Union[Iterable[tuple[str, torch.Tensor]], Any]  # or an async iterable
 
@@ -75,10 +77,11 @@ class CheckpointEngine(abc.ABC):
     @abc.abstractmethod
     def build_topology(
         cls, trainer_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """From every worker's ``prepare()`` result (trainer ranks first, then rollout
-        ranks), the keyword arguments of ``init_process_group`` for each trainer rank and
-        each rollout rank."""
+        ranks), the keyword arguments of ``init_process_group``: one dict per side, mapping
+        each keyword to a list with one value per worker of that side (verl's shape).
+        :func:`worker_kwargs` picks one worker's entry."""
 
     @abc.abstractmethod
     def init_process_group(self, **kwargs: Any) -> None:
@@ -129,3 +132,27 @@ def check_topology(
 def version_matches(expected: Optional[Any], got: Any) -> bool:
     """``None`` expects any version."""
     return expected is None or expected == got
+
+
+def per_worker(entries: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Turn a list of per-worker dicts into verl's dict of per-worker lists."""
+    keys = entries[0].keys() if entries else ()
+    return {k: [e[k] for e in entries] for k in keys}
+
+
+def worker_kwargs(kwargs: dict[str, list[Any]], index: int) -> dict[str, Any]:
+    """The ``init_process_group`` keywords of worker ``index`` of one side."""
+    return {k: v[index] for k, v in kwargs.items()}
+
+
+def validate_topology(backend: str, side: str, kwargs: Any, size: int) -> None:
+    """Every value must be a list with one entry per worker (``TopologyError`` otherwise)."""
+    if not isinstance(kwargs, dict):
+        raise TopologyError(f"{backend}: build_topology must return dicts of lists, got "
+                            f"{type(kwargs).__name__} for the {side} side", phase="build_topology")
+    for key, value in kwargs.items():
+        if not isinstance(value, (list, tuple)) or len(value) != size:
+            got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+            raise TopologyError(
+                f"{backend}: build_topology gave key {key!r} of the {side} side {got} "
+                f"entries, but the {side} side has {size} workers", phase="build_topology")

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import PeerFailed, SyncTimeout, VersionMismatch, WeightSyncError
 from ._iterutil import aiter_items, wire_dtype
-from .base import CheckpointEngine, check_topology
+from .base import CheckpointEngine, check_topology, per_worker
 from .registry import CheckpointEngineRegistry
 
 __all__ = ["InprocEngine"]
@@ -100,8 +100,10 @@ class InprocEngine(CheckpointEngine):
             raise ValueError(f"inproc needs every worker in one process, got pids {sorted(pids)}")
         common = {"key": secrets.token_hex(16), "world": trainer_world_size,
                   "num_receivers": rollout_world_size}
-        return ([dict(common, role="trainer", rank=i) for i in range(trainer_world_size)],
-                [dict(common, role="rollout", rank=j) for j in range(rollout_world_size)])
+        return (per_worker([dict(common, role="trainer", rank=i)
+                            for i in range(trainer_world_size)]),
+                per_worker([dict(common, role="rollout", rank=j)
+                            for j in range(rollout_world_size)]))
 
     def init_process_group(self, *, key: str, role: str, rank: int, world: int,
                            num_receivers: int) -> None:
