@@ -11,6 +11,7 @@ byte for byte against the expected tensors. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import multiprocessing as mp
 import os
 import threading
@@ -95,6 +96,8 @@ class GroupSpec:
     tiny: int = 200
     expect_version_offset: int = 0      # receivers expect step + offset (to provoke mismatch)
     timeout: float = 120.0
+    hook: Optional[str] = None          # "module:function" called as f(engine, role, rank)
+                                        # in each worker before init (fault injection)
 
     def __post_init__(self) -> None:
         if self.pattern not in ("full", "disjoint"):
@@ -142,6 +145,9 @@ async def _run_role(engine, spec: GroupSpec, role: str, rank: int) -> dict[str, 
 def _worker(spec: GroupSpec, role: str, rank: int, conn) -> None:
     try:
         engine = CheckpointEngineRegistry.new(spec.backend, role=role, **spec.engine_kwargs)
+        if spec.hook:
+            module, _, func = spec.hook.partition(":")
+            getattr(importlib.import_module(module), func)(engine, role, rank)
         conn.send(engine.prepare())
         if not conn.poll(spec.timeout):
             raise TimeoutError("no topology from the parent")
@@ -193,16 +199,18 @@ def run_group(spec: GroupSpec) -> list[dict[str, Any]]:
         pipes.append(parent)
         procs.append(p)
     try:
-        metas = [_recv(c, spec.timeout, what="prepare") for c in pipes]
+        deadline = time.monotonic() + spec.timeout
+        metas = [_recv(c, p, deadline, what="prepare") for c, p in zip(pipes, procs)]
         for m in metas:
-            if "fatal" in m:
-                raise RuntimeError(m["fatal"])
+            if "fatal" in m or "died" in m or "hung" in m:
+                raise RuntimeError(f"a worker failed before the topology: {m}")
         tk, rk = cls.build_topology(spec.trainers, spec.receivers, metas)
         kws = [worker_kwargs(tk, i) for i in range(spec.trainers)] + \
               [worker_kwargs(rk, j) for j in range(spec.receivers)]
         for c, kw in zip(pipes, kws):
             c.send(kw)
-        return [_recv(c, spec.timeout, what="result") for c in pipes]
+        deadline = time.monotonic() + spec.timeout
+        return [_recv(c, p, deadline, what="result") for c, p in zip(pipes, procs)]
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -210,7 +218,17 @@ def run_group(spec: GroupSpec) -> list[dict[str, Any]]:
                 p.kill()
 
 
-def _recv(conn, timeout: float, *, what: str) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"worker sent no {what} within {timeout}s")
-    return conn.recv()
+def _recv(conn, proc, deadline: float, *, what: str) -> Any:
+    """A worker's next report; ``{"died": exitcode}`` for a worker that died and
+    ``{"hung": what}`` for one that sent nothing before ``deadline`` (it is killed)."""
+    while not conn.poll(0.2):
+        if not proc.is_alive() and not conn.poll(0.2):
+            return {"died": proc.exitcode}
+        if time.monotonic() > deadline:
+            proc.kill()
+            return {"hung": what}
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        return {"died": proc.exitcode}

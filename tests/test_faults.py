@@ -1,0 +1,66 @@
+"""Engine-level fault injection: dead peers, missing peers, corrupted buckets."""
+
+import time
+
+import pytest
+
+from weightsync.testing import GroupSpec, run_group
+
+BUCKET = 64 * 1024
+PROCESS_BACKENDS = ["shm", "collective"]
+
+
+def _spec(backend, hook, **kw):
+    engine_kwargs = {"bucket_size": BUCKET, "timeout": 6, **kw.pop("engine_kwargs", {})}
+    kw.setdefault("timeout", 60)
+    return GroupSpec(backend=backend, receivers=2, steps=3, hook=hook, tiny=100,
+                     engine_kwargs=engine_kwargs, **kw)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
+def test_rollout_killed_mid_sync(backend):
+    start = time.monotonic()
+    trainer, r0, r1 = run_group(_spec(backend, "faults:kill_rollout_1"))
+    assert r1 == {"died": 17}
+    assert len(trainer["steps"]) == 1 and trainer["errors"], trainer
+    assert "rollout rank" in trainer["errors"][0]
+    assert len(r0["steps"]) == 1 and r0["errors"], r0   # told, not left waiting
+    assert time.monotonic() - start < 50
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
+def test_trainer_killed_mid_sync(backend):
+    trainer, r0, r1 = run_group(_spec(backend, "faults:kill_trainer_0"))
+    assert trainer == {"died": 17}
+    for r in (r0, r1):
+        assert len(r["steps"]) == 1 and r["errors"], r
+        assert "trainer rank 0" in r["errors"][0], r["errors"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
+def test_peer_that_never_arrives(backend):
+    start = time.monotonic()
+    trainer, r0, r1 = run_group(_spec(backend, "faults:never_init_rollout_1", timeout=16))
+    assert "fatal" in trainer, trainer
+    assert "SyncTimeout" in trainer["fatal"]
+    assert r1 == {"hung": "result"}
+    assert "fatal" in r0 or r0["errors"], r0     # the healthy rollout rank is told too
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
+def test_corrupted_bucket_detected_with_checksums(backend):
+    spec = _spec(backend, "faults:corrupt_rollout_0", engine_kwargs={"checksum": True})
+    trainer, r0, r1 = run_group(spec)
+    assert r0["errors"] and r0["errors"][0].startswith("IntegrityError"), r0
+
+
+@pytest.mark.timeout(120)
+def test_corruption_without_checksums_is_what_the_option_is_for():
+    trainer, r0, r1 = run_group(_spec("shm", "faults:corrupt_rollout_0"))
+    assert not r0["errors"]
+    assert any(step["bad"] for step in r0["steps"])  # the fault really corrupts bytes
