@@ -11,7 +11,7 @@ See README.md for the whole lifecycle.
 
 from .config import EngineConfig
 from .engines import CheckpointEngine, CheckpointEngineRegistry
-from .errors import (BackendUnavailable, IntegrityError, PeerFailed, PlanMismatch, SyncTimeout,
+from .errors import (AuthenticationError, BackendUnavailable, IntegrityError, PeerFailed, PlanMismatch, SyncTimeout,
                      TopologyError, VersionMismatch, WeightSyncError, WireError)
 from .plan import Bucket, PlanBuilder, TensorMeta, WeightPlan, build_plan
 from .rendezvous import connect
@@ -38,4 +38,5 @@ __all__ = [
     "IntegrityError",
     "BackendUnavailable",
     "TopologyError",
+    "AuthenticationError",
 ]

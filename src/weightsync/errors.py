@@ -16,6 +16,7 @@ __all__ = [
     "IntegrityError",
     "BackendUnavailable",
     "TopologyError",
+    "AuthenticationError",
 ]
 
 
@@ -91,3 +92,7 @@ class BackendUnavailable(WeightSyncError):
 
 class TopologyError(WeightSyncError):
     """``build_topology`` returned lists that do not fit the workers."""
+
+
+class AuthenticationError(WeightSyncError):
+    """A peer presented a wrong job token (or none) and was refused."""

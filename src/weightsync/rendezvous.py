@@ -4,20 +4,19 @@
 store hosted by trainer rank 0 at ``address``: every worker publishes its ``prepare()``
 result, trainer rank 0 runs the backend's ``build_topology`` and publishes each worker's
 keyword arguments, and every worker joins. All messages are JSON; every wait is bounded by
-``timeout``; keys live under a job token (``token=`` or ``WEIGHTSYNC_TOKEN``), so a process
-that does not know it cannot join or read anything.
+``timeout``. The store binds to the interface of ``address`` only and refuses any client
+without the job token (``token=`` or ``WEIGHTSYNC_TOKEN``; set one on shared machines).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from typing import Any, Optional
 
-import torch.distributed as dist
-
 from .engines import CheckpointEngine, CheckpointEngineRegistry
+from .engines._control import close_store, connect_store
+from .engines._ctlserver import ControlClient, ControlServer, StoreTimeout
 from .engines.base import validate_topology, worker_kwargs
 from .errors import SyncTimeout
 
@@ -31,10 +30,10 @@ def _parse(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _wait(store: dist.TCPStore, keys: list[str], timeout: float, what: str) -> None:
+def _wait(store: ControlClient, keys: list[str], timeout: float, what: str) -> None:
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError):
+        store.wait(keys, timeout)
+    except (StoreTimeout, ConnectionError):
         missing = [k.rsplit("/", 2)[-2:] for k in keys if not store.check([k])]
         raise SyncTimeout(f"rendezvous: {what} did not arrive within {timeout}s "
                           f"(missing: {missing[:8]})", phase="rendezvous",
@@ -52,11 +51,15 @@ def connect(backend: str, *, role: str, rank: int = 0, trainer_world_size: int =
     if not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"{role} rank {rank!r} out of range for world size {size}")
     host, port = _parse(address)
-    token = token or os.environ.get("WEIGHTSYNC_TOKEN", "default")
+    token = token or os.environ.get("WEIGHTSYNC_TOKEN") or "weightsync-local"
     master = role == "trainer" and rank == 0
-    store = dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    prefix = f"weightsync/{token}/{backend}"
+    if master:
+        server = ControlServer(host, token.encode(), port=port)
+        store = ControlClient(host, server.port, token.encode(), timeout, server=server)
+    else:
+        store = connect_store(host, port, token, timeout, peer="trainer rank 0",
+                              phase="rendezvous")
+    prefix = f"weightsync/{backend}"
     engine = CheckpointEngineRegistry.new(backend, role=role, timeout=timeout, **engine_kwargs)
     store.set(f"{prefix}/meta/{role}/{rank}", json.dumps(engine.prepare()))
     workers = [("trainer", i) for i in range(trainer_world_size)] + \
@@ -77,5 +80,5 @@ def connect(backend: str, *, role: str, rank: int = 0, trainer_world_size: int =
     engine.init_process_group(**kwargs)
     if master:  # keep the store up until everybody has read its entry
         _wait(store, [f"{prefix}/joined/{r}/{i}" for r, i in workers], timeout, "joins")
-    engine._rendezvous_store = store  # type: ignore[attr-defined]
+    close_store(store)
     return engine

@@ -117,7 +117,11 @@ class AckMsg(Message):
 
 @dataclass(frozen=True)
 class HelloMsg(Message):
-    """Set-up handshake: a sender describes its buffers, or a receiver says it attached."""
+    """Set-up handshake: a sender describes its buffers, or a receiver says it attached.
+
+    ``segments`` names shared-memory segments; ``handles`` carries device-memory
+    descriptors (text, e.g. CUDA IPC handles in hex) for engines that map GPU buffers.
+    """
 
     kind: ClassVar[str] = "hello"
     stream: int
@@ -125,15 +129,16 @@ class HelloMsg(Message):
     bucket_size: int
     num_slots: int
     segments: tuple[str, ...] = ()
+    handles: tuple[str, ...] = ()
 
 
 _KINDS: dict[str, type[Message]] = {
     c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
-             "segments": ()}
+             "segments": (), "handles": ()}
 _ERROR_NAMES = {
     "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
-    "WireError", "IntegrityError", "BackendUnavailable", "TopologyError",
+    "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
 }
 
 
@@ -218,6 +223,10 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         if type(v) is not list or len(v) > 1024:
             _fail("segments must be a list of at most 1024 names")
         return tuple(_str(n, "segment", 255) for n in v)
+    if name == "handles":
+        if type(v) is not list or len(v) > 1024:
+            _fail("handles must be a list of at most 1024 descriptors")
+        return tuple(_str(n, "handle", 32768) for n in v)
     if name == "names":
         if v is None:
             return None

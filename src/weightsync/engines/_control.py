@@ -1,60 +1,65 @@
-"""Control channel of the bucketed engines: typed messages through a TCPStore.
+"""Control channel of the bucketed engines: typed messages through a control store.
 
 Every participant of a stream has an *inbox* (a queue in the stream's store). Bucket
 headers, acknowledgements and errors are pushed to the inboxes of the peers; a blocking
 pop with a timeout waits for the next one. Nothing busy-waits, and every wait is bounded.
-Keys live under a per-job random prefix.
+The store is :mod:`weightsync.engines._ctlserver`: bound to one interface, token-checked.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
+import secrets
 from typing import Optional
 
-import torch.distributed as dist
-
-from ..errors import SyncTimeout, WireError
+from ..errors import AuthenticationError, SyncTimeout, WireError
 from ..wire import Message, decode, encode
+from ._ctlserver import ControlClient, ControlServer, StoreTimeout
 
-__all__ = ["Inbox", "connect_store", "host_store"]
+__all__ = ["Inbox", "connect_store", "host_store", "new_token"]
 
 logger = logging.getLogger(__name__)
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 0.001))
+def new_token() -> str:
+    return secrets.token_hex(16)
 
 
-def host_store(host: str, timeout: float) -> dist.TCPStore:
-    """Start a store server on a free port of ``host``."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=_td(timeout), use_libuv=True)
+def host_store(host: str, timeout: float, token: str) -> ControlClient:
+    """Start a control server on a free port of ``host``; returns a client that owns it."""
+    server = ControlServer(host, token.encode())
+    return ControlClient(host, server.port, token.encode(), timeout, server=server)
 
 
-def connect_store(host: str, port: int, timeout: float, *, peer: str, phase: str) -> dist.TCPStore:
-    """Connect to a store; an unreachable server becomes ``SyncTimeout`` naming the peer."""
+def connect_store(host: str, port: int, token: str, timeout: float, *, peer: str,
+                  phase: str) -> ControlClient:
+    """Connect to a control server; unreachable or refusing becomes a ``WeightSyncError``."""
     try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=_td(timeout),
-                             use_libuv=True)
-    except (RuntimeError, dist.DistError) as exc:
-        raise SyncTimeout(f"cannot reach the store at {host}:{port}: {exc}",
-                          peer=peer, phase=phase) from None
+        return ControlClient(host, int(port), token.encode(), timeout)
+    except SyncTimeout as exc:
+        raise SyncTimeout(exc.detail, peer=peer, phase=phase) from None
+    except PermissionError as exc:
+        raise AuthenticationError(str(exc), peer=peer, phase=phase) from None
+
+
+def close_store(client: Optional[ControlClient]) -> None:
+    if client is None:
+        return
+    client.close()
+    if client.server is not None:
+        client.server.close()
 
 
 class Inbox:
     """One participant's view of a stream's store: its own inbox plus push to others.
 
-    Each ``Inbox`` owns a private store client, since a client blocked in a pop cannot
+    Each ``Inbox`` owns a private connection, since a connection blocked in a pop cannot
     serve other calls. Not thread-safe: one thread per ``Inbox``.
     """
 
-    def __init__(self, store: dist.TCPStore, prefix: str, me: str, timeout: float) -> None:
+    def __init__(self, store: ControlClient, prefix: str, me: str, timeout: float) -> None:
         self._store = store.clone()
         self._timeout = timeout
-        self._store.set_timeout(_td(timeout))
         self.prefix = prefix
         self.me = me
 
@@ -74,31 +79,20 @@ class Inbox:
             version: object = None) -> Message:
         """Next message of my inbox; ``SyncTimeout`` if none comes in time."""
         t = self._timeout if timeout is None else timeout
-        if t != self._timeout:
-            self._store.set_timeout(_td(t))
         try:
-            raw = self._store.queue_pop(self.key(self.me), True)
-        except (RuntimeError, dist.DistError) as exc:
-            text = str(exc)
-            if "timeout" in text.lower():
-                raise SyncTimeout(f"no message from {peer} within {t:.1f}s",
-                                  peer=peer, phase=phase, version=version) from None
-            raise SyncTimeout(f"lost the control connection ({text})", peer=peer,
+            raw = self._store.queue_pop(self.key(self.me), t)
+        except StoreTimeout:
+            raise SyncTimeout(f"no message from {peer} within {t:.1f}s",
+                              peer=peer, phase=phase, version=version) from None
+        except ConnectionError as exc:
+            raise SyncTimeout(f"lost the control connection ({exc})", peer=peer,
                               phase=phase, version=version) from None
-        finally:
-            if t != self._timeout:
-                self._store.set_timeout(_td(self._timeout))
         try:
             return decode(raw)
         except WireError as exc:
             raise WireError(exc.detail, peer=peer, phase=phase, version=version) from None
 
-    def clear(self) -> None:
-        """Drop stale messages left in my inbox (e.g. after a failed sync)."""
-        try:
-            self._store.delete_key(self.key(self.me))
-        except (RuntimeError, dist.DistError):
-            pass
-
     def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
         self._store = None  # type: ignore[assignment]

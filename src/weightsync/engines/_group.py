@@ -14,10 +14,9 @@ import secrets
 import socket
 from typing import Any, Optional
 
-import torch.distributed as dist
-
 from ..errors import TopologyError
-from ._control import Inbox, connect_store, host_store
+from ._control import Inbox, close_store, connect_store, host_store, new_token
+from ._ctlserver import ControlClient
 from ._ownership import Ownership
 from .base import check_topology, per_worker
 
@@ -27,15 +26,16 @@ __all__ = ["StoreGroupMixin"]
 class StoreGroupMixin:
     """prepare / build_topology / joining for engines whose trainers host a store."""
 
-    _server: Optional[dist.TCPStore] = None
+    _server: Optional[ControlClient] = None
 
     def prepare(self) -> dict[str, Any]:
         meta = {"role": self.config.role, "hostname": socket.gethostname(), "pid": os.getpid(),
                 "backend": self.backend_name}
         if self.config.role == "trainer":
             if self._server is None:
-                self._server = host_store(self.config.host, self.config.timeout)
-            meta.update(host=self.config.host, port=self._server.port)
+                self._auth = new_token()
+                self._server = host_store(self.config.host, self.config.timeout, self._auth)
+            meta.update(host=self.config.host, port=self._server.port, auth=self._auth)
         return meta
 
     @classmethod
@@ -48,7 +48,7 @@ class StoreGroupMixin:
         name = cls.backend_name or cls.__name__
         check_topology(name, trainer_world_size, rollout_world_size, metadata)
         for i, meta in enumerate(metadata[:trainer_world_size]):
-            if not isinstance(meta, dict) or "port" not in meta:
+            if not isinstance(meta, dict) or "port" not in meta or "auth" not in meta:
                 raise TopologyError(
                     f"{name}: trainer rank {i} hosts no store; construct trainer engines "
                     "with role='trainer'", peer=f"trainer rank {i}", phase="build_topology")
@@ -56,7 +56,8 @@ class StoreGroupMixin:
         common = {
             "world": trainer_world_size,
             "num_receivers": rollout_world_size,
-            "streams": [[m["host"], int(m["port"])] for m in metadata[:trainer_world_size]],
+            "streams": [[m["host"], int(m["port"]), m["auth"]]
+                        for m in metadata[:trainer_world_size]],
             "token": secrets.token_hex(16),
         }
         trainers = [dict(common, role="trainer", rank=i) for i in range(trainer_world_size)]
@@ -83,6 +84,7 @@ class StoreGroupMixin:
         self._rank, self._world, self._num_receivers = rank, world, num_receivers
         self._seq = 0
         self._token = token
+        self._clients: list[ControlClient] = []
         self.reset_plan()
         t = self.config.timeout
         if role == "trainer":
@@ -94,11 +96,13 @@ class StoreGroupMixin:
             if world > 1:
                 store0 = self._server if rank == 0 else connect_store(
                     *streams[0], t, peer="trainer rank 0", phase="init")
+                self._clients.append(store0)
                 self._ownership = Ownership(store0, f"ws/{token}", rank, world, t)
             return
         self._rx_push, self._rx_pop = {}, {}
-        for s, (host, port) in enumerate(streams):
-            store = connect_store(host, port, t, peer=f"trainer rank {s}", phase="init")
+        for s, (host, port, auth) in enumerate(streams):
+            store = connect_store(host, port, auth, t, peer=f"trainer rank {s}", phase="init")
+            self._clients.append(store)
             self._rx_push[s] = Inbox(store, self._prefix(s), f"r{rank}", t)
             self._rx_pop[s] = Inbox(store, self._prefix(s), f"r{rank}", t)
 
@@ -115,11 +119,22 @@ class StoreGroupMixin:
         return self._rx_pop[stream]
 
     def _leave(self) -> None:
-        """Drop control channels (the store server survives until ``close_server``)."""
-        self._tx_inbox = None
-        self._rx_push, self._rx_pop = {}, {}
+        """Close control channels (the store server survives until ``close_server``)."""
+        inboxes = [getattr(self, "_tx_inbox", None)]
+        inboxes += list(getattr(self, "_rx_push", {}).values())
+        inboxes += list(getattr(self, "_rx_pop", {}).values())
+        for inbox in inboxes:
+            if inbox is not None:
+                inbox.close()
+        if getattr(self, "_ownership", None) is not None:
+            self._ownership.close()
+        for client in getattr(self, "_clients", []):
+            if client is not self._server:
+                client.close()
+        self._tx_inbox, self._rx_push, self._rx_pop, self._clients = None, {}, {}, []
         self._ownership = None
         self._rank = -1
 
     def close_server(self) -> None:
+        close_store(self._server)
         self._server = None

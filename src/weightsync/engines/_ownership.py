@@ -10,15 +10,13 @@ fails with ``PlanMismatch`` (and the next sync agrees afresh) instead of losing 
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import zlib
 from typing import Optional
 
-import torch.distributed as dist
-
 from ..errors import PlanMismatch, SyncTimeout
 from ..wire import NamesMsg, decode, encode
+from ._ctlserver import ControlClient, StoreTimeout
 
 __all__ = ["Ownership", "owner_of"]
 
@@ -29,10 +27,9 @@ def owner_of(name: str, holders: list[int]) -> int:
 
 
 class Ownership:
-    def __init__(self, store: dist.TCPStore, prefix: str, rank: int, world: int,
+    def __init__(self, store: ControlClient, prefix: str, rank: int, world: int,
                  timeout: float) -> None:
         self._store = store.clone()
-        self._store.set_timeout(datetime.timedelta(seconds=timeout))
         self._prefix = prefix
         self.rank = rank
         self.world = world
@@ -41,6 +38,9 @@ class Ownership:
 
     def reset(self) -> None:
         self._owner = None
+
+    def close(self) -> None:
+        self._store.close()
 
     def should_send(self, name: str) -> bool:
         if self._owner is None:
@@ -57,8 +57,8 @@ class Ownership:
                                         names=tuple(yielded))))
         keys = [self._key(seq, r) for r in range(self.world)]
         try:
-            self._store.wait(keys, datetime.timedelta(seconds=self._timeout))
-        except (RuntimeError, dist.DistError):
+            self._store.wait(keys, self._timeout)
+        except (StoreTimeout, ConnectionError):
             missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
             raise SyncTimeout(f"trainer ranks {missing} did not finish walking their tensors",
                               peer=f"trainer rank {missing[0] if missing else '?'}",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import SyncTimeout
 from ..wire import BucketMsg
 from ._bucketed import BucketedEngine
+from ._ctlserver import C10dStore
 from ._group import StoreGroupMixin
 from ._receiver import ReceiverMixin
 from .registry import CheckpointEngineRegistry
@@ -33,13 +34,16 @@ __all__ = ["CollectiveEngine"]
 
 
 def _make_group(store: dist.Store, rank: int, size: int, device: torch.device,
-                timeout: float) -> dist.ProcessGroup:
+                timeout: float, host: str) -> dist.ProcessGroup:
     td = datetime.timedelta(seconds=timeout)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
         return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return dist.ProcessGroupGloo(store, rank, size, td)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = td
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # bind to one interface
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 @CheckpointEngineRegistry.register("collective")
@@ -62,15 +66,19 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         size = self._num_receivers + 1
         t = self.config.timeout
         try:
+            host = self.config.host
             if self.config.role == "trainer":
-                store = dist.PrefixStore(self._prefix(self._rank) + "/pg", self._server)
-                self._groups[self._rank] = _make_group(store, 0, size, dev, t)
+                client = self._server.clone()
+                self._clients.append(client)
+                store = C10dStore(client, self._prefix(self._rank) + "/pg", t)
+                self._groups[self._rank] = _make_group(store, 0, size, dev, t, host)
                 self._bufs = [self._alloc(dev) for _ in range(self.config.num_slots)]
                 return
             for s in range(self._world):
-                store = dist.PrefixStore(self._prefix(s) + "/pg",
-                                         self._rx_pop[s]._store.clone())
-                self._groups[s] = _make_group(store, self._rank + 1, size, dev, t)
+                client = self._clients[s].clone()
+                self._clients.append(client)
+                store = C10dStore(client, self._prefix(s) + "/pg", t)
+                self._groups[s] = _make_group(store, self._rank + 1, size, dev, t, host)
                 self._rx_bufs[s] = [self._alloc(dev) for _ in range(self.config.num_slots)]
                 for slot in range(self.config.num_slots):
                     ev = threading.Event()
