@@ -1,0 +1,218 @@
+"""The rollout adapter protocol the manager talks to, and a base for in-process engines.
+
+A *rollout adapter* wraps one inference replica (HF transformers, vLLM, ...). The manager
+(:mod:`weightsync.manager`) drives it through these calls only:
+
+* engine lifecycle: ``engine_prepare(backend, engine_kwargs) -> [meta, ...]`` (one entry
+  per receiving rank the replica hosts), ``engine_init([kwargs, ...])``,
+  ``engine_receive(version, kind=..., adapter_config=...) -> stats``, ``engine_finalize()``
+  and ``execute_checkpoint_engine(method, *args, **kwargs)``;
+* generation control: ``pause(abort=True)``, ``resume()``, ``sleep(level)``,
+  ``wake_up(tags)`` (tags ``"weights"`` and ``"kv_cache"``), ``reset_caches()``;
+* state: ``current_version()``, ``capabilities()``, ``call_log()``.
+
+``kind`` of a sync: ``"full"`` (every weight, merged if LoRA), ``"base"`` (base weights of a
+LoRA model, unmerged), ``"adapter"`` (LoRA tensors plus ``adapter_config``, PEFT's JSON).
+
+Sleep levels follow vLLM: level 1 moves weights off the device (kept) and drops the KV
+cache; level 2 discards both, so the weights must be restored by a sync before use.
+``capabilities()["full_sync_restores_discarded"]`` says whether a full sync restores
+everything level 2 discarded (the manager caps the level at 1 otherwise).
+
+:class:`LocalEngineRollout` hosts one receiving engine in the adapter's own process and
+leaves ``load_weights`` (consume the stream into the model) to subclasses. An adapter
+whose model lives in other processes (vLLM workers) implements the ``engine_*`` calls by
+hosting engines there instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from .._async import AsyncRunner
+from ..engines.registry import CheckpointEngineRegistry
+from ..errors import SyncTimeout
+
+__all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate",
+           "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "check_tags"]
+
+SLEEP_LEVELS = (1, 2)
+WAKE_TAGS = ("weights", "kv_cache")
+WEIGHT_KINDS = ("full", "base", "adapter")
+
+
+def check_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
+    if tags is None:
+        return WAKE_TAGS
+    if isinstance(tags, str):
+        tags = [tags]
+    bad = [t for t in tags if t not in WAKE_TAGS]
+    if bad or not tags:
+        raise ValueError(f"wake_up tags must be a non-empty subset of {WAKE_TAGS}, got {tags!r}")
+    return tuple(tags)
+
+
+@dataclass
+class Generation:
+    """One generated sequence and the weight version that produced it."""
+
+    prompt: list
+    tokens: list
+    version: Any
+    aborted: bool = False
+    logits: Optional[torch.Tensor] = None   # [new tokens, vocab] raw logits when asked
+
+
+@runtime_checkable
+class RolloutAdapter(Protocol):
+    def engine_prepare(self, backend: str, engine_kwargs: dict) -> list: ...
+    def engine_init(self, kwargs_list: list) -> None: ...
+    def engine_receive(self, version: Any, *, kind: str = "full",
+                       adapter_config: Optional[dict] = None) -> dict: ...
+    def engine_finalize(self) -> None: ...
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+    def pause(self, *, abort: bool = True) -> None: ...
+    def resume(self) -> None: ...
+    def sleep(self, level: int = 1) -> None: ...
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None: ...
+    def reset_caches(self) -> None: ...
+    def current_version(self) -> Any: ...
+    def capabilities(self) -> dict: ...
+    def call_log(self) -> list: ...
+
+
+class GenerationGate:
+    """Pause/abort/resume for generation calls running in other threads."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._paused = False
+        self._active = 0
+        self.abort = threading.Event()
+
+    def enter(self, timeout: Optional[float] = None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._paused, timeout or self.timeout):
+                raise SyncTimeout("the replica stayed paused (a weight sync is in progress)",
+                                  phase="generate")
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def pause(self, *, abort: bool = True, timeout: Optional[float] = None) -> None:
+        with self._cond:
+            self._paused = True
+            if abort:
+                self.abort.set()
+            try:
+                if not self._cond.wait_for(lambda: self._active == 0, timeout or self.timeout):
+                    raise SyncTimeout(f"{self._active} generation(s) did not stop in time",
+                                      phase="pause")
+            finally:
+                self.abort.clear()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+
+class LocalEngineRollout(abc.ABC):
+    """Base for adapters that receive in their own process with one checkpoint engine."""
+
+    def __init__(self, *, name: str = "rollout", device: str = "cpu") -> None:
+        self.name = name
+        self.device = device
+        self._engine: Any = None
+        self._runner = AsyncRunner(f"weightsync-{name}")
+        self._log: collections.deque = collections.deque(maxlen=2000)
+
+    # -- engine lifecycle -----------------------------------------------------------------
+    def engine_prepare(self, backend: str, engine_kwargs: dict) -> list:
+        self._record("engine_prepare")
+        if self._engine is not None:
+            self._engine.finalize()
+        kwargs = dict(engine_kwargs)
+        kwargs.setdefault("device", self.device)
+        self._engine = CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
+        return [self._engine.prepare()]
+
+    def engine_init(self, kwargs_list: list) -> None:
+        self._record("engine_init")
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: engine_init before engine_prepare")
+        if len(kwargs_list) != 1:
+            raise ValueError(f"{self.name} hosts 1 receiving rank, got {len(kwargs_list)} entries")
+        self._engine.init_process_group(**kwargs_list[0])
+
+    def engine_receive(self, version: Any, *, kind: str = "full",
+                       adapter_config: Optional[dict] = None) -> dict:
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: engine_receive before engine_init")
+        if kind not in WEIGHT_KINDS:
+            raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
+        self._record(f"load:{kind}:{version}")
+        start = time.perf_counter()
+        stats = self._runner.run(
+            self.load_weights(self._engine.receive_weights(version), version=version, kind=kind,
+                              adapter_config=adapter_config),
+            timeout=2 * self._engine.config.timeout + 30, phase="receive", version=version,
+            peer=self.name)
+        stats = dict(stats or {})
+        stats.setdefault("seconds", time.perf_counter() - start)
+        return stats
+
+    def engine_finalize(self) -> None:
+        self._record("engine_finalize")
+        if self._engine is not None:
+            self._engine.finalize()
+            self._engine = None
+
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of the hosted engine (coroutines run to completion, bounded)."""
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: no checkpoint engine (engine_prepare first)")
+        if method.startswith("_") or not callable(getattr(self._engine, method, None)):
+            raise ValueError(f"{type(self._engine).__name__} has no public method {method!r}")
+        result = getattr(self._engine, method)(*args, **kwargs)
+        if inspect.isasyncgen(result):
+            raise ValueError(f"{method} is an async iterator; use engine_receive")
+        if inspect.isawaitable(result):
+            result = self._runner.run(result, timeout=2 * self._engine.config.timeout + 30,
+                                      phase=method, peer=self.name)
+        return result
+
+    def close(self) -> None:
+        self.engine_finalize()
+        self._runner.close()
+
+    # -- subclass hooks -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def load_weights(self, weights: AsyncIterator, *, version: Any, kind: str,
+                           adapter_config: Optional[dict]) -> dict:
+        """Consume ``(name, tensor)`` pairs (views: copy before the next item)."""
+
+    def _record(self, what: str) -> None:
+        self._log.append(what)
+
+    def call_log(self) -> list:
+        return list(self._log)
+
+    def clear_call_log(self) -> None:
+        self._log.clear()

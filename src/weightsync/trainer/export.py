@@ -1,0 +1,156 @@
+"""Turn a trainer model into the stream of named tensors a rollout expects (HF names).
+
+:func:`export_weights` handles a plain ``nn.Module``, an FSDP2 model (``fully_shard``,
+DTensor parameters) and a PEFT LoRA model, with an optional cast. It is a lazy generator:
+tensors are produced one at a time as the checkpoint engine consumes them, so no rank
+ever holds more than one full tensor of the model (plus the engine's buckets).
+
+FSDP2: every tensor gets one *owner* among the ranks of the export group, picked by a
+balanced assignment (largest share of bytes first goes to the least loaded rank, in
+model order), identical on every rank. For a sharded parameter all ranks take part in a
+``gather`` to its owner (:mod:`.fsdp`), and only the owner yields it, so each rank sends
+about ``1/world`` of the bytes and no tensor is gathered twice. Every rank therefore must
+iterate its generator to the end, which the engines do.
+
+``kind``:
+
+* ``"full"``: every tensor of the model under its HF name. For a PEFT model this is the
+  merged model (``W + B @ A * scaling`` per LoRA layer, as PEFT merges), computed into new
+  tensors: the trainer's model is left bit-identical (``"merged"`` is an alias).
+* ``"base"``: a PEFT model's base weights, unmerged, under HF names.
+* ``"adapter"``: a PEFT model's LoRA tensors only, under PEFT's file names (as
+  ``get_peft_model_state_dict`` writes them); pair with :func:`lora_config_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .fsdp import dist_rank_world, gather_to_owner, is_dtensor
+from .lora import (active_adapter, adapter_name, check_supported, hf_name, is_lora_param,
+                   is_peft_model, lora_delta, lora_linears)
+
+__all__ = ["ExportItem", "plan_export", "export_weights", "assign_owners", "KINDS"]
+
+KINDS = ("full", "merged", "base", "adapter")
+
+
+@dataclass(frozen=True)
+class ExportItem:
+    """One exported tensor: built from ``sources`` (by ``combine`` when there are several)."""
+
+    name: str
+    sources: tuple
+    nbytes: int
+    combine: Optional[Callable[[list], torch.Tensor]] = None
+
+
+def _unique_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """State-dict entries (parameters and persistent buffers), tied tensors once."""
+    seen, out = set(), []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan_export(model: torch.nn.Module, kind: str = "full") -> list[ExportItem]:
+    """The export items of ``model`` for ``kind``, in model order (same on every rank)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    state = _unique_state(model)
+    if not is_peft_model(model):
+        if kind == "adapter":
+            raise ValueError("kind='adapter' needs a PEFT model; this model has no LoRA adapter")
+        return [ExportItem(n, (t,), _nbytes(t)) for n, t in state]
+    check_supported([n for n, _ in state])
+    adapter = active_adapter(model)
+    by_name = dict(state)
+    if kind == "adapter":
+        return [ExportItem(adapter_name(n, adapter), (t,), _nbytes(t)) for n, t in state
+                if is_lora_param(n) and f".{adapter}." in n]
+    layers = lora_linears(model, adapter) if kind in ("full", "merged") else {}
+    items = []
+    for name, t in state:
+        if is_lora_param(name):
+            continue
+        module = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
+        info = layers.get(module) if module else None
+        if info is None:
+            items.append(ExportItem(hf_name(name), (t,), _nbytes(t)))
+            continue
+        a = by_name[f"{module}.lora_A.{adapter}.weight"]
+        b = by_name[f"{module}.lora_B.{adapter}.weight"]
+
+        def merge(parts, info=info):
+            w, wa, wb = parts
+            return w + lora_delta(info, wa, wb).to(w.dtype)
+
+        items.append(ExportItem(hf_name(name), (t, a, b), _nbytes(t), merge))
+    return items
+
+
+def assign_owners(items: list[ExportItem], ranks: list[int]) -> list[int]:
+    """Balanced, deterministic owner (global rank) of each item."""
+    load = {r: 0 for r in ranks}
+    owners = []
+    for item in items:
+        r = min(ranks, key=lambda k: (load[k], k))
+        load[r] += max(item.nbytes, 1)
+        owners.append(r)
+    return owners
+
+
+def _materialize(t: torch.Tensor, owner: int, me: int,
+                 dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    if not t.is_floating_point():
+        dtype = None
+    if is_dtensor(t):
+        return gather_to_owner(t.data if isinstance(t, torch.nn.Parameter) else t, owner, dtype)
+    if me != owner:
+        return None
+    t = t.detach()
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    if dtype is None or t.dtype == dtype or not t.is_floating_point():
+        return t
+    return t.to(dtype)
+
+
+def export_weights(model: torch.nn.Module, *, kind: str = "full",
+                   dtype: Optional[torch.dtype] = None,
+                   group: Optional[dist.ProcessGroup] = None,
+                   owner: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` of ``model`` owned by this rank (see module docstring).
+
+    ``group``: the ranks that share the export (default: the whole world when
+    ``torch.distributed`` is initialized). ``owner``: put every tensor on this one global
+    rank instead of spreading them (e.g. to build a full copy on rank 0).
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    items = plan_export(model, kind)
+    me, _, ranks = dist_rank_world(group)
+    if owner is not None and owner not in ranks:
+        raise ValueError(f"owner {owner} is not a rank of the export group {ranks}")
+    owners = [owner] * len(items) if owner is not None else assign_owners(items, ranks)
+    for item, who in zip(items, owners):
+        with torch.no_grad():  # not held across the yield: grad mode is thread state
+            cast_early = dtype if item.combine is None else None
+            parts = [_materialize(src, who, me, cast_early) for src in item.sources]
+            if me != who:
+                continue
+            out = _cast(item.combine(parts) if item.combine is not None else parts[0], dtype)
+        yield item.name, out

@@ -1,0 +1,82 @@
+"""Materialize FSDP2 (DTensor) parameters one at a time on one owning rank.
+
+``DTensor.full_tensor()`` all-gathers: every rank ends up holding every full tensor. For
+export only one rank needs each tensor, so :func:`gather_to_owner` does a ``gather`` to
+the owner instead: each rank sends its (padded) shard, only the owner allocates the full
+tensor, and the others get ``None``. Every rank must call it for the same tensors in the
+same order (it is a collective on the DTensor's mesh group). Layouts other than a 1-D
+mesh with one ``Shard`` placement fall back to ``full_tensor()`` on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["is_dtensor", "gather_to_owner", "dist_rank_world"]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or (
+        isinstance(t, torch.nn.Parameter) and type(t.data).__name__ == "DTensor")
+
+
+def dist_rank_world(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int, list[int]]:
+    """(global rank, size of ``group``, global ranks of ``group``); (0, 1, [0]) without dist."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, [0]
+    group = group or dist.group.WORLD
+    return dist.get_rank(), dist.get_world_size(group), dist.get_process_group_ranks(group)
+
+
+def _chunk_sizes(n: int, world: int) -> tuple[int, list[int]]:
+    """``torch.chunk`` semantics, which DTensor's ``Shard`` follows."""
+    size = -(-n // world) if n else 0
+    return size, [max(0, min(size, n - r * size)) for r in range(world)]
+
+
+def _fallback(dt: torch.Tensor, owner: int, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    full = dt.full_tensor()
+    if dist.get_rank() != owner:
+        return None
+    return full if dtype is None or full.dtype == dtype else full.to(dtype)
+
+
+def gather_to_owner(dt: torch.Tensor, owner: int,
+                    dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """The full tensor of DTensor ``dt`` on global rank ``owner`` (cast to ``dtype``)."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = dt.device_mesh, dt.placements
+    if mesh.ndim != 1 or not isinstance(placements[0], Shard):
+        return _fallback(dt, owner, dtype)
+    group = mesh.get_group()
+    ranks = dist.get_process_group_ranks(group)
+    if owner not in ranks:
+        return _fallback(dt, owner, dtype)
+    dim = placements[0].dim % max(dt.dim(), 1)
+    world = len(ranks)
+    size, sizes = _chunk_sizes(dt.shape[dim], world)
+    me = dist.get_rank()
+    local = dt.to_local()
+    if dtype is not None and local.dtype != dtype:
+        local = local.to(dtype)
+    moved = local.movedim(dim, 0) if dim else local
+    if moved.shape[0] != sizes[ranks.index(me)]:
+        raise RuntimeError(f"unexpected shard of {tuple(dt.shape)} on rank {me}: "
+                           f"{tuple(local.shape)} (expected {sizes[ranks.index(me)]} along dim {dim})")
+    rest = tuple(moved.shape[1:])
+    if moved.shape[0] < size:
+        pad = torch.zeros((size - moved.shape[0],) + rest, dtype=moved.dtype, device=moved.device)
+        moved = torch.cat([moved, pad]) if moved.shape[0] else pad
+    moved = moved.contiguous()
+    if me != owner:
+        dist.gather(moved, None, dst=owner, group=group)
+        return None
+    out = torch.empty((world * size,) + rest, dtype=moved.dtype, device=moved.device)
+    dist.gather(moved, list(out.chunk(world)) if size else
+                [out[:0] for _ in range(world)], dst=owner, group=group)
+    full = out[: dt.shape[dim]]
+    return full.movedim(0, dim) if dim else full

@@ -1,0 +1,144 @@
+"""Trainer export: plain, PEFT LoRA (merged, base, adapter), FSDP2 across 2 processes."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from weightsync.rollout.hf import build_causal_lm, lora_config_from_dict  # noqa: E402
+from weightsync.toymodel import lora_config, tiny_qwen2_config  # noqa: E402
+from weightsync.trainer import export_weights, lora_config_dict, plan_export  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+def _peft_model(seed=0):
+    model = build_causal_lm(CFG, seed=seed)
+    torch.manual_seed(seed + 1)
+    return peft.get_peft_model(model, peft.LoraConfig(**lora_config(random_init=True)))
+
+
+def test_plain_model_exports_state_dict_names_and_bytes():
+    model = build_causal_lm(CFG, seed=0)
+    out = dict(export_weights(model))
+    assert list(out) == list(model.state_dict())
+    assert _equal_states(out, model.state_dict())
+    cast = dict(export_weights(model, dtype=torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for t in cast.values())
+    assert torch.equal(cast["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="PEFT"):
+        list(export_weights(model, kind="adapter"))
+    with pytest.raises(ValueError, match="kind"):
+        list(export_weights(model, kind="weird"))
+
+
+def test_lora_merged_equals_peft_merge_and_leaves_model_unchanged():
+    model = _peft_model()
+    before = _state(model)
+    merged = dict(export_weights(model, kind="full"))
+    assert _equal_states(before, _state(model)), "export changed the trainer model"
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(_bits(merged[name]), _bits(expected[name])), name
+    # and it really differs from the base for the LoRA targets
+    base = dict(export_weights(model, kind="base"))
+    assert base.keys() == merged.keys()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(base[q], merged[q])
+    assert torch.equal(base[q], model.get_base_model().model.layers[0].self_attn.q_proj
+                       .base_layer.weight)
+
+
+def test_lora_adapter_export_matches_peft_state_dict_and_config_roundtrips():
+    model = _peft_model()
+    adapter = dict(export_weights(model, kind="adapter"))
+    expected = peft.get_peft_model_state_dict(model)
+    assert adapter.keys() == expected.keys() and len(adapter) == 2 * 4 * 2
+    assert all(torch.equal(adapter[k], expected[k]) for k in adapter)
+    cfg = lora_config_dict(model)
+    rebuilt = lora_config_from_dict(json.loads(json.dumps(cfg)))
+    assert sorted(rebuilt.target_modules) == sorted(model.peft_config["default"].target_modules)
+    assert rebuilt.r == 8 and rebuilt.lora_alpha == 16
+
+
+def _fsdp_worker(rank: int, world: int, port: int, lora: bool, path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    model = _peft_model() if lora else build_causal_lm(CFG, seed=0)
+    reference = dict(export_weights(copy.deepcopy(model), kind="full", owner=rank))
+    mesh = init_device_mesh("cpu", (world,))
+    layers = model.get_base_model().model.layers if lora else model.model.layers
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    mine = dict(export_weights(model, kind="full"))
+    on_zero = dict(export_weights(model, kind="full", owner=0))
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    result = {
+        "names": sorted(mine),
+        "bytes": sum(t.numel() * t.element_size() for t in mine.values()),
+        "equal_full": lora or all(torch.equal(t, full[k]) for k, t in mine.items()),
+        "equal_reference": all(torch.equal(_bits(t), _bits(reference[k])) for k, t in mine.items()),
+        "owner0": sorted(on_zero),
+        "owner0_equal": all(torch.equal(_bits(t), _bits(reference[k])) for k, t in on_zero.items()),
+        "all": sorted(reference),
+    }
+    torch.save(result, os.path.join(path, f"r{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora-merged"])
+def test_fsdp2_export_spreads_ownership_and_matches_unsharded(tmp_path, lora):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_fsdp_worker, args=(2, port, lora, str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    r0, r1 = (torch.load(tmp_path / f"r{i}.pt") for i in range(2))
+    assert not set(r0["names"]) & set(r1["names"]), "a tensor was exported by both ranks"
+    assert sorted(r0["names"] + r1["names"]) == r0["all"]
+    assert r0["equal_reference"] and r1["equal_reference"]
+    assert r0["equal_full"] and r1["equal_full"]
+    total = r0["bytes"] + r1["bytes"]
+    assert max(r0["bytes"], r1["bytes"]) < 0.7 * total, "ownership is not spread"
+    assert r0["owner0"] == r0["all"] and r1["owner0"] == [] and r0["owner0_equal"]
+
+
+def test_plan_export_kinds_for_peft():
+    model = _peft_model()
+    kinds = {k: [i.name for i in plan_export(model, k)] for k in ("full", "base", "adapter")}
+    assert kinds["full"] == kinds["base"]
+    assert all(".lora_" not in n and "base_layer" not in n for n in kinds["full"])
+    assert all(".lora_A.weight" in n or ".lora_B.weight" in n for n in kinds["adapter"])
