@@ -1,0 +1,239 @@
+"""What the bench times: weightsync backends and the physical limits.
+
+Every method runs in the trainer process (rank 0) and the receiver processes (ranks
+1..R) at once. ``setup`` may exchange small objects through ``ctx.gather``; ``step`` is one
+timed sync from the trainer's tensors (``ctx.params`` on rank 0) into every receiver's
+own, preallocated tensors (``ctx.params`` on ranks >= 1). Baselines live in
+:mod:`weightsync.bench.baselines`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+import os
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .workloads import GiB
+
+__all__ = ["Method", "method_table", "gloo_group"]
+
+#: flat buffers of the limits are capped (and reused) so that 4 GiB runs fit in memory
+FLAT_CAP = GiB
+
+
+class Method:
+    """One way of moving the weights; subclasses set ``kind`` and implement ``step``."""
+
+    kind: ClassVar[str] = "limit"        # "weightsync" | "baseline" | "limit"
+    verify: ClassVar[bool] = True        # receivers must end with the trainer's bytes
+    trainer_only: ClassVar[bool] = False
+
+    def __init__(self, ctx, opts: dict) -> None:
+        self.ctx = ctx
+        self.opts = opts
+
+    def participates(self) -> bool:
+        return self.ctx.is_trainer or not self.trainer_only
+
+    def setup(self) -> None:
+        pass
+
+    def before_step(self, version: int) -> None:
+        """Untimed work before the barrier of a step (e.g. freeing the previous version)."""
+
+    def step(self, version: int) -> None:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {}
+
+
+def gloo_group(ctx, tag: str) -> tuple[Any, Any]:
+    """A gloo group of the trainer and every receiver, built from a trainer-hosted store."""
+    td = datetime.timedelta(seconds=ctx.timeout)
+    server = None
+    if ctx.is_trainer:
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=td, use_libuv=True)
+        port = server.port
+    else:
+        port = None
+    port = ctx.gather(port)[0]
+    store = server if server is not None else dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=td, use_libuv=True)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(tag, store), ctx.rank, ctx.receivers + 1, td)
+    return pg, store
+
+
+def _shutdown(pg: Any) -> None:
+    if pg is None:
+        return
+    fn = getattr(pg, "shutdown", None)
+    if fn is not None:
+        try:
+            fn()
+        except Exception:
+            pass
+
+
+class _FlatBytes:
+    """Same byte count as the workload, as repeated passes over one capped flat buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.size = min(nbytes, FLAT_CAP)
+        self.passes = [(min(self.size, nbytes - off)) for off in range(0, nbytes, self.size)]
+
+
+class Memcpy(Method):
+    """Limit: one memcpy of the same bytes in one process (flat buffer -> flat buffer)."""
+
+    trainer_only = True
+    verify = False
+
+    def setup(self) -> None:
+        if self.ctx.is_trainer:
+            self.flat = _FlatBytes(self.ctx.workload.nbytes)
+            self.src = torch.ones(self.flat.size, dtype=torch.uint8)
+            self.dst = torch.zeros(self.flat.size, dtype=torch.uint8)
+
+    def step(self, version: int) -> None:
+        if self.ctx.is_trainer:
+            for n in self.flat.passes:
+                self.dst[:n].copy_(self.src[:n])
+
+    def teardown(self) -> None:
+        self.src = self.dst = None
+
+    def info(self) -> dict:
+        return {"threads": torch.get_num_threads()} if self.ctx.is_trainer else {}
+
+
+class MemcpyParallel(Method):
+    """Reference: every receiver copies the same bytes at once (the machine's copy ceiling
+    for R receivers that each must write a full model)."""
+
+    verify = False
+
+    def participates(self) -> bool:
+        return not self.ctx.is_trainer
+
+    def setup(self) -> None:
+        if not self.ctx.is_trainer:
+            self.flat = _FlatBytes(self.ctx.workload.nbytes)
+            self.src = torch.ones(self.flat.size, dtype=torch.uint8)
+            self.dst = torch.zeros(self.flat.size, dtype=torch.uint8)
+
+    def step(self, version: int) -> None:
+        if not self.ctx.is_trainer:
+            for n in self.flat.passes:
+                self.dst[:n].copy_(self.src[:n])
+
+    def teardown(self) -> None:
+        self.src = self.dst = None
+
+
+class GlooFlat(Method):
+    """Limit: one raw gloo broadcast of one flat buffer of the same size."""
+
+    verify = False
+
+    def setup(self) -> None:
+        self.pg, self.store = gloo_group(self.ctx, "flat")
+        self.flat = _FlatBytes(self.ctx.workload.nbytes)
+        fill = torch.ones if self.ctx.is_trainer else torch.zeros
+        self.buf = fill(self.flat.size, dtype=torch.uint8)
+        self.pg.broadcast(self.buf[:4096], 0).wait()  # connect before timing
+
+    def step(self, version: int) -> None:
+        for n in self.flat.passes:
+            self.pg.broadcast(self.buf[:n], 0).wait()
+
+    def teardown(self) -> None:
+        _shutdown(getattr(self, "pg", None))
+        self.pg = self.store = self.buf = None
+
+
+class WeightSync(Method):
+    """A weightsync backend: trainer ``send_weights``, receivers ``receive_weights``."""
+
+    kind = "weightsync"
+    backend = ""
+
+    def setup(self) -> None:
+        from ..engines import CheckpointEngineRegistry
+        ctx = self.ctx
+        self.cls = CheckpointEngineRegistry.get(self.backend)
+        role = "trainer" if ctx.is_trainer else "rollout"
+        self.engine = self.cls(role=role, bucket_size=int(self.opts["bucket_size"]),
+                               timeout=ctx.timeout)
+        metas = ctx.gather(self.engine.prepare())
+        topo = None
+        if ctx.is_trainer:  # one build_topology for all: it draws the group's token
+            from ..engines.base import worker_kwargs
+            tk, rk = self.cls.build_topology(1, ctx.receivers, metas)
+            topo = [worker_kwargs(tk, 0)] + [worker_kwargs(rk, j) for j in range(ctx.receivers)]
+        self.engine.init_process_group(**ctx.gather(topo)[0][ctx.rank])
+        self.loop = asyncio.new_event_loop()
+        self.metrics: list[dict] = []
+
+    def step(self, version: int) -> None:
+        if self.ctx.is_trainer:
+            self.metrics.append(self.loop.run_until_complete(
+                self.engine.send_weights(self.ctx.params.items(), version=version)))
+        else:
+            self.loop.run_until_complete(self._receive(version))
+
+    async def _receive(self, version: int) -> None:
+        params = self.ctx.params
+        recv = getattr(self.engine, "receive_into", None)
+        if recv is not None and self.opts.get("into", True):
+            async for _ in recv(params, version=version):
+                pass
+            return
+        async for name, tensor in self.engine.receive_weights(version=version):
+            params[name].copy_(tensor)
+
+    def teardown(self) -> None:
+        try:
+            if getattr(self, "engine", None) is not None:
+                self.engine.finalize()
+        finally:
+            if getattr(self, "loop", None) is not None:
+                self.loop.close()
+
+    def info(self) -> dict:
+        if not self.metrics:
+            return {}
+        last = self.metrics[-1]
+        return {k: last.get(k) for k in ("buckets", "buckets_with_layout", "tensors")}
+
+
+class Shm(WeightSync):
+    backend = "shm"
+
+
+class Collective(WeightSync):
+    backend = "collective"
+
+
+_TABLE: dict[str, type[Method]] = {}
+
+
+def method_table() -> dict[str, type[Method]]:
+    """Every method by name (baselines imported on first use)."""
+    if not _TABLE:
+        from .baselines import BASELINES
+        _TABLE.update({"shm": Shm, "collective": Collective})
+        _TABLE.update(BASELINES)
+        _TABLE.update({"memcpy": Memcpy, "gloo-flat": GlooFlat,
+                       "memcpy-parallel": MemcpyParallel})
+    return _TABLE
