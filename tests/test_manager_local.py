@@ -11,7 +11,7 @@ pytest.importorskip("peft")
 from syncchecks import assert_changed, assert_matches  # noqa: E402
 from weightsync.engines import CheckpointEngineRegistry  # noqa: E402
 from weightsync.engines.inproc import InprocEngine  # noqa: E402
-from weightsync.errors import TopologyError  # noqa: E402
+from weightsync.errors import TopologyError, WeightSyncError  # noqa: E402
 from weightsync.manager import CheckpointEngineManager  # noqa: E402
 from weightsync.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
 from weightsync.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
@@ -137,3 +137,70 @@ def test_argument_validation():
         manager.update_weights(1.5)
     with pytest.raises(ValueError, match="already managed"):
         manager.add_replica(rep)
+
+
+class FlakyWorker(HFRolloutWorker):
+    """Fails in the middle of its first receive, then behaves."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.failures_left = 1
+        rollout, original = self.rollout, self.rollout.load_weights
+
+        async def broken(weights):
+            count = 0
+            async for item in weights:
+                count += 1
+                if count == 3:
+                    raise RuntimeError("injected failure while loading")
+                yield item
+
+        async def load(weights, **kw):
+            if self.failures_left:
+                self.failures_left -= 1
+                weights = broken(weights)       # the first tensors are applied, then it fails
+            return await original(weights, **kw)
+
+        rollout.load_weights = load
+
+
+def test_failed_sync_reports_the_replica_and_the_next_sync_recovers():
+    trainer = _trainer()
+    replicas = [HFRolloutWorker(CFG, seed=5), FlakyWorker(CFG, seed=6)]
+    with CheckpointEngineManager("shm", [trainer], replicas, bucket_size=64 << 10,
+                                 timeout=20) as manager:
+        trainer.train_step(1)
+        with pytest.raises(WeightSyncError) as info:
+            manager.update_weights(1)
+        assert info.value.peer == "replica-1"          # the root cause, not a relay
+        report = info.value.report
+        assert not report.ok and "replica-1" in [r.name for r in report.failed]
+        assert "injected failure" in report.replicas[1].error
+        with pytest.raises(WeightSyncError, match="refuses"):
+            replicas[1].generate(PROMPTS, max_new_tokens=2)     # fenced, not half-updated
+        report = _run_steps(manager, trainer, replicas, steps=1)
+        assert report.rebuilt and report.ok
+
+
+def test_keep_group_false_rebuilds_every_sync_and_execute_checkpoint_engine():
+    trainer = _trainer()
+    replicas = [HFRolloutWorker(CFG, seed=5)]
+    with CheckpointEngineManager("shm", [trainer], replicas, bucket_size=64 << 10, timeout=20,
+                                 keep_group=False) as manager:
+        trainer.train_step(1)
+        r1 = manager.update_weights(1)
+        assert r1.rebuilt and "finalize" in r1.phases
+        with pytest.raises(RuntimeError, match="ws_prepare first"):
+            trainer.execute_checkpoint_engine("reset_plan")
+        trainer.train_step(2)
+        r2 = manager.update_weights(2)
+        assert r2.rebuilt and replicas[0].ws_version() == 2
+    with CheckpointEngineManager("shm", [trainer], replicas, bucket_size=64 << 10,
+                                 timeout=20) as manager:
+        manager.update_weights(3)
+        assert trainer.execute_checkpoint_engine("reset_plan") is None
+        assert replicas[0].execute_checkpoint_engine("reset_plan") is None
+        with pytest.raises(ValueError, match="no public method"):
+            replicas[0].execute_checkpoint_engine("_release")
+        manager.update_weights(4)      # layouts re-sent after the reset
+        assert_matches(_gen(replicas[0]), trainer.reference(PROMPTS, 5), 4)

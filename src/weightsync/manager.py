@@ -332,7 +332,10 @@ class CheckpointEngineManager:
                 st.bytes += int(o.value.get("bytes", 0))
             else:
                 st.ok, st.error = False, f"{type(o.error).__name__}: {o.error}"
-        values_or_raise(outcomes[n:] + outcomes[:n])   # a replica's error is the root cause
+        # Raise the root cause first: a worker's own failure, not a peer relaying it.
+        ordered = sorted(outcomes[n:] + outcomes[:n],
+                         key=lambda o: o.ok or getattr(o.error, "peer", None) != o.label)
+        values_or_raise(ordered)
 
     def _after_failure(self, report: SyncReport, statuses: dict, exc: BaseException) -> None:
         self._invalidate()       # the next sync rebuilds the group and resends everything

@@ -169,14 +169,22 @@ class LocalEngineRollout(abc.ABC):
             raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         self._record(f"load:{kind}:{version}")
         start = time.perf_counter()
-        stats = self._runner.run(
-            self.load_weights(self._engine.receive_weights(version), version=version, kind=kind,
-                              adapter_config=adapter_config),
-            timeout=2 * self._engine.config.timeout + 30, phase="receive", version=version,
-            peer=self.name)
+        stats = self._runner.run(self._receive(version, kind, adapter_config),
+                                 timeout=2 * self._engine.config.timeout + 30, phase="receive",
+                                 version=version, peer=self.name)
         stats = dict(stats or {})
         stats.setdefault("seconds", time.perf_counter() - start)
         return stats
+
+    async def _receive(self, version: Any, kind: str, adapter_config: Optional[dict]) -> dict:
+        stream = self._engine.receive_weights(version)
+        try:
+            return await self.load_weights(stream, version=version, kind=kind,
+                                           adapter_config=adapter_config)
+        finally:
+            # If loading stopped early, closing the stream now makes the engine tell its
+            # peers at once (instead of whenever the generator is collected).
+            await stream.aclose()
 
     def engine_finalize(self) -> None:
         self._record("engine_finalize")
