@@ -6,11 +6,14 @@ tensors are produced one at a time as the checkpoint engine consumes them, so no
 ever holds more than one full tensor of the model (plus the engine's buckets).
 
 FSDP2: every tensor gets one *owner* among the ranks of the export group, picked by a
-balanced assignment (largest share of bytes first goes to the least loaded rank, in
-model order), identical on every rank. For a sharded parameter all ranks take part in a
-``gather`` to its owner (:mod:`.fsdp`), and only the owner yields it, so each rank sends
-about ``1/world`` of the bytes and no tensor is gathered twice. Every rank therefore must
-iterate its generator to the end, which the engines do.
+balanced assignment (largest tensor first to the least loaded rank), identical on every
+rank. Sharded parameters move in exchanges of up to ``coalesce_bytes``: one
+``all_to_all`` per exchange in which every rank sends each owner its shards of the tensors
+that owner owns (:mod:`.fsdp`); only the owner assembles and yields a tensor. So each
+rank sends about ``1/world`` of the bytes, no tensor is gathered twice, no rank holds
+more than its share of one exchange, and a model of N tensors needs about
+``size / coalesce_bytes`` collectives instead of N. Every rank must iterate its generator
+to the end (the exchanges are collectives), which the engines do.
 
 ``kind``:
 
@@ -30,7 +33,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .fsdp import dist_rank_world, gather_to_owner, is_dtensor
+from .fsdp import (coalescible, dist_rank_world, gather_many_to_owners, gather_to_owner,
+                   is_dtensor)
 from .lora import (active_adapter, adapter_name, check_supported, hf_name, is_lora_param,
                    is_peft_model, lora_delta, lora_linears)
 
@@ -101,14 +105,27 @@ def plan_export(model: torch.nn.Module, kind: str = "full") -> list[ExportItem]:
 
 
 def assign_owners(items: list[ExportItem], ranks: list[int]) -> list[int]:
-    """Balanced, deterministic owner (global rank) of each item."""
+    """Balanced, deterministic owner (global rank) of each item: largest first to the least
+    loaded rank (ties: lower rank, then model order)."""
     load = {r: 0 for r in ranks}
-    owners = []
-    for item in items:
+    owners = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda k: (-items[k].nbytes, k)):
         r = min(ranks, key=lambda k: (load[k], k))
-        load[r] += max(item.nbytes, 1)
-        owners.append(r)
+        load[r] += max(items[i].nbytes, 1)
+        owners[i] = r
     return owners
+
+
+def _chunks(items: list[ExportItem], limit: int) -> Iterator[range]:
+    """Consecutive runs of items of at most ``limit`` bytes (at least one item each)."""
+    start, size = 0, 0
+    for i, item in enumerate(items):
+        if i > start and size + item.nbytes > limit:
+            yield range(start, i)
+            start, size = i, 0
+        size += item.nbytes
+    if start < len(items):
+        yield range(start, len(items))
 
 
 def _materialize(t: torch.Tensor, owner: int, me: int,
@@ -132,13 +149,20 @@ def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 def export_weights(model: torch.nn.Module, *, kind: str = "full",
                    dtype: Optional[torch.dtype] = None,
                    group: Optional[dist.ProcessGroup] = None,
-                   owner: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   owner: Optional[int] = None,
+                   coalesce_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of ``model`` owned by this rank (see module docstring).
 
     ``group``: the ranks that share the export (default: the whole world when
     ``torch.distributed`` is initialized). ``owner``: put every tensor on this one global
     rank instead of spreading them (e.g. to build a full copy on rank 0).
+    ``coalesce_bytes``: sharded tensors move in exchanges of up to this many bytes (one
+    collective each instead of one per tensor); an owner holds at most its share of one
+    exchange at a time.
     """
+    if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) \
+            or coalesce_bytes < 1:
+        raise ValueError(f"coalesce_bytes must be an int >= 1, got {coalesce_bytes!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     items = plan_export(model, kind)
@@ -146,11 +170,42 @@ def export_weights(model: torch.nn.Module, *, kind: str = "full",
     if owner is not None and owner not in ranks:
         raise ValueError(f"owner {owner} is not a rank of the export group {ranks}")
     owners = [owner] * len(items) if owner is not None else assign_owners(items, ranks)
-    for item, who in zip(items, owners):
-        with torch.no_grad():  # not held across the yield: grad mode is thread state
-            cast_early = dtype if item.combine is None else None
-            parts = [_materialize(src, who, me, cast_early) for src in item.sources]
-            if me != who:
+    for chunk in _chunks(items, coalesce_bytes):
+        parts = _materialize_chunk([items[i] for i in chunk], [owners[i] for i in chunk],
+                                   me, ranks, dtype)
+        for k, i in enumerate(chunk):
+            srcs, parts[k] = parts[k], None     # free each tensor once it is handed over
+            if owners[i] != me:
                 continue
-            out = _cast(item.combine(parts) if item.combine is not None else parts[0], dtype)
-        yield item.name, out
+            item = items[i]
+            with torch.no_grad():  # not held across the yield: grad mode is thread state
+                out = _cast(item.combine(srcs) if item.combine is not None else srcs[0], dtype)
+            del srcs
+            yield item.name, out
+
+
+def _materialize_chunk(items: list[ExportItem], owners: list[int], me: int, ranks: list[int],
+                       dtype: Optional[torch.dtype]) -> list[list]:
+    """Every source of ``items`` on its item's owner (None elsewhere). Sharded sources on a
+    mesh spanning the export group move in one ``all_to_all``; the rest one by one, in the
+    same order on every rank."""
+    out: list[list] = [[None] * len(item.sources) for item in items]
+    batch, rest = [], []
+    for i, item in enumerate(items):
+        cast = dtype if item.combine is None else None
+        for j, src in enumerate(item.sources):
+            group = coalescible(src)
+            cast_j = cast if src.is_floating_point() else None
+            if group is not None and dist.get_process_group_ranks(group) == ranks:
+                batch.append((i, j, src, cast_j, group))
+            else:
+                rest.append((i, j, src, cast_j))
+    with torch.no_grad():
+        if batch:
+            full = gather_many_to_owners([b[2] for b in batch], [owners[b[0]] for b in batch],
+                                         [b[3] for b in batch], batch[0][4])
+            for (i, j, *_), t in zip(batch, full):
+                out[i][j] = t
+        for i, j, src, cast_j in rest:
+            out[i][j] = _materialize(src, owners[i], me, cast_j)
+    return out

@@ -10,12 +10,13 @@ mesh with one ``Shard`` placement fall back to ``full_tensor()`` on every rank.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_dtensor", "gather_to_owner", "dist_rank_world"]
+__all__ = ["is_dtensor", "gather_to_owner", "gather_many_to_owners", "coalescible",
+           "dist_rank_world"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -80,3 +81,68 @@ def gather_to_owner(dt: torch.Tensor, owner: int,
                 [out[:0] for _ in range(world)], dst=owner, group=group)
     full = out[: dt.shape[dim]]
     return full.movedim(0, dim) if dim else full
+
+
+def coalescible(t: torch.Tensor) -> Optional[Any]:
+    """The mesh group key if ``t`` can join a coalesced exchange (1-D mesh, one Shard)."""
+    from torch.distributed.tensor import Shard
+
+    if not is_dtensor(t) or t.device_mesh.ndim != 1 or not isinstance(t.placements[0], Shard) \
+            or t.dim() == 0:
+        return None
+    return t.device_mesh.get_group()
+
+
+def _padded_shard(dt: torch.Tensor, world: int, index: int,
+                  dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, int, int, tuple]:
+    dim = dt.placements[0].dim % dt.dim()
+    size, sizes = _chunk_sizes(dt.shape[dim], world)
+    local = dt.to_local()
+    if dtype is not None and local.dtype != dtype:
+        local = local.to(dtype)
+    moved = local.movedim(dim, 0) if dim else local
+    if moved.shape[0] != sizes[index]:
+        raise RuntimeError(f"unexpected shard of {tuple(dt.shape)}: {tuple(local.shape)} "
+                           f"(expected {sizes[index]} along dim {dim})")
+    rest = tuple(moved.shape[1:])
+    if moved.shape[0] < size:
+        pad = torch.zeros((size - moved.shape[0],) + rest, dtype=moved.dtype, device=moved.device)
+        moved = torch.cat([moved, pad]) if moved.shape[0] else pad
+    return moved.contiguous().reshape(-1).view(torch.uint8), dim, size, rest
+
+
+def gather_many_to_owners(dts: list, owners: list[int], dtypes: list,
+                          group: dist.ProcessGroup) -> list[Optional[torch.Tensor]]:
+    """Full tensors of several DTensors sharded over ``group``, each on its owner, in one
+    ``all_to_all``: every rank sends each owner the (padded) shards of the tensors it owns.
+    Returns the full tensor where this rank is the owner, else None."""
+    ranks = dist.get_process_group_ranks(group)
+    world, me = len(ranks), dist.get_rank()
+    index = ranks.index(me)
+    by_dest: list[list[torch.Tensor]] = [[] for _ in ranks]
+    metas = []
+    for dt, owner, dtype in zip(dts, owners, dtypes):
+        flat, dim, size, rest = _padded_shard(dt, world, index, dtype)
+        by_dest[ranks.index(owner)].append(flat)
+        metas.append((owner, flat.numel(), dim, size, rest, dt.shape[dim],
+                      dtype if dtype is not None else dt.dtype))
+    in_splits = [sum(f.numel() for f in parts) for parts in by_dest]
+    flat_parts = [f for parts in by_dest for f in parts]
+    device = dts[0].to_local().device
+    send = torch.cat(flat_parts) if flat_parts else torch.empty(0, dtype=torch.uint8,
+                                                                 device=device)
+    per_source = sum(m[1] for m in metas if m[0] == me)   # equal from every rank (padded)
+    out = torch.empty(per_source * world, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, send, output_split_sizes=[per_source] * world,
+                           input_split_sizes=in_splits, group=group)
+    results: list[Optional[torch.Tensor]] = [None] * len(dts)
+    offset = 0
+    for i, (owner, nbytes, dim, size, rest, n, dtype) in enumerate(metas):
+        if owner != me:
+            continue
+        pieces = [out[s * per_source + offset: s * per_source + offset + nbytes]
+                  for s in range(world)]
+        offset += nbytes
+        full = torch.cat(pieces).view(dtype).view((world * size,) + rest)[:n]
+        results[i] = full.movedim(0, dim) if dim else full
+    return results
