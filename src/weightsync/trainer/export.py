@@ -150,7 +150,7 @@ def export_weights(model: torch.nn.Module, *, kind: str = "full",
                    dtype: Optional[torch.dtype] = None,
                    group: Optional[dist.ProcessGroup] = None,
                    owner: Optional[int] = None,
-                   coalesce_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+                   coalesce_bytes: int = 16 << 20) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of ``model`` owned by this rank (see module docstring).
 
     ``group``: the ranks that share the export (default: the whole world when
