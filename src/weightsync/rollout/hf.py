@@ -165,8 +165,15 @@ class HFRolloutReplica(LocalEngineRollout):
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
         self._record(f"sleep:{level}")
-        self._parking.park(self._state(), level)
-        self._kv_asleep = True
+        paused_here = not self.gate.paused
+        if paused_here:      # never pull weights from under a running generation
+            self.gate.pause(abort=False)
+        try:
+            self._parking.park(self._state(), level)
+            self._kv_asleep = True
+        finally:
+            if paused_here:
+                self.gate.resume()
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         tags = check_tags(tags)
