@@ -13,7 +13,9 @@ from .config import EngineConfig
 from .engines import CheckpointEngine, CheckpointEngineRegistry
 from .errors import (AuthenticationError, BackendUnavailable, IntegrityError, PeerFailed, PlanMismatch, SyncTimeout,
                      TopologyError, VersionMismatch, WeightSyncError, WireError)
+from .manager import CheckpointEngineManager
 from .plan import Bucket, PlanBuilder, TensorMeta, WeightPlan, build_plan
+from .report import ReplicaStatus, SyncReport
 from .rendezvous import connect
 
 __version__ = "0.1.0"
@@ -24,6 +26,9 @@ __all__ = [
     "CheckpointEngineRegistry",
     "EngineConfig",
     "connect",
+    "CheckpointEngineManager",
+    "SyncReport",
+    "ReplicaStatus",
     "TensorMeta",
     "Bucket",
     "WeightPlan",
