@@ -122,7 +122,7 @@ def test_topology_validation_names_backend_key_and_sizes():
     manager.shutdown()
 
 
-def test_argument_validation():
+def test_argument_validation(monkeypatch):
     trainer, rep = object(), object()
     with pytest.raises(ValueError, match="unknown backend"):
         CheckpointEngineManager("nope", trainer, [rep])
@@ -137,6 +137,11 @@ def test_argument_validation():
         manager.update_weights(1.5)
     with pytest.raises(ValueError, match="already managed"):
         manager.add_replica(rep)
+    monkeypatch.setenv("WEIGHTSYNC_TIMEOUT", "12.5")
+    monkeypatch.setenv("WEIGHTSYNC_BUCKET_SIZE", str(1 << 20))
+    manager = CheckpointEngineManager("inproc", trainer, [rep])
+    assert manager.timeout == 12.5 and manager.engine_kwargs["bucket_size"] == 1 << 20
+    assert CheckpointEngineManager("inproc", trainer, [rep], timeout=3).timeout == 3.0
 
 
 class FlakyWorker(HFRolloutWorker):

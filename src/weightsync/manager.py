@@ -35,7 +35,7 @@ import warnings
 from typing import Any, Optional, Sequence
 
 from ._calls import Call, call_all, values_or_raise
-from .config import DEFAULT_BUCKET_SIZE, DEFAULT_TIMEOUT, EngineConfig
+from .config import EngineConfig
 from .engines.base import validate_topology, worker_kwargs
 from .engines.registry import CheckpointEngineRegistry
 from .errors import TopologyError, WeightSyncError
@@ -53,7 +53,7 @@ class CheckpointEngineManager:
 
     def __init__(self, backend: str, trainer: Any, replicas: Sequence[Any], *,
                  colocated: bool = False, sleep_level: int = 1,
-                 bucket_size: int = DEFAULT_BUCKET_SIZE, timeout: float = DEFAULT_TIMEOUT,
+                 bucket_size: Optional[int] = None, timeout: Optional[float] = None,
                  keep_group: bool = True, offload_trainer: bool = False,
                  **engine_kwargs: Any) -> None:
         if not isinstance(backend, str):
@@ -71,7 +71,9 @@ class CheckpointEngineManager:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: "
                              f"{['bucket_size', 'timeout', *_ENGINE_KEYS]}")
-        config = EngineConfig(bucket_size=bucket_size, timeout=timeout, **engine_kwargs)
+        given = {k: v for k, v in (("bucket_size", bucket_size), ("timeout", timeout))
+                 if v is not None}   # left out: WEIGHTSYNC_* or the defaults, as engines do
+        config = EngineConfig(**given, **engine_kwargs)
         self.engine_kwargs = {"bucket_size": config.bucket_size, "timeout": config.timeout,
                               **engine_kwargs}
         self.timeout = config.timeout
@@ -267,6 +269,7 @@ class CheckpointEngineManager:
             report.rebuilt = True
         rounds = self._rounds(merge_and_sync)
         report.kinds = [k for k, _ in rounds]
+        self._check_kinds(report.kinds)
         statuses = {id(r): ReplicaStatus(j, self.name_of(r), ok=True)
                     for j, r in enumerate(self.replicas)}
         report.replicas = list(statuses.values())
@@ -298,6 +301,17 @@ class CheckpointEngineManager:
             statuses[id(r)].version = version
         logger.info("weightsync: %s", report.summary())
         return report
+
+    def _check_kinds(self, kinds: list[str]) -> None:
+        """Refuse before anything moves when a replica cannot apply a weight set (e.g. a
+        vLLM replica without LoRA support and an adapter-only sync)."""
+        for r in self.replicas:
+            caps = self._caps.get(id(r), {})
+            bad = [k for k in kinds if k not in caps.get("kinds", kinds)]
+            if bad:
+                why = caps.get("reasons", {}).get("lora", "")
+                raise ValueError(f"{self.name_of(r)} cannot apply {bad} syncs"
+                                 f"{': ' + why if why else ''}")
 
     def _step(self, report: SyncReport, phase: str, calls: list[Call]) -> list[Any]:
         report.phases.append(phase)
