@@ -149,7 +149,7 @@ class ControlServer:
         self._srv = _TCPServer((host, port), _Handler)
         self._srv.owner = self  # type: ignore[attr-defined]
         self.host, self.port = host, self._srv.server_address[1]
-        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
+        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05},
                                         name=f"weightsync-ctl-{self.port}", daemon=True)
         self._thread.start()
 
