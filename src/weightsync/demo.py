@@ -69,10 +69,12 @@ def _factory(rollout: str) -> Callable[..., list]:
         raise ValueError(f"--rollout {rollout} is not available here: {exc}") from None
 
 
-def _compare(gens: list, ref: dict, version: int) -> dict:
+def _compare(gens: list, ref: dict, version: int, atol: float = 0.0) -> dict:
+    """``atol`` 0: logits bit for bit (HF); else within ``atol`` (vLLM's own kernels)."""
     tokens = all(g.tokens == t for g, t in zip(gens, ref["tokens"]))
     logits = all(g.logits is not None and g.logits.shape == l.shape and
-                 bool((g.logits.view(-1) == l.view(-1)).all()) for g, l in zip(gens, ref["logits"]))
+                 bool(((g.logits.view(-1) - l.view(-1)).abs() <= atol).all())
+                 for g, l in zip(gens, ref["logits"]))
     versions = all(g.version == version and not g.aborted for g in gens)
     return {"tokens": tokens, "logits": logits, "versions": versions}
 
@@ -83,7 +85,7 @@ class _Table:
 
     def __init__(self, out: Callable[[str], None]) -> None:
         self.out = out
-        self.widths = [max(len(c), 8) for c in self.COLS]
+        self.widths = [12 if c == "sent" else max(len(c), 8) for c in self.COLS]
         out("  ".join(c.rjust(w) for c, w in zip(self.COLS, self.widths)))
 
     def row(self, values: list) -> None:
@@ -173,7 +175,8 @@ def _loop(opts: DemoOptions, manager: Any, trainers: list, replicas: list, cfg: 
             [Call(manager.name_of(r), r, "generate", (prompts,),
                   {"max_new_tokens": opts.new_tokens, "return_logits": True}) for r in replicas],
             timeout=wait, phase="generate", version=step))
-        checks = [_compare(g, ref, step) for g in gens]
+        atol = 0.0 if opts.rollout == "hf" else (1e-3 if opts.dtype == "float32" else 0.25)
+        checks = [_compare(g, ref, step, atol) for g in gens]
         agg = {k: all(c[k] for c in checks) for k in ("tokens", "logits", "versions")}
         ok = all(agg.values()) and report.ok
         if not ok:
@@ -183,8 +186,12 @@ def _loop(opts: DemoOptions, manager: Any, trainers: list, replicas: list, cfg: 
         table.row([step, f"{sum(losses) / len(losses):.4f}", report.version,
                    "+".join(report.kinds), f"{report.bytes / 1e6:.2f}", f"{report.seconds:.3f}",
                    f"{report.gbps:.2f}", f"{report.total_seconds:.3f}", _mark(agg["tokens"]),
-                   _mark(agg["logits"]), "ok" if agg["versions"] else "STALE",
+                   _mark(agg["logits"]) if not atol else ("close" if agg["logits"] else "DIFF"),
+                   "ok" if agg["versions"] else "STALE",
                    "PASS" if ok else "FAIL"])
+        if atol and step == 1:
+            out(f"note: {opts.rollout} computes with its own kernels: logits compared within "
+                f"{atol:g}, tokens exactly")
         if diff is not None and step == opts.steps:
             note = "" if dtype is None else f" (the trainer computes in float32, the reference in {opts.dtype})"
             out(f"trainer's own FSDP2 forward vs the reference: max |logit diff| = {diff:.2e}{note}")
