@@ -195,8 +195,14 @@ class WeightSync(Method):
     async def _receive(self, version: int) -> None:
         params = self.ctx.params
         recv = getattr(self.engine, "receive_into", None)
+        stream = None
         if recv is not None and self.opts.get("into", True):
-            async for _ in recv(params, version=version):
+            try:
+                stream = recv(params, version=version)
+            except TypeError:  # a subclass whose receive_weights takes no ``into``
+                stream = None
+        if stream is not None:
+            async for _ in stream:
                 pass
             return
         async for name, tensor in self.engine.receive_weights(version=version):
@@ -221,6 +227,24 @@ class Shm(WeightSync):
     backend = "shm"
 
 
+class ShmBuckets(WeightSync):
+    """``shm`` with direct (cross-memory-attach) reads turned off: every byte goes
+    through the shared-memory bucket ring (two copies, pipelined). For analysis."""
+
+    backend = "shm"
+
+    def setup(self) -> None:
+        old = os.environ.get("WEIGHTSYNC_SHM_DIRECT")
+        os.environ["WEIGHTSYNC_SHM_DIRECT"] = "0"
+        try:
+            super().setup()
+        finally:
+            if old is None:
+                os.environ.pop("WEIGHTSYNC_SHM_DIRECT", None)
+            else:
+                os.environ["WEIGHTSYNC_SHM_DIRECT"] = old
+
+
 class Collective(WeightSync):
     backend = "collective"
 
@@ -232,7 +256,7 @@ def method_table() -> dict[str, type[Method]]:
     """Every method by name (baselines imported on first use)."""
     if not _TABLE:
         from .baselines import BASELINES
-        _TABLE.update({"shm": Shm, "collective": Collective})
+        _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets})
         _TABLE.update(BASELINES)
         _TABLE.update({"memcpy": Memcpy, "gloo-flat": GlooFlat,
                        "memcpy-parallel": MemcpyParallel})

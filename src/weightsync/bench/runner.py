@@ -27,9 +27,9 @@ __all__ = ["BenchConfig", "run_bench", "ALL_METHODS", "DEFAULT_METHODS"]
 
 logger = logging.getLogger(__name__)
 
-ALL_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
-               "gloo-flat", "memcpy-parallel")
-DEFAULT_METHODS = ALL_METHODS
+DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
+                   "gloo-flat", "memcpy-parallel")
+ALL_METHODS = DEFAULT_METHODS + ("shm-buckets",)
 
 
 @dataclass(kw_only=True)
@@ -44,8 +44,9 @@ class BenchConfig:
     warm: int = 5
     bucket_size: int = 64 * MiB
     timeout: float = 180.0
-    threads: int = 0                    # torch threads per process; 0: torch's default
+    threads: int = 1                    # torch threads per process (0: torch's default)
     memory_fraction: float = 0.75       # of MemAvailable a case may plan to use
+    paired: bool = True                 # run each goal's limit right before each step
 
     def __post_init__(self) -> None:
         bad = set(self.methods) - set(ALL_METHODS)
@@ -86,8 +87,9 @@ def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
     """Rough bytes a method needs beyond the models (for skipping what cannot fit)."""
     n, cap, big = w.nbytes, min(w.nbytes, GiB), w.largest
     return {
-        "shm": 2 * bucket + receivers * big,
-        "collective": (receivers + 1) * 2 * bucket + receivers * big,
+        "shm": 2 * bucket + receivers * big + 2 * cap,
+        "shm-buckets": 2 * bucket + receivers * big + 2 * cap,
+        "collective": (receivers + 1) * (2 * bucket + cap) + receivers * big,
         "ray": n + receivers * n + (receivers + 1) * 300 * MiB,
         "gloo-per-tensor": receivers * big,
         "safetensors-shm": 2 * n + receivers * n,
@@ -188,14 +190,29 @@ def _workloads(cfg: BenchConfig, notes: list[str]) -> list[Workload]:
     return out
 
 
-def _summarize(w: Workload, method: str, receivers: int, results: list[dict],
-               bucket: int) -> dict:
-    trainer = results[0]
+def _durations(results: list[dict], key: str, part: str) -> list[float]:
+    """Per step: from the trainer's start to the last participant's end."""
     rows = []
-    for i in range(len(trainer["times"])):
-        start = trainer["times"][i][0]
-        end = max(r["times"][i][1] for r in results if r["participates"])
-        rows.append(end - start)
+    for i in range(len(results[0][key])):
+        start = results[0][key][i][0]
+        rows.append(max(r[key][i][1] for r in results if r[part]) - start)
+    return rows
+
+
+#: goals compare these pairs step by step (the limit runs right before each step)
+PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "collective": "gloo-flat"}
+
+
+def _summarize(w: Workload, method: str, receivers: int, results: list[dict],
+               bucket: int, pair: Optional[str]) -> dict:
+    trainer = results[0]
+    rows = _durations(results, "times", "participates")
+    paired = None
+    if pair and trainer.get("paired_times"):
+        lim = _durations(results, "paired_times", "paired_participates")
+        paired = {"method": pair, "warm_s": lim[1:],
+                  "warm_median_s": statistics.median(lim[1:]),
+                  "ratio_median": statistics.median(l / t for l, t in zip(lim[1:], rows[1:]))}
     cold, warm = rows[0], rows[1:]
     med = statistics.median(warm)
     rss = [{"rank": r["rank"], "role": "trainer" if r["rank"] == 0 else "receiver",
@@ -206,7 +223,7 @@ def _summarize(w: Workload, method: str, receivers: int, results: list[dict],
             "setup_s": max(r["setup_s"] for r in results), "cold_s": cold, "warm_s": warm,
             "warm_median_s": med, "gbps": w.nbytes / med / 1e9 if med > 0 else None,
             "rss": rss, "max_extra_rss_bytes": max(x["extra_bytes"] for x in rss),
-            "info": trainer.get("info") or {}, "status": "ok", "note": ""}
+            "info": trainer.get("info") or {}, "status": "ok", "note": "", "paired": paired}
 
 
 def _kind(method: str) -> str:
@@ -217,7 +234,8 @@ def _kind(method: str) -> str:
 def _skip(w: Workload, method: str, receivers: int, why: str, status: str = "skipped") -> dict:
     return {**w.summary(), "receivers": receivers, "method": method, "kind": _kind(method),
             "status": status, "note": why, "cold_s": None, "warm_median_s": None,
-            "gbps": None, "warm_s": [], "rss": [], "max_extra_rss_bytes": None, "ok": False}
+            "gbps": None, "warm_s": [], "rss": [], "max_extra_rss_bytes": None, "ok": False,
+            "paired": None}
 
 
 def _start_ray(cfg: BenchConfig, works: list[Workload], notes: list[str]) -> tuple[Any, dict]:
@@ -289,10 +307,14 @@ def _run_pool(cfg: BenchConfig, receivers: int, works: list[Workload], ray_opts:
                     pool.workload = None
                     pool.command(("workload", w), cfg.timeout * 2)
                     pool.workload = w
-                opts = {"warm": cfg.warm, "bucket_size": cfg.bucket_size, **ray_opts}
+                pair = PAIRS.get(method) if cfg.paired and PAIRS.get(method) in cfg.methods \
+                    else None
+                opts = {"warm": cfg.warm, "bucket_size": cfg.bucket_size, "pair": pair,
+                        **ray_opts}
                 try:
                     res = pool.command(("run", method, opts), cfg.timeout * (cfg.warm + 3))
-                    results.append(_summarize(w, method, receivers, res, cfg.bucket_size))
+                    results.append(_summarize(w, method, receivers, res, cfg.bucket_size,
+                                              pair))
                 except MethodFailed as exc:
                     text = str(exc)
                     status = "unavailable" if "Unavailable" in text else "failed"

@@ -117,25 +117,42 @@ def _build(ctx: Ctx, w: Workload) -> dict:
     return {"rank": ctx.rank, "rss": rss_bytes()}
 
 
+def _timed(ctx: Ctx, method, version: int) -> tuple[float, float]:
+    ctx.mark_version(version)
+    method.before_step(version)
+    ctx.gather(None)
+    t0 = time.perf_counter()
+    method.step(version)
+    return t0, time.perf_counter()
+
+
 def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
+    """Set up ``name``, run one cold and ``warm`` warm steps, verify, tear down.
+
+    With ``opts["pair"]`` (a limit's name) that limit runs right before every step of the
+    method, in the same processes, so the two can be compared step by step even when the
+    machine's load changes during the run. Its buffers exist before the baseline RSS is
+    taken, so they do not count as the method's memory.
+    """
     from .methods import method_table
-    method = method_table()[name](ctx, opts)
-    gc.collect()
-    base = rss_bytes()
+    table = method_table()
+    paired = table[opts["pair"]](ctx, opts) if opts.get("pair") else None
+    method = table[name](ctx, opts)
+    times, paired_times, setup_s, peak, ok, info = [], [], 0.0, 0, False, {}
     sampler = RssSampler()
-    sampler.start()
-    times: list[tuple[float, float]] = []
-    t_setup = time.perf_counter()
     try:
+        if paired is not None:
+            paired.setup()
+        gc.collect()
+        base = rss_bytes()
+        sampler.start()
+        t_setup = time.perf_counter()
         method.setup()
         setup_s = time.perf_counter() - t_setup
         for it in range(1 + int(opts["warm"])):
-            ctx.mark_version(it + 1)
-            method.before_step(it + 1)
-            ctx.gather(None)
-            t0 = time.perf_counter()
-            method.step(it + 1)
-            times.append((t0, time.perf_counter()))
+            if paired is not None:
+                paired_times.append(_timed(ctx, paired, it + 1))
+            times.append(_timed(ctx, method, it + 1))
         peak = sampler.stop()
         ok = True
         if method.verify:
@@ -145,8 +162,12 @@ def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
     finally:
         sampler.stop()
         method.teardown()
+        if paired is not None:
+            paired.teardown()
     return {"rank": ctx.rank, "times": times, "setup_s": setup_s, "rss_base": base,
-            "rss_peak": peak, "ok": ok, "participates": method.participates(), "info": info}
+            "rss_peak": peak, "ok": ok, "participates": method.participates(), "info": info,
+            "paired_times": paired_times,
+            "paired_participates": paired.participates() if paired is not None else None}
 
 
 def worker_main(conn, rank: int, receivers: int, timeout: float, threads: int) -> None:

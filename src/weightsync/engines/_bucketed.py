@@ -27,6 +27,7 @@ from ..errors import (IntegrityError, PeerFailed, PlanMismatch, SyncTimeout, Ver
                       WeightSyncError)
 from ..plan import Bucket, PlanBuilder, TensorMeta, bucket_digest, dtype_name, plan_signature
 from ..wire import AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from ._fastcopy import can_memmove, copy_into
 from ._iterutil import aiter_items, as_bytes, checksum, wire_dtype
 from ._ownership import Ownership
 from .base import CheckpointEngine, version_matches
@@ -62,6 +63,12 @@ class _SendState:
     nbytes: int = 0
     changed: int = 0
     yielded: list = field(default_factory=list)
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """A dense, contiguous CPU tensor whose bytes can be moved as they are."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 class BucketedEngine(CheckpointEngine, abc.ABC):
@@ -101,6 +108,16 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
     @abc.abstractmethod
     def _rx_release(self, stream: int, msg: BucketMsg) -> None: ...
 
+    # -- optional hooks ---------------------------------------------------------------------
+    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Hook: True if this tensor goes to receivers without a bucket (see ``shm``)."""
+        return False
+
+    def _tx_direct(self, state: _SendState, name: str, tensor: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+        """Hook: deliver one tensor outside the buckets; return once receivers have it."""
+        raise NotImplementedError
+
     def _receiver_boxes(self) -> list[str]:
         return [f"r{r}" for r in range(self._num_receivers)]
 
@@ -139,6 +156,11 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
 
     async def _pack(self, state: _SendState, name: str, tensor: torch.Tensor) -> None:
         dtype = wire_dtype(tensor, self.config.dtype)
+        if self._tx_direct_ok(tensor, dtype):
+            # on the loop's thread: one hand-off less per tensor (it blocks no longer than
+            # the receivers' read of this tensor, like a bucket copy does)
+            self._tx_direct(state, name, tensor, dtype)
+            return
         pieces = state.builder.add(name, tensor.shape, dtype_name(dtype))
         state.tensors += 1
         for index, meta in pieces:
@@ -156,11 +178,18 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             return
         dst = buf[meta.offset: meta.offset + meta.nbytes]
         if not meta.is_chunk:
+            if tensor.dtype == dtype and _plain_cpu(tensor) and dst.device.type == "cpu":
+                copy_into(dst, as_bytes(tensor))  # no torch thread pool (see _fastcopy)
+                return
             dst.view(dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
             return
         src = tensor if tensor.dtype == dtype else tensor.to(dtype)
         src = as_bytes(src.contiguous())
-        dst.copy_(src[meta.chunk_offset: meta.chunk_offset + meta.nbytes], non_blocking=True)
+        piece = src[meta.chunk_offset: meta.chunk_offset + meta.nbytes]
+        if _plain_cpu(tensor) and can_memmove(dst, piece):
+            copy_into(dst, piece)
+            return
+        dst.copy_(piece, non_blocking=True)
 
     async def _flush(self, state: _SendState, upto: Optional[int] = None) -> None:
         """Publish every closed bucket with an index below ``upto`` (all if None)."""
@@ -181,14 +210,19 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         if entries is not None:
             state.changed += 1
         buf = self._tx_buffer(slot)
-        if buf.device.type == "cuda":
-            torch.cuda.current_stream(buf.device).synchronize()
+        self._tx_ready(slot, buf)
         crc = checksum(buf[: bucket.nbytes]) if self.config.checksum else None
         msg = BucketMsg(version=_jsonable(state.version), seq=state.seq, stream=self._rank,
                         index=bucket.index, slot=slot, nbytes=bucket.nbytes,
                         layout=bucket_digest(bucket), entries=entries, checksum=crc)
         self._slot_bucket[slot] = bucket.index
         self._tx_publish(slot, msg)
+
+    def _tx_ready(self, slot: int, buf: torch.Tensor) -> None:
+        """Hook: the bucket's bytes are complete before the header goes out (default: wait
+        for this thread's CUDA stream; ``cuda_ipc`` orders by its own stream/events)."""
+        if buf.device.type == "cuda":
+            torch.cuda.current_stream(buf.device).synchronize()
 
     def _finish_stream(self, state: _SendState) -> None:
         plan = tuple(state.builder.closed)
@@ -217,6 +251,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                                   f"{'the sync' if final else f'bucket {index}'} in time",
                                   peer=f"rollout rank {min(pending)}", phase="send",
                                   version=state.version)
+            if hasattr(inbox, "expect"):  # a link of a finished receiver may close
+                inbox.expect(pending)
             msg = inbox.pop(timeout=left, peer=f"rollout rank {min(pending)}", phase="send",
                             version=state.version)
             if isinstance(msg, ErrorMsg):

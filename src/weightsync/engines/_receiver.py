@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Mapping, Optional
 
 import torch
 
@@ -16,6 +17,7 @@ from ..errors import (IntegrityError, PlanMismatch, SyncTimeout, VersionMismatch
                       WeightSyncError)
 from ..plan import Bucket, TensorMeta, bucket_digest, dtype_from_name, plan_signature
 from ..wire import AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from ._fastcopy import copy_into
 from ._iterutil import checksum
 
 __all__ = ["ReceiverMixin"]
@@ -35,17 +37,46 @@ class _RecvState:
     tensors: int = 0
     nbytes: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+    into: Optional[Mapping[str, torch.Tensor]] = None
+
+
+#: ``BucketMsg.slot`` of a tensor sent outside the buckets (``_tx_direct``)
+DIRECT_SLOT = 1 << 20
+#: ``BucketMsg.index`` of direct tensors starts here (acks name them by index)
+DIRECT_BASE = 1 << 40
+
+
+def _fits(dest: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> bool:
+    return (dest is not None and dest.dtype == dtype and tuple(dest.shape) == tuple(shape)
+            and dest.device == device and dest.is_contiguous())
 
 
 class ReceiverMixin:
     """``receive_weights`` for :class:`BucketedEngine` subclasses."""
 
-    async def receive_weights(self, version: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    def receive_into(self, params: Mapping[str, torch.Tensor], version: Any = None
+                     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Receive one version straight into preallocated tensors.
+
+        ``params`` maps names to the receiver's own tensors (e.g. its model's). Each
+        received tensor whose name is there with the same dtype, shape and device (and
+        contiguous) is written into it by the engine, then yielded as ``(name, params[name])``
+        -- no copy is left to the caller, and tensors bigger than a bucket are assembled in
+        place. Other names are yielded as by :meth:`receive_weights`.
+        """
+        return self.receive_weights(version, into=params)
+
+    async def receive_weights(self, version: Any = None, *,
+                              into: Optional[Mapping[str, torch.Tensor]] = None
+                              ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.config.role != "rollout" or self._rank < 0:
             raise RuntimeError(f"{self.backend_name}: receive_weights needs a rollout engine "
                                "after init_process_group")
+        if into is not None and not isinstance(into, Mapping):
+            raise ValueError(f"into must be a mapping of name -> tensor, got {type(into).__name__}")
         self._seq += 1
-        state = _RecvState(self._seq, version, queue.Queue(), set(range(self._world)))
+        state = _RecvState(self._seq, version, queue.Queue(), set(range(self._world)),
+                           into=into)
         pumps = [threading.Thread(target=self._pump, args=(s, state), daemon=True,
                                   name=f"weightsync-rx{self._rank}-s{s}")
                  for s in range(self._world)]
@@ -94,6 +125,10 @@ class ReceiverMixin:
                                        peer=peer, phase="receive", version=state.version)
                 if isinstance(msg, BucketMsg):
                     self._check_version(state, msg.version, peer)
+                    if msg.slot == DIRECT_SLOT:
+                        state.q.put(("direct", stream, msg,
+                                     self._rx_direct_pump(stream, msg, state, inbox)))
+                        continue
                     state.q.put(("bucket", stream, msg, self._rx_fetch(stream, msg)))
                     continue
                 state.q.put(("msg", stream, msg, None))
@@ -101,6 +136,53 @@ class ReceiverMixin:
                     return
         except BaseException as exc:  # handed to the consumer, which raises it
             state.q.put(("exc", stream, exc, None))
+
+    def _rx_direct_pump(self, stream: int, msg: BucketMsg, state: _RecvState,
+                        inbox: Any) -> torch.Tensor:
+        """Pump thread: fetch a tensor sent outside the buckets, then acknowledge it (the
+        sender waits for that before it moves on). Into the caller's tensor if it fits."""
+        peer = f"trainer rank {stream}"
+        if not msg.entries or len(msg.entries) != 1:
+            raise PlanMismatch("a direct tensor needs exactly one entry", peer=peer,
+                               phase="receive", version=msg.version)
+        meta = msg.entries[0]
+        dtype = dtype_from_name(meta.dtype)
+        if meta.is_chunk or meta.offset or meta.nbytes != math.prod(meta.shape) * \
+                torch.empty((), dtype=dtype).element_size():
+            raise PlanMismatch(f"direct tensor {meta.name!r} has an inconsistent size",
+                               peer=peer, phase="receive", version=msg.version)
+        dest = state.into.get(meta.name) if state.into is not None else None
+        device = torch.device(self.config.device)
+        if not _fits(dest, meta.shape, dtype, device):
+            dest = self._staging(meta.nbytes, device).view(dtype).view(meta.shape)
+        self._rx_direct(stream, msg, getattr(inbox, "last_aux", 0), dest)
+        self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
+                                                  rank=self._rank, index=msg.index))
+        return dest
+
+    def _staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A byte buffer for a direct tensor that has no destination: reused across
+        tensors and syncs (fresh pages cost more than the copy), at most a bucket kept."""
+        pool = self.__dict__.setdefault("_staging_pool", {})
+        with self.__dict__.setdefault("_staging_lock", threading.Lock()):
+            free = pool.get((nbytes, device))
+            if free:
+                return free.pop()
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)[:nbytes]
+
+    def _unstage(self, buf: torch.Tensor) -> None:
+        """The consumer moved past a direct tensor in a staging buffer: keep it for reuse."""
+        flat = buf.reshape(-1).view(torch.uint8) if buf.dim() else buf.reshape(1).view(torch.uint8)
+        pool = self.__dict__.setdefault("_staging_pool", {})
+        with self.__dict__.setdefault("_staging_lock", threading.Lock()):
+            kept = sum(t.numel() for ts in pool.values() for t in ts)
+            if kept + flat.numel() <= self.config.bucket_size:
+                pool.setdefault((flat.numel(), flat.device), []).append(flat)
+
+    def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
+        """Hook: fill ``dest`` with the direct tensor described by ``msg``."""
+        raise PlanMismatch("this backend does not take direct tensors",
+                           peer=f"trainer rank {stream}", phase="receive", version=msg.version)
 
     def _check_version(self, state: _RecvState, got: Any, peer: str) -> None:
         if state.version is not None and state.version != got:
@@ -117,6 +199,16 @@ class ReceiverMixin:
             raise_remote(msg, phase="receive")
         if isinstance(msg, DoneMsg):
             self._rx_finish_stream(state, stream, msg)
+            return
+        if kind == "direct":
+            meta = msg.entries[0]
+            if meta.name not in state.seen and meta.name not in state.partial:
+                state.seen.add(meta.name)
+                state.tensors += 1
+                state.nbytes += meta.nbytes
+                yield meta.name, buf
+            if state.into is None or state.into.get(meta.name) is not buf:
+                self._unstage(buf)
             return
         entries = self._layout(stream, msg)
         if self.config.checksum and msg.checksum is not None:
@@ -169,29 +261,40 @@ class ReceiverMixin:
         if meta.chunk_offset == 0:
             if meta.name in state.seen or meta.name in state.partial:
                 return None  # a duplicate from another trainer rank
+            dest = state.into.get(meta.name) if state.into is not None else None
+            if not _fits(dest, meta.shape, dtype, buf.device):
+                dest = None
             if meta.total_nbytes == 0:
                 state.seen.add(meta.name)
+                if dest is not None:
+                    return meta.name, dest
                 return meta.name, torch.empty(meta.shape, dtype=dtype, device=buf.device)
             if not meta.is_chunk:
                 state.seen.add(meta.name)
                 state.tensors += 1
                 state.nbytes += meta.nbytes
                 view = buf[meta.offset: meta.offset + meta.nbytes]
+                if dest is not None:
+                    copy_into(dest.view(-1).view(torch.uint8) if dest.dim() else
+                              dest.reshape(1).view(torch.uint8), view)
+                    return meta.name, dest
                 return meta.name, view.view(dtype).view(meta.shape)
-            state.partial[meta.name] = (stream, torch.empty(meta.total_nbytes, dtype=torch.uint8,
-                                                            device=buf.device))
+            staging = dest if dest is not None else torch.empty(meta.shape, dtype=dtype,
+                                                                device=buf.device)
+            state.partial[meta.name] = (stream, staging)
         owner, staging = state.partial.get(meta.name, (None, None))
         if owner != stream:
             return None
-        staging[meta.chunk_offset: meta.chunk_offset + meta.nbytes].copy_(
-            buf[meta.offset: meta.offset + meta.nbytes])
+        flat = staging.view(-1).view(torch.uint8)
+        copy_into(flat[meta.chunk_offset: meta.chunk_offset + meta.nbytes],
+                  buf[meta.offset: meta.offset + meta.nbytes])
         if not meta.is_last_chunk:
             return None
         del state.partial[meta.name]
         state.seen.add(meta.name)
         state.tensors += 1
         state.nbytes += meta.total_nbytes
-        return meta.name, staging.view(dtype).view(meta.shape)
+        return meta.name, staging
 
     def _rx_finish_stream(self, state: _RecvState, stream: int, msg: DoneMsg) -> None:
         peer = f"trainer rank {stream}"

@@ -15,17 +15,22 @@ it) -> any number of ``send_weights``/``receive_weights`` -> ``finalize``.
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from ..errors import SyncTimeout, TopologyError
+from ..errors import PeerFailed, SyncTimeout, TopologyError
+from ..plan import TensorMeta, dtype_name
 from ..wire import BucketMsg, HelloMsg
-from ._bucketed import BucketedEngine
+from ._bucketed import BucketedEngine, _jsonable, _plain_cpu
+from ._direct import Link, LinkHub, unix_address
+from ._fastcopy import cma_available, cma_read
 from ._group import StoreGroupMixin
-from ._receiver import ReceiverMixin
+from ._receiver import DIRECT_BASE, DIRECT_SLOT, ReceiverMixin
 from ._shmseg import Segment, sweep_stale
 from .registry import CheckpointEngineRegistry
 
@@ -44,6 +49,17 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
             raise ValueError("shm moves CPU tensors; use cuda_ipc or collective for GPUs")
         self._segments: list[Segment] = []
         self._rx_segments: dict[int, list[Segment]] = {}
+        self._hub: Optional[LinkHub] = None
+        self._links: dict[int, Link] = {}
+        self._peer_pid: dict[int, int] = {}
+        self._direct = False
+        self._direct_seq = (0, 0)
+        env = os.environ.get("WEIGHTSYNC_SHM_DIRECT", "1").strip().lower()
+        self._direct_wanted = env not in ("0", "false", "no", "off")
+        try:
+            self._direct_min = int(os.environ.get("WEIGHTSYNC_SHM_DIRECT_MIN", str(1 << 20)))
+        except ValueError:
+            raise ValueError("WEIGHTSYNC_SHM_DIRECT_MIN must be a number of bytes") from None
 
     @classmethod
     def _check_hosts(cls, metadata: list[dict[str, Any]]) -> None:
@@ -66,6 +82,8 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                                   create=True) for i in range(n)]
         hello = HelloMsg(stream=self._rank, rank=0, bucket_size=size, num_slots=n,
                          segments=tuple(s.name for s in self._segments))
+        self._hub = LinkHub(socket.AF_UNIX, unix_address(self._token, self._rank),
+                            self._token, self.config.timeout)
         try:
             self._tx_inbox.push_many(self._receiver_boxes(), hello)
             attached = set()
@@ -79,9 +97,28 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 msg = self._tx_inbox.pop(timeout=left, peer="rollout ranks", phase="init")
                 if isinstance(msg, HelloMsg):
                     attached.add(msg.rank)
+            self._hub.accept(self._num_receivers, deadline)
+            self._direct = self._probe_direct(deadline)
         finally:
             for seg in self._segments:
                 seg.unlink()
+
+    def _probe_direct(self, deadline: float) -> bool:
+        """Can every receiver read this process's memory (cross-memory attach)? Each one
+        reads random bytes at an address sent on its link and reports what it saw."""
+        probe = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
+        want = probe.numpy().tobytes().hex()
+        hello = HelloMsg(stream=self._rank, rank=0, bucket_size=self.config.bucket_size,
+                         num_slots=self.config.num_slots, segments=(want,))
+        self._hub.push_many(self._receiver_boxes(), hello, aux=probe.data_ptr())
+        ok = set()
+        for _ in range(self._num_receivers):
+            msg = self._hub.pop(timeout=max(0.1, deadline - time.monotonic()),
+                                peer="rollout ranks", phase="init")
+            if isinstance(msg, HelloMsg) and msg.segments == ("cma",):
+                ok.add(msg.rank)
+        return self._direct_wanted and len(ok) == self._num_receivers \
+            and not self.config.checksum
 
     def _init_receiver(self) -> None:
         for s in range(self._world):
@@ -96,16 +133,31 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                     peer=f"trainer rank {s}", phase="init")
             self._rx_segments[s] = [Segment(name, msg.bucket_size, create=False)
                                     for name in msg.segments]
+            peer = f"trainer rank {s}"
+            link = Link(socket.AF_UNIX, unix_address(self._token, s), self._token, self._rank,
+                        self.config.timeout, peer=peer)
+            self._links[s] = link
             self._rx_push[s].push("t", HelloMsg(stream=s, rank=self._rank,
                                                 bucket_size=msg.bucket_size,
                                                 num_slots=msg.num_slots))
+            self._peer_pid[s] = link.peer_pid()
+            probe = link.pop(peer=peer, phase="init")
+            ok = False
+            if isinstance(probe, HelloMsg) and len(probe.segments) == 1:
+                try:
+                    want = bytes.fromhex(probe.segments[0])
+                    ok = cma_available(self._peer_pid[s], link.last_aux, want)
+                except ValueError:
+                    ok = False
+            link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
+                                    num_slots=msg.num_slots, segments=("cma",) if ok else ()))
 
     # -- data path ------------------------------------------------------------------------
     def _tx_buffer(self, slot: int) -> torch.Tensor:
         return self._segments[slot].tensor
 
     def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
-        self._tx_inbox.push_many(self._receiver_boxes(), msg)
+        self._tx_control().push_many(self._receiver_boxes(), msg)
 
     def _tx_wait_free(self, slot: int, state: Any) -> None:
         prev = self._slot_bucket.get(slot)
@@ -122,6 +174,44 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         pass  # the acknowledgement the protocol sends frees the slot
 
+    # -- control links (per-bucket messages bypass the store) ---------------------------
+    def _tx_control(self) -> Any:
+        return self._hub if self._hub is not None else self._tx_inbox
+
+    def _rx_control(self, stream: int) -> Any:
+        return self._links.get(stream) or self._rx_push[stream]
+
+    def _rx_pump_inbox(self, stream: int) -> Any:
+        return self._links.get(stream) or self._rx_pop[stream]
+
+    # -- direct tensors: receivers read the trainer's memory (one copy in all) ------------
+    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (self._direct and tensor.dtype == dtype and _plain_cpu(tensor)
+                and tensor.numel() * tensor.element_size() >= self._direct_min)
+
+    def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+        seq, k = self._direct_seq
+        k = k + 1 if seq == state.seq else 1
+        self._direct_seq = (state.seq, k)
+        nbytes = tensor.numel() * tensor.element_size()
+        meta = TensorMeta(name, tuple(tensor.shape), dtype_name(dtype), 0, nbytes, 0, nbytes)
+        msg = BucketMsg(version=_jsonable(state.version), seq=state.seq, stream=self._rank,
+                        index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
+                        layout="direct", entries=(meta,))
+        self._hub.push_many(self._receiver_boxes(), msg, aux=tensor.data_ptr())
+        self._await_acks(state, final=False, index=DIRECT_BASE + k)
+        state.tensors += 1
+        state.nbytes += nbytes
+
+    def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
+        try:
+            cma_read(self._peer_pid[stream], aux, dest)
+        except (OSError, KeyError) as exc:
+            raise PeerFailed(f"could not read tensor {msg.entries[0].name!r} from the trainer "
+                             f"({exc})", peer=f"trainer rank {stream}", phase="receive",
+                             version=msg.version) from None
+
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
         for seg in self._segments:
@@ -130,6 +220,12 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
             for seg in segs:
                 seg.close()
         self._segments, self._rx_segments = [], {}
+        if self._hub is not None:
+            self._hub.close()
+        for link in self._links.values():
+            link.close()
+        self._hub, self._links, self._peer_pid, self._direct = None, {}, {}, False
+        self.__dict__.pop("_staging_pool", None)
         self._leave()
 
     def finalize(self) -> None:

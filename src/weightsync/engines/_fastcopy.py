@@ -1,0 +1,103 @@
+"""Byte copies of the CPU data path that do not depend on torch's intra-op thread pool.
+
+``Tensor.copy_`` splits a copy over torch's OpenMP threads. When the cores are shared by
+more processes than cores (a trainer and several rollout workers on one host), each
+parallel region waits for a descheduled thread: copies of 1 MiB were measured at
+0.1 GB/s that way instead of 15 GB/s. The data path therefore copies contiguous bytes
+with ``memmove`` (one thread, the GIL released), and reads another process's memory with
+``process_vm_readv`` (cross-memory attach) where the kernel allows it. Anything else
+(casts, strided tensors, devices) falls back to ``copy_``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["copy_into", "can_memmove", "cma_read", "cma_available"]
+
+logger = logging.getLogger(__name__)
+
+_memmove = ctypes.memmove
+
+
+def can_memmove(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel()
+            and not src.is_conj() and not src.is_neg())
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (same number of elements), by ``memmove`` where possible."""
+    if can_memmove(dst, src):
+        n = dst.numel() * dst.element_size()
+        if n:
+            _memmove(dst.data_ptr(), src.data_ptr(), n)
+        return
+    dst.copy_(src.reshape(dst.shape) if src.shape != dst.shape else src)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc: Optional[ctypes.CDLL] = None
+_readv = None
+
+
+def _load() -> bool:
+    global _libc, _readv
+    if _readv is not None:
+        return True
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        fn = _libc.process_vm_readv
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    _readv = fn
+    return True
+
+
+#: one syscall moves at most this much (keeps page pinning in the kernel short)
+_STEP = 64 << 20
+
+
+def cma_read(pid: int, remote_addr: int, dst: torch.Tensor) -> None:
+    """Copy ``dst``'s size in bytes from ``remote_addr`` in process ``pid`` into ``dst``.
+
+    Raises ``OSError`` on failure (permission, dead process, bad address).
+    """
+    if not _load():
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available")
+    if not dst.is_contiguous() or dst.device.type != "cpu":
+        raise ValueError("cma_read needs a contiguous CPU tensor")
+    total = dst.numel() * dst.element_size()
+    base, off = dst.data_ptr(), 0
+    while off < total:
+        n = min(_STEP, total - off)
+        local, remote = _IoVec(base + off, n), _IoVec(remote_addr + off, n)
+        got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err or errno.EIO, f"process_vm_readv from pid {pid}: "
+                          f"{os.strerror(err) if err else 'short read'}")
+        off += got
+
+
+def cma_available(pid: int, remote_addr: int, expect: bytes) -> bool:
+    """True if reading ``len(expect)`` bytes at ``remote_addr`` of ``pid`` gives ``expect``."""
+    probe = torch.zeros(len(expect), dtype=torch.uint8)
+    try:
+        cma_read(pid, remote_addr, probe)
+    except (OSError, ValueError) as exc:
+        logger.debug("cross-memory attach unavailable: %s", exc)
+        return False
+    return bytes(probe.numpy().tobytes()) == expect
