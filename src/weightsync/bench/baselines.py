@@ -117,13 +117,13 @@ def _holder_class(ray):
     @ray.remote(num_cpus=0)
     class RefHolder:
         def __init__(self) -> None:
-            self.refs = None
+            self.version, self.refs = None, None
 
-        def put(self, refs):
-            self.refs = refs
+        def put(self, version, refs):
+            self.version, self.refs = version, refs  # drops the previous version's refs
 
-        def get(self):
-            return self.refs
+        def get(self, version):
+            return self.refs if version == self.version else None
 
     return RefHolder
 
@@ -147,7 +147,7 @@ class RayObjectStore(Method):
         if ctx.is_trainer:
             name = f"ws-bench-holder-{secrets.token_hex(6)}"
             self.holder = _holder_class(ray).options(name=name).remote()
-            ray.get(self.holder.put.remote(None), timeout=ctx.timeout)
+            ray.get(self.holder.put.remote(None, None), timeout=ctx.timeout)
         name = ctx.gather(name)[0]
         if not ctx.is_trainer:
             self.holder = ray.get_actor(name)
@@ -155,19 +155,15 @@ class RayObjectStore(Method):
     def step(self, version: int) -> None:
         ray, ctx = self.ray, self.ctx
         if ctx.is_trainer:
-            self.ref = ray.put(ctx.params)
-            ray.get(self.holder.put.remote([self.ref]), timeout=ctx.timeout)
+            ref = ray.put(ctx.params)
+            ray.get(self.holder.put.remote(version, [ref]), timeout=ctx.timeout)
+            self.ref = ref
         ctx.gather(None)  # "new weights are in the store" (an RPC in a real system)
         if not ctx.is_trainer:
-            (ref,) = ray.get(self.holder.get.remote(), timeout=ctx.timeout)
+            (ref,) = ray.get(self.holder.get.remote(version), timeout=ctx.timeout)
             state = ray.get(ref, timeout=ctx.timeout)
             _copy_into(ctx.params, state)
             del state, ref
-
-    def before_step(self, version: int) -> None:
-        if self.ctx.is_trainer and self.ref is not None:  # untimed: free the old version
-            self.ref = None
-            self.ray.get(self.holder.put.remote(None), timeout=self.ctx.timeout)
 
     def teardown(self) -> None:
         self.ref = None

@@ -1,0 +1,72 @@
+"""Smoke run of ``weightsync bench`` at tiny sizes: the JSON follows the schema and every
+method (weightsync backends, baselines, limits) produced a time. No timing thresholds."""
+
+import importlib.util
+import json
+
+import pytest
+
+from weightsync.bench import BenchConfig, parse_size, synthetic, validate
+from weightsync.bench.runner import DEFAULT_METHODS
+from weightsync.cli import main
+
+NEEDS = {"ray": "ray", "safetensors-shm": "safetensors"}
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.timeout(300)
+def test_bench_cli_smoke(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["bench", "--sizes", "4MiB", "--dtypes", "bfloat16", "--receivers", "1",
+            "--bucket-size", "1MiB", "--warm", "2", "--no-hf", "--quiet", "--timeout", "60",
+            "--json", str(out)]
+    if _have("matplotlib"):
+        args += ["--plot", str(png)]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    table = capsys.readouterr().out
+    by_method = {r["method"]: r for r in doc["results"]}
+    assert set(by_method) == set(DEFAULT_METHODS)
+    for method, row in by_method.items():
+        if method in NEEDS and not _have(NEEDS[method]):
+            assert row["status"] == "unavailable", row
+            continue
+        assert row["status"] == "ok", (method, row["note"], row.get("traceback"))
+        assert row["ok"], f"{method} delivered wrong bytes"
+        assert row["warm_median_s"] > 0 and row["cold_s"] > 0 and len(row["warm_s"]) == 2
+        assert row["rss"] and all(p["peak_bytes"] > 0 for p in row["rss"])
+        assert method in table
+    assert by_method["shm"]["paired"]["method"] == "memcpy"
+    goals = {g["goal"] for g in doc["goals"]}
+    assert {"shm_vs_memcpy", "collective_vs_gloo", "memory"} <= goals
+    if _have("matplotlib"):
+        assert png.stat().st_size > 1000
+
+
+def test_workloads_and_config():
+    assert parse_size("0.25") == 1 << 28 and parse_size("16MiB") == 16 << 20
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    w = synthetic(parse_size("8MiB"), "float32", bucket_size=1 << 20)
+    assert w.largest > 1 << 20                      # one tensor bigger than the bucket
+    assert 0.8 < w.nbytes / (8 << 20) < 1.25
+    with pytest.raises(ValueError):
+        BenchConfig(methods=("shm", "teleport"))
+    with pytest.raises(ValueError):
+        BenchConfig(receivers=(0,))
+    with pytest.raises(ValueError):
+        BenchConfig(warm=0)
+
+
+@pytest.mark.skipif(not _have("transformers"), reason="transformers not installed")
+def test_hf_workload_is_built_from_a_config():
+    from weightsync.bench import hf_qwen2
+    w, why = hf_qwen2("bfloat16")
+    assert w is not None, why
+    params = w.nbytes // 2
+    assert 400e6 < params < 600e6
+    assert any(n.endswith("embed_tokens.weight") for n, _ in w.tensors)
