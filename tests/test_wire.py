@@ -18,6 +18,7 @@ MESSAGES = [
     NamesMsg(seq=1, rank=0, digest="d", names=("a", "b")),
     AckMsg(seq=1, stream=0, rank=3, index=4, final=True),
     HelloMsg(stream=0, rank=1, bucket_size=256, num_slots=2, segments=("s",)),
+    HelloMsg(stream=0, rank=1, bucket_size=256, num_slots=2, handles=("cudaipc1|x", "y")),
 ]
 
 
@@ -56,6 +57,14 @@ def test_rejects_bad_tensor_entries(entry):
         decode(_bucket_with(entry))
 
 
+@pytest.mark.parametrize("handles", ["x", [1], ["a" * 40000], ["h"] * 1025])
+def test_rejects_bad_handles(handles):
+    body = {"wsv": 1, "kind": "hello", "stream": 0, "rank": 0, "bucket_size": 256,
+            "num_slots": 1, "handles": handles}
+    with pytest.raises(WireError):
+        decode(json.dumps(body).encode())
+
+
 def test_size_limit():
     with pytest.raises(WireError):
         decode(b" " * 100, max_bytes=10)
@@ -82,7 +91,8 @@ json_values = st.recursive(
                                         "layout", "entries", "checksum", "num_buckets",
                                         "num_tensors", "signature", "error", "message", "peer",
                                         "phase", "rank", "digest", "names", "final",
-                                        "bucket_size", "num_slots", "segments"]),
+                                        "bucket_size", "num_slots", "segments",
+                                        "handles"]),
                        json_values, max_size=10))
 def test_fuzz_structured_only_wire_errors(kind, fields):
     raw = json.dumps({"wsv": 1, "kind": kind, **fields}).encode()

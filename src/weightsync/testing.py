@@ -98,6 +98,7 @@ class GroupSpec:
     timeout: float = 120.0
     hook: Optional[str] = None          # "module:function" called as f(engine, role, rank)
                                         # in each worker before init (fault injection)
+    device: str = "cpu"                 # where trainers create their tensors ("cuda": GPU)
 
     def __post_init__(self) -> None:
         if self.pattern not in ("full", "disjoint"):
@@ -107,9 +108,9 @@ class GroupSpec:
 def _trainer_items(spec: GroupSpec, step: int, rank: int):
     bs = spec.engine_kwargs["bucket_size"]
     items = make_tensors(step, bucket_size=bs, tiny=spec.tiny)
-    for i, item in enumerate(items):
+    for i, (name, tensor) in enumerate(items):
         if spec.pattern == "full" or i % spec.trainers == rank:
-            yield item
+            yield name, (tensor if spec.device == "cpu" else tensor.to(spec.device))
 
 
 async def _receive_step(engine, spec: GroupSpec, step: int) -> dict[str, Any]:

@@ -8,15 +8,33 @@ broadcast of a bucket into its own slot only after its consumer released that sl
 buffer is overwritten while read. Headers travel through the store, so after the first
 sync only bucket indices do.
 
-For CUDA (NCCL): buffers are allocated once, outside the per-sync path; broadcasts run on
-NCCL's stream and each receiver waits on the work before handing views to the consumer.
-Set ``NCCL_CUMEM_ENABLE=0`` when processes share GPUs with an engine that uses CUDA IPC.
+CUDA (NCCL), reviewed for streams: slot buffers are allocated once, in
+``init_process_group``, from PyTorch's caching allocator (NCCL only reads and writes them;
+nothing registers or exports them, so no special allocator is needed). A trainer launches
+each broadcast behind the stream that was current when ``send_weights`` was called (where
+its bucket copies were queued), and refills a slot only once the broadcast that last read
+it completed. A receiver posts a broadcast into a slot behind an event recorded on its
+consumer's stream (the one current while it iterates) when the consumer released the slot,
+and hands out views only once the broadcast completed (polled, bounded by ``timeout``;
+``Work.wait`` on NCCL only orders the calling thread's stream, not the consumer's). NCCL's own timeout is set longer
+than ``timeout`` so that a dead peer becomes ``SyncTimeout`` here (the group is then
+aborted) rather than NCCL's watchdog tearing the process down.
+
+``NCCL_CUMEM_ENABLE`` is left as the process has it (it must be set before the process's
+first NCCL communicator, so an engine cannot change it safely). These buffers work either
+way; vLLM once forced it to 0 for a memory cost of NCCL's cuMem buffers with CUDA graphs,
+fixed in NCCL 2.22.3; some colocated frameworks still require 0. Its value is logged when
+a group is created. Multiple trainer ranks give a receiver one communicator per trainer,
+used concurrently: NCCL runs those only while their kernels fit on the GPU together.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -32,13 +50,17 @@ from .registry import CheckpointEngineRegistry
 
 __all__ = ["CollectiveEngine"]
 
+logger = logging.getLogger(__name__)
+
 
 def _make_group(store: dist.Store, rank: int, size: int, device: torch.device,
                 timeout: float, host: str) -> dist.ProcessGroup:
     td = datetime.timedelta(seconds=timeout)
     if device.type == "cuda":
+        logger.debug("NCCL group of %d ranks, NCCL_CUMEM_ENABLE=%s", size,
+                     os.environ.get("NCCL_CUMEM_ENABLE", "(unset)"))
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = td
+        opts._timeout = datetime.timedelta(seconds=2 * timeout + 60)  # ours fires first
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = td
@@ -59,6 +81,10 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._rx_bufs: dict[int, list[torch.Tensor]] = {}
         self._free: dict[tuple[int, int], threading.Event] = {}
         self._works: dict[int, Any] = {}
+        self._stores: list[Any] = []
+        self._cuda = torch.device(self.config.device).type == "cuda"
+        self._tx_stream: Any = None      # caller's stream during send_weights (CUDA)
+        self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
 
     def init_process_group(self, **kwargs: Any) -> None:
         self._join(**kwargs)
@@ -71,6 +97,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 client = self._server.clone()
                 self._clients.append(client)
                 store = C10dStore(client, self._prefix(self._rank) + "/pg", t)
+                self._stores.append(store)  # pybind trampolines need the Python object alive
                 self._groups[self._rank] = _make_group(store, 0, size, dev, t, host)
                 self._bufs = [self._alloc(dev) for _ in range(self.config.num_slots)]
                 return
@@ -78,6 +105,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 client = self._clients[s].clone()
                 self._clients.append(client)
                 store = C10dStore(client, self._prefix(s) + "/pg", t)
+                self._stores.append(store)  # pybind trampolines need the Python object alive
                 self._groups[s] = _make_group(store, self._rank + 1, size, dev, t, host)
                 self._rx_bufs[s] = [self._alloc(dev) for _ in range(self.config.num_slots)]
                 for slot in range(self.config.num_slots):
@@ -98,17 +126,50 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
     def _tx_buffer(self, slot: int) -> torch.Tensor:
         return self._bufs[slot]
 
+    # -- CUDA streams (no-ops on CPU) ----------------------------------------------------
+    async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
+        if self._cuda:
+            self._tx_stream = torch.cuda.current_stream(torch.device(self.config.device))
+        return await super().send_weights(named_tensors, version)
+
     def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
         self._tx_inbox.push_many(self._receiver_boxes(), msg)
         view = self._bufs[slot][: msg.nbytes]
-        self._works[slot] = self._groups[self._rank].broadcast(view, 0)
+        pg = self._groups[self._rank]
+        if self._cuda:  # NCCL's stream waits for the stream the bucket was packed on
+            with torch.cuda.stream(self._tx_stream):
+                self._works[slot] = pg.broadcast(view, 0)
+        else:
+            self._works[slot] = pg.broadcast(view, 0)
 
     def _wait_work(self, work: Any, peer: str, version: Any) -> None:
+        """Until the broadcast completed (bounded); then its error, if any, is raised."""
         try:
-            work.wait(datetime.timedelta(seconds=self.config.timeout))
+            if not self._cuda:
+                work.wait(datetime.timedelta(seconds=self.config.timeout))
+                return
+            deadline = time.monotonic() + self.config.timeout
+            delay = 20e-6
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self._abort_groups()
+                    raise SyncTimeout(f"broadcast did not complete in {self.config.timeout}s",
+                                      peer=peer, phase="broadcast", version=version)
+                time.sleep(delay)
+                delay = min(2 * delay, 100e-6)
+            work.wait()  # completed: only surfaces an error NCCL recorded
         except (RuntimeError, dist.DistError) as exc:
             raise SyncTimeout(f"broadcast did not complete: {exc}", peer=peer,
                               phase="broadcast", version=version) from None
+
+    def _abort_groups(self) -> None:
+        for pg in self._groups.values():
+            abort = getattr(pg, "abort", None) or getattr(pg, "_abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception:  # best effort: the group is unusable either way
+                    logger.debug("abort of a process group failed", exc_info=True)
 
     def _tx_wait_free(self, slot: int, state: Any) -> None:
         work = self._works.pop(slot, None)
@@ -128,11 +189,18 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                               phase="receive", version=msg.version)
         free.clear()
         buf = self._rx_bufs[stream][msg.slot]
+        released = self._released.pop((stream, msg.slot), None)
+        if released is not None:  # NCCL writes only after the consumer's reads of the slot
+            torch.cuda.current_stream(buf.device).wait_event(released)
         self._wait_work(self._groups[stream].broadcast(buf[: msg.nbytes], 0), peer,
                         msg.version)
         return buf
 
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
+        if self._cuda:  # runs in the consumer's thread: its current stream did the reads
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(torch.device(self.config.device)))
+            self._released[(stream, msg.slot)] = event
         self._free[(stream, msg.slot)].set()
 
     # -- teardown -------------------------------------------------------------------------
@@ -149,7 +217,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                     shutdown()
                 except Exception:
                     pass
-        self._groups, self._works, self._free = {}, {}, {}
+        self._groups, self._works, self._free, self._released = {}, {}, {}, {}
         self._bufs, self._rx_bufs = [], {}
         self._leave()
 

@@ -1,0 +1,490 @@
+"""GPU benchmark of ``cuda_ipc`` on one GPU: trainer and rollout processes share it.
+
+One run measures, on a synthetic bf16 model with Llama-3-8B shapes (16.06 GB):
+
+(a)  one device-to-device copy of the model's bytes (flat), and a per-tensor copy;
+(b)  ``cuda_ipc`` syncs, cold and warm (median of ``--warm`` runs), over a bucket-size
+     sweep, and the zero-copy option; extra device memory of each configuration;
+(c)  a verl-style baseline (one IPC bucket per sync, an acknowledgement per bucket,
+     per-tensor copies on the receiver; see ``verl_baseline.py``).
+
+Every sync is checked: the trainer draws fresh weights before it, and both sides compare
+per-tensor checksums after it. Usage: ``python benchmarks/gpu_bench.py --out DIR``;
+``--layers 2`` gives a quick small run. Results: ``DIR/gpu_bench.json`` and a table on
+stdout. The parent process never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "src")]
+
+import torch  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def model_shapes(layers: int, scale: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-3-8B: vocab 128256, hidden 4096, MLP 14336, 8 KV heads of 128 (dims / scale)."""
+    v, h, m, kv = (x // scale for x in (128256, 4096, 14336, 1024))
+    out = [("model.embed_tokens.weight", (v, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (m, h)), (p + "mlp.up_proj.weight", (m, h)),
+                (p + "mlp.down_proj.weight", (h, m))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+
+
+# -- worker side (one process per role) ------------------------------------------------
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Worker:
+    """``--cpu-smoke`` runs the same plumbing with the shm backend on the CPU."""
+
+    def __init__(self, role: str, args: dict, peer) -> None:
+        self.cuda = not args["cpu_smoke"]
+        self.dev = "cuda" if self.cuda else "cpu"
+        self.backend = "cuda_ipc" if self.cuda else "shm"
+        if self.cuda:
+            torch.cuda.set_device(0)
+        self.role, self.peer, self.engine, self.args = role, peer, None, args
+        self.log: list = []
+        self.loop = asyncio.new_event_loop()  # one loop for every sync: no set-up in timings
+        self.params = {n: torch.empty(s, dtype=torch.bfloat16, device=self.dev)
+                       for n, s in model_shapes(args["layers"], args["scale"])}
+        self.fill(12345 if role == "trainer" else 999)
+        if self.cuda:
+            from weightsync.engines._cudaipc_ops import CudaIpcOps
+            self.ops = CudaIpcOps("cuda")
+
+    def fill(self, seed: int) -> None:
+        g = torch.Generator(device=self.dev).manual_seed(seed)
+        for p in self.params.values():
+            p.normal_(generator=g)
+        sync()
+
+    def checksum(self) -> list[int]:
+        sums = []
+        for p in self.params.values():
+            v = p.view(torch.int16).view(-1)
+            sums += [v.sum(dtype=torch.int64), v[::1021].sum(dtype=torch.int64)]
+        return [int(x) for x in torch.stack(sums).tolist()]
+
+    def mem(self) -> dict:
+        if not self.cuda:
+            return {"free": 0, "total": 0, "allocated": 0, "reserved": 0}
+        free, total = torch.cuda.mem_get_info()
+        return {"free": free, "total": total, "allocated": torch.cuda.memory_allocated(),
+                "reserved": torch.cuda.memory_reserved()}
+
+    def op_d2d(self, reps: int = 10) -> dict:
+        nbytes = sum(p.numel() * 2 for p in self.params.values())
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
+        dst = torch.empty_like(src)
+        flat = timed(lambda: dst.copy_(src), reps)
+        del src, dst
+        copy = {n: torch.empty_like(p) for n, p in self.params.items()}
+        per_tensor = timed(lambda: [copy[n].copy_(p) for n, p in self.params.items()], 5)
+        del copy
+        torch.cuda.empty_cache()
+        return {"bytes": nbytes, "flat_ms": flat, "per_tensor_ms": per_tensor}
+
+    def op_engine_prepare(self, cfg: dict) -> dict:
+        from weightsync import CheckpointEngineRegistry
+        if not self.cuda:
+            cfg = {k: v for k, v in cfg.items() if k not in ("zero_copy", "sync")}
+        self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
+                                                   timeout=120, **cfg)
+        return {"meta": self.engine.prepare()}
+
+    def op_engine_init(self, kw: dict) -> dict:
+        self.engine.init_process_group(**kw)
+        if self.args.get("timeline"):
+            self._instrument()
+        return {}
+
+    def _instrument(self) -> None:
+        """Timeline of one sync: wrap engine methods to log (monotonic time, event)."""
+        self.log: list = []
+        names = ("_publish", "_publish_refs", "_tx_wait_free", "_finish_stream", "_await_acks",
+                 "_rx_fetch", "_layout", "_rx_release", "_rx_finish_stream")
+        for name in names:
+            fn = getattr(self.engine, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                self.log.append((time.perf_counter(), _name + ">"))
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.log.append((time.perf_counter(), "<" + _name))
+            setattr(self.engine, name, wrapped)
+
+    def op_engine_close(self) -> dict:
+        self.engine.finalize()
+        self.engine = None
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
+        return {}
+
+    def _tidy(self) -> None:
+        if self.cuda:  # checksum temporaries must not count as engine memory
+            torch.cuda.empty_cache()
+
+    def _mark(self) -> int:
+        if not self.cuda:
+            return 0
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def _peak(self, base: int) -> int:
+        return torch.cuda.max_memory_allocated() - base if self.cuda else 0
+
+    def op_prep(self, seed: int) -> dict:
+        self.fill(seed)
+        out = {"checksum": self.checksum()}
+        self._tidy()
+        return out
+
+    async def _send(self, version: int) -> dict:
+        base = self._mark()
+        self.log.clear()
+        start = time.perf_counter()
+        self.log.append((start, "send_weights>"))
+        metrics = await self.engine.send_weights(self.params.items(), version=version)
+        self.log.append((time.perf_counter(), "<send_weights"))
+        return {"ms": (time.perf_counter() - start) * 1e3, "metrics": metrics,
+                "peak": self._peak(base), "log": list(self.log)}
+
+    def op_profile(self, on: bool, path: str = "") -> dict:
+        """cProfile the following syncs of this process (``on``), or dump the stats."""
+        import cProfile
+        import io
+        import pstats
+        if on:
+            self.prof = cProfile.Profile()
+            return {}
+        stats = pstats.Stats(self.prof, stream=io.StringIO())
+        out = stats.stream
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(45)
+        with open(path, "w") as f:
+            f.write(out.getvalue())
+        self.prof = None
+        return {}
+
+    def _profiled(self, coro):
+        prof = getattr(self, "prof", None)
+        if prof is None:
+            return self.loop.run_until_complete(coro)
+        prof.enable()
+        try:
+            return self.loop.run_until_complete(coro)
+        finally:
+            prof.disable()
+
+    def op_send(self, version: int) -> dict:
+        sync()
+        return self._profiled(self._send(version))
+
+    async def _receive(self, conn, version: int) -> None:
+        conn.send({"listening": True})
+        self.log.clear()
+        start, first = time.perf_counter(), None
+        async for name, t in self.engine.receive_weights(version=version):
+            if first is None:
+                first = time.perf_counter()
+            self.params[name].copy_(t)
+        self.log.append((time.perf_counter(), "consumer done"))
+        self.times = {"first_ms": ((first or start) - start) * 1e3,
+                      "loop_ms": (time.perf_counter() - (first or start)) * 1e3}
+
+    def op_recv(self, version: int, conn) -> dict:
+        base = self._mark()
+        self._profiled(self._receive(conn, version))
+        sync()
+        out = {"peak": self._peak(base), "checksum": self.checksum(), **self.times,
+               "log": list(self.log)}
+        self._tidy()
+        return out
+
+    def op_baseline_send(self, bucket: int) -> dict:
+        import verl_baseline
+        return {"ms": verl_baseline.send(self.params, self.peer, bucket, self.ops) * 1e3}
+
+    def op_baseline_recv(self, conn) -> dict:
+        import verl_baseline
+        conn.send({"listening": True})
+        verl_baseline.receive(self.params, self.peer, self.ops)
+        out = {"checksum": self.checksum()}
+        self._tidy()
+        return out
+
+
+def timed(fn, reps: int) -> float:
+    """Median milliseconds of ``fn`` on the GPU (CUDA events, two warm-ups)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def worker_main(role: str, args: dict, conn, peer) -> None:
+    if args.get("switch_interval"):
+        sys.setswitchinterval(args["switch_interval"])
+    try:
+        w = Worker(role, args, peer)
+        conn.send({"ready": True, "mem": w.mem(),
+                   "gpu": torch.cuda.get_device_name() if w.cuda else "cpu"})
+    except BaseException:
+        conn.send({"error": traceback.format_exc()})
+        return
+    while True:
+        cmd = conn.recv()
+        op = cmd.pop("op")
+        if op == "quit":
+            return
+        try:
+            if op in ("recv", "baseline_recv"):
+                cmd["conn"] = conn
+            conn.send(getattr(w, "op_" + op)(**cmd) if op != "mem" else w.mem())
+        except BaseException:
+            conn.send({"error": f"{role} {op}: {traceback.format_exc()}"})
+
+
+# -- driver ------------------------------------------------------------------------------
+class Driver:
+    def __init__(self, args: dict, timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        self.timeout = timeout
+        self.conns, self.procs = {}, []
+        for role, peer in (("trainer", a), ("rollout", b)):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(role, args, child, peer), daemon=True)
+            p.start()
+            self.conns[role] = parent
+            self.procs.append(p)
+        self.ready = {r: self.get(r) for r in self.conns}
+
+    def get(self, role: str) -> dict:
+        conn = self.conns[role]
+        if not conn.poll(self.timeout):
+            raise TimeoutError(f"{role} did not answer in {self.timeout}s")
+        out = conn.recv()
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out
+
+    def call(self, role: str, op: str, **kw) -> dict:
+        self.conns[role].send({"op": op, **kw})
+        return self.get(role)
+
+    def both(self, op: str, trainer_kw: dict, rollout_kw: dict) -> tuple[dict, dict]:
+        self.conns["trainer"].send({"op": op, **trainer_kw})
+        self.conns["rollout"].send({"op": op, **rollout_kw})
+        return self.get("trainer"), self.get("rollout")
+
+    def sync_once(self, seed: int, baseline_bucket: int = 0) -> dict:
+        want = self.call("trainer", "prep", seed=seed)["checksum"]
+        rop, top = ("baseline_recv", "baseline_send") if baseline_bucket else ("recv", "send")
+        self.conns["rollout"].send({"op": rop, **({} if baseline_bucket else {"version": seed})})
+        self.get("rollout")  # listening
+        sent = self.call("trainer", top, **({"bucket": baseline_bucket} if baseline_bucket
+                                            else {"version": seed}))
+        got = self.get("rollout")
+        sent["ok"] = got["checksum"] == want
+        sent["rx_peak"] = got.get("peak", 0)
+        sent["rx_times"] = {k: got[k] for k in ("first_ms", "loop_ms") if k in got}
+        sent["rx_log"] = got.get("log", [])
+        return sent
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.send({"op": "quit"})
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def run_profile(d: Driver, cfg: dict, out_dir: str, tag: str, seed0: int) -> dict:
+    """One cold sync, then three warm ones under cProfile in both processes."""
+    from weightsync.engines.base import worker_kwargs
+    from weightsync.engines.cuda_ipc import CudaIpcEngine
+    t, r = d.both("engine_prepare", {"cfg": cfg}, {"cfg": cfg})
+    tk, rk = CudaIpcEngine.build_topology(1, 1, [t["meta"], r["meta"]])
+    d.both("engine_init", {"kw": worker_kwargs(tk, 0)}, {"kw": worker_kwargs(rk, 0)})
+    plain = [d.sync_once(seed0 + i) for i in range(3)]
+    plain = [(x["ms"], x["rx_times"]) for x in plain]
+    d.both("profile", {"on": True}, {"on": True})
+    prof = [d.sync_once(seed0 + 3 + i)["ms"] for i in range(3)]
+    for role in ("trainer", "rollout"):
+        d.call(role, "profile", on=False, path=os.path.join(out_dir, f"prof_{tag}_{role}.txt"))
+    d.call("rollout", "engine_close")
+    d.call("trainer", "engine_close")
+    return {"cfg": cfg, "plain_ms": plain, "profiled_ms": prof}
+
+
+def run_engine(d: Driver, cfg: dict, warm: int, seed0: int) -> dict:
+    from weightsync.engines.base import worker_kwargs
+    from weightsync.engines.cuda_ipc import CudaIpcEngine
+    free0 = d.call("trainer", "mem")["free"]
+    t, r = d.both("engine_prepare", {"cfg": cfg}, {"cfg": cfg})
+    tk, rk = CudaIpcEngine.build_topology(1, 1, [t["meta"], r["meta"]])
+    d.both("engine_init", {"kw": worker_kwargs(tk, 0)}, {"kw": worker_kwargs(rk, 0)})
+    ring = free0 - d.call("trainer", "mem")["free"]  # device-wide, both processes
+    runs = [d.sync_once(seed0 + i) for i in range(warm + 1)]
+    d.call("rollout", "engine_close")  # receivers let go first, then the trainer frees
+    d.call("trainer", "engine_close")
+    warm_ms = [x["ms"] for x in runs[1:]]
+    transient = max(x["peak"] + x["rx_peak"] for x in runs[1:])
+    last = {"log": runs[-1].get("log", []), "rx_log": runs[-1].get("rx_log", [])}
+    return {"cfg": cfg, "cold_ms": runs[0]["ms"], "warm_ms": warm_ms,
+            "median_ms": statistics.median(warm_ms), "all_ok": all(x["ok"] for x in runs),
+            "ring_bytes": ring, "transient_bytes": transient, "extra_bytes": ring + transient,
+            "metrics": runs[-1]["metrics"], "last": last}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--warm", type=int, default=6)
+    ap.add_argument("--buckets", default="256,512,1024,2048,4096", help="MiB (sync=event)")
+    ap.add_argument("--host-buckets", default="1024,4096", help="MiB (sync=host)")
+    ap.add_argument("--zero-copy-buckets", default="256,1024", help="MiB (event)")
+    ap.add_argument("--zero-copy-host-buckets", default="1024", help="MiB")
+    ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
+    ap.add_argument("--scale", type=int, default=1, help="divide every dimension")
+    ap.add_argument("--cpu-smoke", action="store_true", help="plumbing check: shm on CPU")
+    ap.add_argument("--profile", action="store_true", help="cProfile two configurations")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print when each engine step ran in the last warm sync")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="sys.setswitchinterval in both processes (0: leave Python's 5 ms)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+           "layers": args.layers,
+           "switch_interval": args.switch_interval or sys.getswitchinterval(),
+           "engine": [], "baseline": []}
+    d = Driver(vars(args), timeout=600)
+    out["gpu"] = d.ready["trainer"]["gpu"]
+    try:
+        out["d2d"] = d.call("trainer", "d2d") if not args.cpu_smoke else \
+            {"bytes": 1, "flat_ms": 1.0, "per_tensor_ms": 1.0}
+        print("d2d", out["d2d"], flush=True)
+        seed = 1
+        if args.profile:
+            for tag, cfg in (("zc1g", {"bucket_size": GiB, "zero_copy": True}),
+                             ("ring2g", {"bucket_size": 2 * GiB}),
+                             ("ring256m", {"bucket_size": 256 * MiB})):
+                res = run_profile(d, cfg, args.out, tag, seed)
+                seed += 10
+                out["engine"].append(res)
+                print("profile", tag, json.dumps(res), flush=True)
+            return
+        configs = []
+        for opt, zc, sy in ((args.buckets, False, "event"), (args.host_buckets, False, "host"),
+                            (args.zero_copy_buckets, True, "event"),
+                            (args.zero_copy_host_buckets, True, "host")):
+            configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
+                         "sync": sy} for b in opt.split(",") if b]
+        for cfg in configs:
+            res = run_engine(d, cfg, args.warm, seed)
+            seed += args.warm + 1
+            out["engine"].append(res)
+            print("engine", json.dumps({k: v for k, v in res.items()
+                                        if k not in ("metrics", "last")}), flush=True)
+            if args.timeline:
+                print(timeline(res["last"]), flush=True)
+        for b in [b for b in args.baseline_buckets.split(",") if b]:
+            runs = [d.sync_once(seed + i, baseline_bucket=int(b) * MiB) for i in range(4)]
+            seed += 4
+            ms = [x["ms"] for x in runs]
+            res = {"bucket_size": int(b) * MiB, "ms": ms, "median_ms": statistics.median(ms[1:]),
+                   "all_ok": all(x["ok"] for x in runs)}
+            out["baseline"].append(res)
+            print("baseline", json.dumps(res), flush=True)
+    finally:
+        d.close()
+    name = "gpu_bench.json" if not args.switch_interval else \
+        f"gpu_bench_si{args.switch_interval:g}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(out, f, indent=1)
+    print(report(out))
+
+
+def timeline(last: dict) -> str:
+    """Both processes' logged steps, merged, in ms since the trainer's send began."""
+    events = [(t, "T " + e) for t, e in last["log"]] + [(t, "R " + e) for t, e in last["rx_log"]]
+    if not events:
+        return "(no timeline)"
+    t0 = min(t for t, _ in events)
+    events.sort()
+    rows, prev = [], None
+    for t, e in events:  # collapse runs of the same step
+        if prev and prev[1] == e:
+            prev[2] += 1
+            continue
+        prev = [t, e, 1]
+        rows.append(prev)
+    return "\n".join(f"{(t - t0) * 1e3:8.2f} ms  {e}" + (f" x{n}" if n > 1 else "")
+                     for t, e, n in rows)
+
+
+def report(out: dict) -> str:
+    a = out["d2d"]["flat_ms"]
+    base = min(b["median_ms"] for b in out["baseline"]) if out["baseline"] else float("nan")
+    lines = [f"model {out['d2d']['bytes'] / 1e9:.2f} GB bf16; (a) flat D2D copy {a:.2f} ms "
+             f"({2 * out['d2d']['bytes'] / a / 1e9:.2f} TB/s read+write), per-tensor copy "
+             f"{out['d2d']['per_tensor_ms']:.2f} ms",
+             "| config | sync | bucket | cold ms | warm median ms | (b)/(a) | (c)/(b) "
+             "| ring | peak transient | extra / bucket | checks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in out["engine"]:
+        c = e["cfg"]
+        name = "cuda_ipc zero-copy" if c.get("zero_copy") else "cuda_ipc"
+        lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "
+                     f"{e['cold_ms']:.1f} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
+                     f"{base / e['median_ms']:.1f} | {e['ring_bytes'] / GiB:.2f} GiB | "
+                     f"{e['transient_bytes'] / GiB:.2f} GiB | "
+                     f"{e['extra_bytes'] / c['bucket_size']:.2f} | "
+                     f"{'ok' if e['all_ok'] else 'MISMATCH'} |")
+    for b in out["baseline"]:
+        lines.append(f"| verl-style (c) | host | {b['bucket_size'] // MiB} MiB | "
+                     f"{b['ms'][0]:.1f} | {b['median_ms']:.2f} | {b['median_ms'] / a:.2f} | "
+                     f"- | - | - | - | {'ok' if b['all_ok'] else 'MISMATCH'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

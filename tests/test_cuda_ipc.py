@@ -1,0 +1,277 @@
+"""cuda_ipc protocol logic on the CPU: the engine runs in one process over an in-process
+stand-in for CUDA IPC (the GPU path itself is tested in test_gpu_cuda_ipc.py)."""
+
+import asyncio
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from weightsync import BackendUnavailable, CheckpointEngineRegistry
+from weightsync.engines._cudaipc_ops import (CudaIpcOps, IpcOps, format_descriptor,
+                                             parse_descriptor, storage_bytes)
+from weightsync.engines.base import worker_kwargs
+from weightsync.engines.cuda_ipc import CudaIpcEngine, CudaIpcOptions
+from weightsync.errors import PeerFailed, SyncTimeout, VersionMismatch
+from weightsync.testing import expected_tensors, make_tensors, same_bytes
+
+BUCKET = 64 * 1024
+_EXPORTED: dict[str, torch.Tensor] = {}
+
+
+class FakeOps(IpcOps):
+    """CPU stand-in: 'exporting' registers the storage, 'opening' looks it up."""
+
+    exports = 0
+
+    def __init__(self, device: str) -> None:
+        if torch.device(device).type != "cpu":
+            raise ValueError("fake ops are CPU only")
+        self.device = torch.device("cpu")
+
+    def alloc(self, nbytes):
+        return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+
+    def export(self, tensor, count):
+        FakeOps.exports += 1
+        keys = [secrets.token_hex(8) for _ in range(count)]
+        for k in keys:
+            _EXPORTED[k] = storage_bytes(tensor)
+        return [f"fake|{k}" for k in keys]
+
+    def open(self, descriptor):
+        return _EXPORTED.pop(descriptor.split("|")[1])
+
+
+@pytest.fixture
+def fake_ops(monkeypatch):
+    monkeypatch.setattr(CudaIpcEngine, "ops_factory", FakeOps)
+    FakeOps.exports = 0
+    yield FakeOps
+    _EXPORTED.clear()
+
+
+def _group(trainers, receivers, **kw):
+    kw = {"bucket_size": BUCKET, "timeout": 30, "device": "cpu", **kw}
+    ts = [CudaIpcEngine(role="trainer", **kw) for _ in range(trainers)]
+    rs = [CudaIpcEngine(role="rollout", **kw) for _ in range(receivers)]
+    tk, rk = CudaIpcEngine.build_topology(trainers, receivers, [e.prepare() for e in ts + rs])
+    kws = [worker_kwargs(tk, i) for i in range(trainers)] + \
+          [worker_kwargs(rk, j) for j in range(receivers)]
+    with ThreadPoolExecutor(len(kws)) as pool:
+        for f in [pool.submit(e.init_process_group, **k) for e, k in zip(ts + rs, kws)]:
+            f.result(timeout=60)
+    return ts, rs
+
+
+def _sync(ts, rs, items_of, version, expect=None):
+    """One sync; returns (trainer metrics, per receiver {name: (clone, data_ptr)})."""
+    async def recv(r):
+        got = {}
+        async for name, t in r.receive_weights(version=version if expect is None else expect):
+            assert name not in got
+            got[name] = (t.clone(), t.data_ptr())
+        return got
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(32))
+        jobs = [t.send_weights(items_of(i), version=version) for i, t in enumerate(ts)]
+        jobs += [recv(r) for r in rs]
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 60)
+
+    out = asyncio.run(main())
+    return out[:len(ts)], out[len(ts):]
+
+
+def _finalize(engines):
+    for e in engines:
+        e.finalize()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("receivers,sync", [(1, "event"), (2, "event"), (2, "host")])
+def test_fresh_tensors_every_sync(fake_ops, zero_copy, receivers, sync):
+    ts, rs = _group(1, receivers, zero_copy=zero_copy, min_ref_bytes=0, sync=sync)
+    assert all(e._events == (sync == "event") for e in ts + rs)
+    try:
+        for step in range(3):
+            sent, got = _sync(ts, rs, lambda i: make_tensors(step, bucket_size=BUCKET), step)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            expected = expected_tensors(step, bucket_size=BUCKET)
+            for g in got:
+                assert set(g) == set(expected)
+                bad = [n for n in expected if not same_bytes(g[n][0], expected[n])]
+                assert not bad, bad[:5]
+            refs = sent[0]["ref_tensors"]
+            assert (refs > 100) if zero_copy else (refs == 0)
+            # each tensor has its own storage; those of the previous sync are released
+            assert len(ts[0]._regions) == refs
+            for r in rs:
+                assert len(r._rx_regions.get(0, {})) == refs
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_zero_copy_reads_the_trainers_memory_and_replays(fake_ops):
+    g = torch.Generator().manual_seed(0)
+    params = {f"layer.{i}.w": torch.randn(64, 40, generator=g) for i in range(6)}
+    params["norm"] = torch.randn(7, generator=g)                      # below min_ref_bytes
+    params["tied"] = params["layer.0.w"]                              # same storage twice
+    params["col"] = torch.randn(40, 64, generator=g).t()              # not contiguous
+    ts, rs = _group(1, 2, zero_copy=True, min_ref_bytes=256, ref_batch_bytes=20000)
+    try:
+        for step in range(4):
+            for p in params.values():
+                p.add_(1.0)  # in place, like an optimizer step
+            if step == 3:  # new memory behind the same tensor object: must be noticed
+                params["layer.1.w"].data = torch.randn(64, 40, generator=g)
+            sent, got = _sync(ts, rs, lambda i: list(params.items()), step)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            for received in got:
+                for name, p in params.items():
+                    assert same_bytes(received[name][0], p.contiguous()), name
+                    by_ref = name.startswith(("layer", "tied"))
+                    assert (received[name][1] == p.data_ptr()) == by_ref, name
+            assert sent[0]["ref_tensors"] == 7 and sent[0]["ref_batches"] >= 2
+            if step == 0:
+                exported = FakeOps.exports
+                assert exported == 2 + 6  # two ring slots, then one storage per layer
+            assert FakeOps.exports == exported + (step == 3)  # mappings are reused
+            assert sent[0]["buckets_with_layout"] == (1 if step == 0 else 0)
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pattern", ["full", "disjoint"])
+def test_two_trainers_zero_copy(fake_ops, pattern):
+    ts, rs = _group(2, 2, zero_copy=True, min_ref_bytes=0)
+    try:
+        for step in range(3):
+            items = make_tensors(step, bucket_size=BUCKET, tiny=50)
+            pick = (lambda i: items) if pattern == "full" else \
+                (lambda i: [x for k, x in enumerate(items) if k % 2 == i])
+            sent, got = _sync(ts, rs, pick, step)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            expected = expected_tensors(step, bucket_size=BUCKET, tiny=50)
+            for g in got:
+                assert set(g) == set(expected)
+                assert all(same_bytes(g[n][0], expected[n]) for n in expected)
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_version_mismatch_is_an_error(fake_ops):
+    ts, rs = _group(1, 1, zero_copy=True, min_ref_bytes=0, timeout=10)
+    try:
+        sent, got = _sync(ts, rs, lambda i: make_tensors(0, bucket_size=BUCKET), 0, expect=5)
+        assert isinstance(got[0], VersionMismatch), got
+        assert isinstance(sent[0], BaseException), sent
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_zero_copy_batches_grow(fake_ops):
+    params = {f"w{i}": torch.full((1024,), float(i)) for i in range(40)}  # 4 KiB each
+    ts, rs = _group(1, 1, zero_copy=True, min_ref_bytes=0, bucket_size=8192)
+    try:
+        sent, got = _sync(ts, rs, lambda i: list(params.items()), 0)
+        assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+        # 2, 4, 8, 16 tensors, then the 10 left: few messages, the first one early
+        assert sent[0]["ref_batches"] == 5 and sent[0]["ref_tensors"] == 40
+        assert all(same_bytes(got[0][n][0], p) for n, p in params.items())
+    finally:
+        _finalize(ts + rs)
+
+
+def test_unfinished_peer_event_is_a_timeout(fake_ops, monkeypatch):
+    e = CudaIpcEngine(role="trainer", device="cpu", timeout=0.2)
+    monkeypatch.setattr(e._ops, "done", lambda ev: False, raising=False)
+    start = time.monotonic()
+    with pytest.raises(SyncTimeout) as info:
+        e._wait_event(object(), peer="rollout rank 1", phase="send", version=4)
+    assert 0.15 < time.monotonic() - start < 10  # bounded (loose: CI machines are busy)
+    assert info.value.peer == "rollout rank 1" and info.value.version == 4
+    monkeypatch.setattr(e._ops, "done", lambda ev: (_ for _ in ()).throw(RuntimeError("x")),
+                        raising=False)
+    with pytest.raises(PeerFailed):
+        e._wait_event(object(), peer="rollout rank 1", phase="send", version=4)
+
+
+def test_ack_pusher_orders_drops_and_reports():
+    from weightsync.engines.cuda_ipc import _AckPusher
+    from weightsync.engines._cudaipc_refs import REF_INDEX_BASE
+    from weightsync.wire import AckMsg, ErrorMsg
+
+    class Box:
+        def __init__(self):
+            self.got, self.fail = [], False
+
+        def push(self, box, msg):
+            time.sleep(0.01)
+            if self.fail:
+                raise ConnectionError("gone")
+            self.got.append(msg)
+
+    box = Box()
+    acker = _AckPusher(box, "weightsync-test-acker", 5.0)
+    try:
+        for i in range(3):
+            acker.push("t", AckMsg(seq=1, stream=0, rank=0, index=i))
+        acker.push("t", AckMsg(seq=1, stream=0, rank=0, index=REF_INDEX_BASE))  # dropped
+        acker.push("t", AckMsg(seq=1, stream=0, rank=0, index=0, final=True))  # after the rest
+        assert [(m.index, m.final) for m in box.got] == [(0, False), (1, False), (2, False),
+                                                         (0, True)]
+        box.fail = True
+        acker.push("t", AckMsg(seq=2, stream=0, rank=0, index=0))
+        with pytest.raises(ConnectionError):
+            acker.push("t", ErrorMsg(version=None, seq=2, error="SyncTimeout", message="m",
+                                     peer="p", phase="receive"))
+    finally:
+        acker.close()
+
+
+def test_descriptor_roundtrip_and_rejects():
+    share = (0, b"\x01" + bytes(range(64)), 1 << 30, 4096, b"/torch_12_34", 7, b"\0" * 64, True)
+    text = format_descriptor("GPU-1234-abcd", share)
+    d = parse_descriptor(text)
+    assert d == {"uuid": "GPU-1234-abcd", "size": 1 << 30, "offset": 4096, "ref_offset": 7,
+                 "handle": share[1], "ref_handle": b"/torch_12_34"}
+    parts = text.split("|")
+    for i, bad in [(0, "cudaipc0"), (1, "GPU 1"), (2, "0"), (2, "-5"), (3, "x"),
+                   (5, "abc"), (5, "zz"), (6, "")]:
+        broken = parts.copy()
+        broken[i] = bad
+        with pytest.raises(ValueError):
+            parse_descriptor("|".join(broken))
+    with pytest.raises(ValueError):
+        parse_descriptor(text + "|extra")
+    with pytest.raises(ValueError):
+        format_descriptor("GPU-1", (0, None, 0, 0, None, 0, b"", False))
+
+
+def test_options_and_construction(monkeypatch):
+    with pytest.raises(ValueError):
+        CudaIpcOptions(zero_copy="yes")
+    with pytest.raises(ValueError):
+        CudaIpcOptions(min_ref_bytes=-1)
+    with pytest.raises(ValueError):
+        CudaIpcOptions(sync="spin")
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_ZERO_COPY", "1")
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_MIN_REF_BYTES", "4096")
+    opts = CudaIpcOptions()
+    assert opts.zero_copy is True and opts.min_ref_bytes == 4096
+    assert CudaIpcOptions(zero_copy=False).zero_copy is False
+    assert "cuda_ipc" in CheckpointEngineRegistry.names()
+    assert CheckpointEngineRegistry.get("cuda_ipc").capabilities == {"cuda", "same_host"}
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        CudaIpcOps("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable):
+            CheckpointEngineRegistry.new("cuda_ipc", role="trainer")

@@ -1,0 +1,198 @@
+"""cuda_ipc on a real GPU: the conformance scenarios (every whitelisted dtype, fp8 and bf16
+included) with trainer tensors on CUDA, both data paths (ring buckets and zero-copy), and
+races that corrupt data if a stream wait is missing. Skipped without CUDA."""
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from weightsync import CheckpointEngineRegistry
+from weightsync.engines.base import worker_kwargs
+from weightsync.testing import GroupSpec, run_group
+
+pytestmark = pytest.mark.gpu
+BUCKET = 64 * 1024
+
+
+def _spec(**kw):
+    engine_kwargs = {"bucket_size": BUCKET, "timeout": 60, "device": "cuda",
+                     **kw.pop("engine_kwargs", {})}
+    return GroupSpec(backend="cuda_ipc", device="cuda", engine_kwargs=engine_kwargs, **kw)
+
+
+def _assert_clean(results, spec):
+    for r in results:
+        assert "fatal" not in r and "died" not in r and "hung" not in r, r
+        assert not r["errors"], (r["role"], r["rank"], r["errors"])
+        assert len(r["steps"]) == spec.steps
+        assert not r.get("threads"), r.get("threads")
+    for r in results:
+        if r["role"] == "rollout":
+            for step in r["steps"]:
+                assert not step["missing"], step["missing"][:5]
+                assert not step["dupes"], step["dupes"][:5]
+                assert not step["bad"], step["bad"][:5]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("receivers,sync", [(1, "event"), (3, "event"), (3, "host")])
+def test_one_trainer_many_receivers(receivers, zero_copy, sync):
+    spec = _spec(receivers=receivers, steps=3, tiny=1500,
+                 engine_kwargs={"zero_copy": zero_copy, "min_ref_bytes": 0, "sync": sync})
+    results = run_group(spec)
+    _assert_clean(results, spec)
+    trainer = results[0]["steps"]
+    assert trainer[0]["buckets_with_layout"] == trainer[0]["buckets"] >= 1
+    assert trainer[1]["buckets_with_layout"] == trainer[2]["buckets_with_layout"] == 0
+    assert (trainer[0]["ref_tensors"] > 100) == zero_copy
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero_copy,sync", [(False, "event"), (True, "event"), (True, "host")])
+@pytest.mark.parametrize("pattern", ["full", "disjoint"])
+def test_two_trainers(pattern, zero_copy, sync):
+    spec = _spec(trainers=2, receivers=2, steps=3, pattern=pattern,
+                 engine_kwargs={"zero_copy": zero_copy, "min_ref_bytes": 0, "sync": sync})
+    _assert_clean(run_group(spec), spec)
+
+
+@pytest.mark.timeout(300)
+def test_dtype_cast_to_bf16():
+    spec = _spec(receivers=2, steps=2, engine_kwargs={"dtype": torch.bfloat16,
+                                                      "zero_copy": True})
+    _assert_clean(run_group(spec), spec)
+
+
+@pytest.mark.timeout(300)
+def test_version_mismatch_is_an_error_not_wrong_weights():
+    spec = _spec(receivers=2, steps=1, expect_version_offset=1000,
+                 engine_kwargs={"timeout": 20})
+    results = run_group(spec)
+    assert any(e.startswith("VersionMismatch") for r in results for e in r.get("errors", []))
+    for r in results:
+        assert r.get("errors"), r
+
+
+# -- races: a slow producer or a slow consumer ------------------------------------------
+# Both sides work on non-default streams behind long kernels; if a stream wait were
+# missing, a receiver would read a bucket before the trainer's copy landed, or the trainer
+# would refill a slot the consumer has not read yet. The mutant runs drop every wait of
+# the engine and must show that corruption (the race checks can fail).
+SCENARIOS = {"slow_producer": (16_000_000, 4_000_000), "slow_consumer": (0, 16_000_000)}
+RACE_TENSORS = 8
+
+
+def _sleep(cycles):
+    if cycles:
+        torch.cuda._sleep(cycles)
+
+
+async def _race_trainer(engine, zero_copy, cycles):
+    n = BUCKET // 4  # each tensor fills a whole bucket with its own value
+    params = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda")
+              for i in range(RACE_TENSORS)}
+
+    def fresh(step):
+        for i in range(RACE_TENSORS):
+            _sleep(cycles)
+            yield f"t{i}", torch.full((n,), 1000 * step + i, dtype=torch.int32, device="cuda")
+
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for step in range(3):
+            if zero_copy:  # an in-place update behind a slow kernel, then send by reference
+                for i, p in enumerate(params.values()):
+                    _sleep(cycles)
+                    p.fill_(1000 * step + i)
+                await engine.send_weights(list(params.items()), version=step)
+            else:
+                await engine.send_weights(fresh(step), version=step)
+    return []
+
+
+async def _race_rollout(engine, cycles):
+    bad = []
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for step in range(3):
+            kept = {}
+            async for name, t in engine.receive_weights(version=step):
+                _sleep(cycles)
+                kept[name] = t.clone()
+            torch.cuda.current_stream().synchronize()
+            for name, t in kept.items():
+                if not bool((t == 1000 * step + int(name[1:])).all()):
+                    bad.append((step, name))
+    return bad
+
+
+def _race_worker(role, zero_copy, sync, mutant, scenario, conn):
+    import asyncio
+    try:
+        engine = CheckpointEngineRegistry.new(
+            "cuda_ipc", role=role, bucket_size=BUCKET, timeout=60, device="cuda",
+            num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync)
+        if mutant:  # drop every wait of the engine (streams and events)
+            engine._sync = lambda *a, **k: None
+            engine._wait_event = lambda *a, **k: None
+        conn.send(engine.prepare())
+        engine.init_process_group(**conn.recv())
+        prod, cons = SCENARIOS[scenario]
+        job = _race_trainer(engine, zero_copy, prod) if role == "trainer" else \
+            _race_rollout(engine, cons)
+        conn.send({"bad": asyncio.run(job)})
+        engine.finalize()
+    except BaseException:
+        conn.send({"fatal": traceback.format_exc()})
+
+
+def _run_race(zero_copy, sync, scenario, mutant=False):
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for role in ("trainer", "rollout"):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_race_worker,
+                        args=(role, zero_copy, sync, mutant, scenario, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    try:
+        metas = []
+        for c in pipes:
+            assert c.poll(120), "no prepare() result"
+            metas.append(c.recv())
+        tk, rk = CheckpointEngineRegistry.get("cuda_ipc").build_topology(1, 1, metas)
+        pipes[0].send(worker_kwargs(tk, 0))
+        pipes[1].send(worker_kwargs(rk, 0))
+        out = []
+        for c in pipes:
+            assert c.poll(180), "worker sent no result"
+            out.append(c.recv())
+        return out
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("sync", ["event", "host"])
+def test_slow_streams_never_corrupt(sync, zero_copy, scenario):
+    trainer, rollout = _run_race(zero_copy, sync, scenario)
+    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
+    assert rollout["bad"] == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero_copy,sync,scenario", [
+    (False, "event", "slow_producer"), (False, "event", "slow_consumer"),
+    (True, "event", "slow_producer"), (False, "host", "slow_producer"),
+    (False, "host", "slow_consumer")])
+def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
+    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True)
+    assert "fatal" not in rollout, rollout
+    assert rollout["bad"], f"no corruption without stream waits ({scenario})"
