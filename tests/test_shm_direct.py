@@ -98,3 +98,18 @@ def test_receive_into_writes_the_callers_tensors(monkeypatch, direct_min):
     for s in steps:
         assert not s["bad"], s["bad"][:5]
         assert s["placed"] == s["fits"]
+
+
+def test_cma_read_split_over_threads_is_exact():
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.engines._fastcopy import SPLIT_MIN, cma_available, cma_read
+    src = torch.randint(0, 255, (SPLIT_MIN + 12345,), dtype=torch.uint8)
+    if not cma_available(os.getpid(), src.data_ptr(), src[:16].numpy().tobytes()):
+        pytest.skip("process_vm_readv not permitted here")
+    for parts in (1, 2, 3):
+        dst = torch.zeros_like(src)
+        with ThreadPoolExecutor(max(1, parts - 1)) as pool:
+            cma_read(os.getpid(), src.data_ptr(), dst, pool, parts)
+        assert torch.equal(dst, src)

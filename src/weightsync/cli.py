@@ -48,22 +48,23 @@ def _bytes(text: str) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from .bench.runner import ALL_METHODS
+    from .bench.runner import ALL_METHODS, DEFAULT_METHODS
     p.add_argument("--sizes", type=_csv(str), default=("0.25", "1", "4"),
                    help="synthetic sizes in GiB, or with a unit (e.g. 16MiB); default 0.25,1,4")
     p.add_argument("--dtypes", type=_csv(str), default=("bfloat16", "float32"))
     p.add_argument("--receivers", type=_csv(int), default=(1, 2, 4),
                    help="receiver process counts; default 1,2,4")
-    p.add_argument("--methods", type=_csv(str), default=ALL_METHODS,
-                   help=f"subset of {','.join(ALL_METHODS)}")
+    p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
+                   help=f"subset of {','.join(ALL_METHODS)} (default: all but shm-buckets)")
     p.add_argument("--no-hf", action="store_true",
                    help="skip the config-built HF Qwen2 (~0.5B) workload")
     p.add_argument("--warm", type=int, default=5, help="warm syncs per case (median reported)")
     p.add_argument("--bucket-size", type=_bytes, default=64 << 20,
                    help="bucket size of the weightsync backends (default 64MiB)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per blocking step")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per process (0: torch's default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per bench process (default 1: R+1 processes share the "
+                        "cores; 0: torch's default of one per core)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="write a GB/s plot (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

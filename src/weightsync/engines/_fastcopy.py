@@ -15,11 +15,11 @@ import ctypes
 import errno
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["copy_into", "can_memmove", "cma_read", "cma_available"]
+__all__ = ["copy_into", "can_memmove", "cma_read", "cma_available", "copy_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,26 +70,63 @@ def _load() -> bool:
 _STEP = 64 << 20
 
 
-def cma_read(pid: int, remote_addr: int, dst: torch.Tensor) -> None:
+#: reads at least this big are split over the copy threads
+SPLIT_MIN = 8 << 20
+
+
+def copy_threads() -> int:
+    """Threads one big cross-memory read is split over (``WEIGHTSYNC_COPY_THREADS``)."""
+    raw = os.environ.get("WEIGHTSYNC_COPY_THREADS", "")
+    if raw.strip():
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"WEIGHTSYNC_COPY_THREADS={raw!r} is not an int") from None
+        if not 1 <= n <= 64:
+            raise ValueError(f"WEIGHTSYNC_COPY_THREADS must be in [1, 64], got {n}")
+        return n
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _read_range(pid: int, remote: int, local: int, total: int) -> None:
+    off = 0
+    while off < total:
+        n = min(_STEP, total - off)
+        lv, rv = _IoVec(local + off, n), _IoVec(remote + off, n)
+        got = _readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise OSError(err or errno.EIO, f"process_vm_readv from pid {pid}: "
+                          f"{os.strerror(err) if err else 'short read'}")
+        off += got
+
+
+def cma_read(pid: int, remote_addr: int, dst: torch.Tensor, pool: Any = None,
+             parts: int = 1) -> None:
     """Copy ``dst``'s size in bytes from ``remote_addr`` in process ``pid`` into ``dst``.
 
-    Raises ``OSError`` on failure (permission, dead process, bad address).
+    With ``pool`` (a ``ThreadPoolExecutor`` of ``parts - 1`` threads), a big read is split
+    in ``parts``, one done by the calling thread: one
+    thread's ``process_vm_readv`` reaches about half of ``memcpy`` speed (it pins the
+    remote pages one by one), several together reach it. Raises ``OSError`` on failure
+    (permission, dead process, bad address).
     """
     if not _load():
         raise OSError(errno.ENOSYS, "process_vm_readv is not available")
     if not dst.is_contiguous() or dst.device.type != "cpu":
         raise ValueError("cma_read needs a contiguous CPU tensor")
     total = dst.numel() * dst.element_size()
-    base, off = dst.data_ptr(), 0
-    while off < total:
-        n = min(_STEP, total - off)
-        local, remote = _IoVec(base + off, n), _IoVec(remote_addr + off, n)
-        got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if got <= 0:
-            err = ctypes.get_errno()
-            raise OSError(err or errno.EIO, f"process_vm_readv from pid {pid}: "
-                          f"{os.strerror(err) if err else 'short read'}")
-        off += got
+    if pool is None or parts < 2 or total < SPLIT_MIN:
+        _read_range(pid, remote_addr, dst.data_ptr(), total)
+        return
+    step = ((total + parts - 1) // parts + 4095) // 4096 * 4096
+    futures = [pool.submit(_read_range, pid, remote_addr + off, dst.data_ptr() + off,
+                           min(step, total - off)) for off in range(step, total, step)]
+    try:
+        _read_range(pid, remote_addr, dst.data_ptr(), min(step, total))
+    finally:
+        for f in futures:
+            f.result()
 
 
 def cma_available(pid: int, remote_addr: int, expect: bytes) -> bool:

@@ -19,6 +19,7 @@ import os
 import secrets
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
@@ -28,7 +29,7 @@ from ..plan import TensorMeta, dtype_name
 from ..wire import BucketMsg, HelloMsg
 from ._bucketed import BucketedEngine, _jsonable, _plain_cpu
 from ._direct import Link, LinkHub, unix_address
-from ._fastcopy import cma_available, cma_read
+from ._fastcopy import cma_available, cma_read, copy_threads
 from ._group import StoreGroupMixin
 from ._receiver import DIRECT_BASE, DIRECT_SLOT, ReceiverMixin
 from ._shmseg import Segment, sweep_stale
@@ -54,6 +55,8 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._peer_pid: dict[int, int] = {}
         self._direct = False
         self._direct_seq = (0, 0)
+        self._copy_threads = copy_threads()
+        self._copy_pool: Optional[ThreadPoolExecutor] = None
         env = os.environ.get("WEIGHTSYNC_SHM_DIRECT", "1").strip().lower()
         self._direct_wanted = env not in ("0", "false", "no", "off")
         try:
@@ -151,6 +154,9 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                     ok = False
             link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
                                     num_slots=msg.num_slots, segments=("cma",) if ok else ()))
+            if ok and self._copy_pool is None and self._copy_threads > 1:
+                self._copy_pool = ThreadPoolExecutor(self._copy_threads - 1,
+                                                     thread_name_prefix="weightsync-copy")
 
     # -- data path ------------------------------------------------------------------------
     def _tx_buffer(self, slot: int) -> torch.Tensor:
@@ -206,7 +212,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
         try:
-            cma_read(self._peer_pid[stream], aux, dest)
+            cma_read(self._peer_pid[stream], aux, dest, self._copy_pool, self._copy_threads)
         except (OSError, KeyError) as exc:
             raise PeerFailed(f"could not read tensor {msg.entries[0].name!r} from the trainer "
                              f"({exc})", peer=f"trainer rank {stream}", phase="receive",
@@ -226,6 +232,9 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
             link.close()
         self._hub, self._links, self._peer_pid, self._direct = None, {}, {}, False
         self.__dict__.pop("_staging_pool", None)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
         self._leave()
 
     def finalize(self) -> None:
