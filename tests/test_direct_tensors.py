@@ -1,5 +1,6 @@
-"""shm's direct path (receivers read the trainer's tensors by cross-memory attach) and
-``receive_into`` (the engine writes straight into the receiver's own tensors)."""
+"""Direct tensors (shm: receivers read the trainer's tensors by cross-memory attach;
+collective: a big tensor is broadcast as it is) and ``receive_into`` (the engine writes
+straight into the receiver's own tensors)."""
 
 import asyncio
 import multiprocessing as mp
@@ -24,19 +25,23 @@ def _clean(results):
                 assert not step["missing"] and not step["dupes"] and not step["bad"], step
 
 
+ENV = {"shm": "WEIGHTSYNC_SHM_DIRECT_MIN", "collective": "WEIGHTSYNC_COLLECTIVE_DIRECT_MIN"}
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["shm", "collective"])
 @pytest.mark.parametrize("trainers,receivers", [(1, 1), (1, 3), (2, 2)])
-def test_direct_tensors_arrive_bit_exact(monkeypatch, trainers, receivers):
-    # every tensor of 1 KiB or more skips the buckets (when the kernel allows the reads)
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", "1024")
-    spec = GroupSpec(backend="shm", trainers=trainers, receivers=receivers, steps=3,
+def test_direct_tensors_arrive_bit_exact(monkeypatch, backend, trainers, receivers):
+    # every tensor of 1 KiB or more skips the buckets (shm: where the kernel allows)
+    monkeypatch.setenv(ENV[backend], "1024")
+    spec = GroupSpec(backend=backend, trainers=trainers, receivers=receivers, steps=3,
                      engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
     _clean(run_group(spec))
 
 
-def _into_worker(role, conn, steps):
+def _into_worker(backend, role, conn, steps):
     try:
-        eng = CheckpointEngineRegistry.new("shm", role=role, bucket_size=BUCKET, timeout=60)
+        eng = CheckpointEngineRegistry.new(backend, role=role, bucket_size=BUCKET, timeout=60)
         conn.send(eng.prepare())
         eng.init_process_group(**conn.recv())
         loop = asyncio.new_event_loop()
@@ -69,20 +74,21 @@ async def _receive_into(eng, step):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "collective"])
 @pytest.mark.parametrize("direct_min", ["1024", str(1 << 40)])
-def test_receive_into_writes_the_callers_tensors(monkeypatch, direct_min):
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", direct_min)
+def test_receive_into_writes_the_callers_tensors(monkeypatch, backend, direct_min):
+    monkeypatch.setenv(ENV[backend], direct_min)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_into_worker, args=(role, b, 2), daemon=True)
+        p = ctx.Process(target=_into_worker, args=(backend, role, b, 2), daemon=True)
         p.start()
         pipes.append(a)
         procs.append(p)
     try:
         metas = [c.recv() for c in pipes]
-        cls = CheckpointEngineRegistry.get("shm")
+        cls = CheckpointEngineRegistry.get(backend)
         tk, rk = cls.build_topology(1, 1, metas)
         pipes[0].send(worker_kwargs(tk, 0))
         pipes[1].send(worker_kwargs(rk, 0))
