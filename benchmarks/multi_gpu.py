@@ -206,6 +206,8 @@ def main() -> None:
     ap.add_argument("--buckets", default="512,1024,2048")
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--cpu", action="store_true", help="dry run of the script on gloo/CPU")
+    ap.add_argument("--cases", default="plain,cast_bf16,version_mismatch",
+                    help="conformance cases to run ('' for none)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ngpu = 2 if args.cpu else torch.cuda.device_count()
@@ -218,6 +220,8 @@ def main() -> None:
     for name, extra in (("plain", {}), ("cast_bf16", {"engine": {"dtype": "bfloat16"},
                                                       "dtype": torch.bfloat16}),
                         ("version_mismatch", {"offset": 1000, "steps": 1})):
+        if name not in args.cases.split(","):
+            continue
         task = {"kind": "conformance", "name": name, "bucket": 1 << 20, "steps": 3,
                 "cpu": args.cpu, **extra}
         res = launch(task, ngpu)
