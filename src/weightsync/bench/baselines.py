@@ -99,6 +99,9 @@ class RayCluster:
             raise Unavailable("ray is not installed (pip install 'weightsync[ray]')") from None
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray's OOM killer looks at the whole host, which other processes share here: the
+        # bench checks memory itself before each case
+        os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
         self.ray = ray
         info = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
                         object_store_memory=int(object_store_bytes), log_to_driver=False,
