@@ -5,8 +5,11 @@ directly from its TCPStore (no ``init_process_group``, so it never touches the c
 default group). Buckets go out with asynchronous broadcasts from a ring of ``num_slots``
 buffers: the trainer fills bucket k+1 while bucket k is on the wire. A receiver posts the
 broadcast of a bucket into its own slot only after its consumer released that slot, so no
-buffer is overwritten while read. Headers travel through the store, so after the first
-sync only bucket indices do.
+buffer is overwritten while read. Headers travel on one socket per receiver (set up in
+``init_process_group`` through the store), so after the first sync only bucket indices do.
+On CPU, a contiguous tensor of at least ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN`` bytes (16 MiB;
+0 turns it off) is broadcast as it is, from the trainer's tensor into the receiver's
+(its own tensor with ``receive_into``): no packing or unpacking copy.
 
 CUDA (NCCL), reviewed for streams: slot buffers are allocated once, in
 ``init_process_group``, from PyTorch's caching allocator (NCCL only reads and writes them;
@@ -31,8 +34,10 @@ used concurrently: NCCL runs those only while their kernels fit on the GPU toget
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -41,11 +46,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SyncTimeout
+from ..plan import TensorMeta, dtype_name
 from ..wire import BucketMsg
-from ._bucketed import BucketedEngine
+from ._bucketed import BucketedEngine, _jsonable, _plain_cpu
+from ._direct import Link, LinkHub
 from ._ctlserver import C10dStore
 from ._group import StoreGroupMixin
-from ._receiver import ReceiverMixin
+from ._receiver import DIRECT_BASE, DIRECT_SLOT, ReceiverMixin
 from .registry import CheckpointEngineRegistry
 
 __all__ = ["CollectiveEngine"]
@@ -85,6 +92,14 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._cuda = torch.device(self.config.device).type == "cuda"
         self._tx_stream: Any = None      # caller's stream during send_weights (CUDA)
         self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
+        try:  # CPU: tensors at least this big are broadcast as they are (0: never)
+            self._direct_min = int(os.environ.get("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN",
+                                                  str(16 << 20)))
+        except ValueError:
+            raise ValueError("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN must be a number of bytes") from None
+        self._direct_seq = (0, 0)
+        self._hub: Any = None
+        self._links: dict[int, Link] = {}
 
     def init_process_group(self, **kwargs: Any) -> None:
         self._join(**kwargs)
@@ -100,6 +115,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 self._stores.append(store)  # pybind trampolines need the Python object alive
                 self._groups[self._rank] = _make_group(store, 0, size, dev, t, host)
                 self._bufs = [self._alloc(dev) for _ in range(self.config.num_slots)]
+                self._open_hub(client, host, t)
                 return
             for s in range(self._world):
                 client = self._clients[s].clone()
@@ -112,9 +128,40 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                     ev = threading.Event()
                     ev.set()
                     self._free[(s, slot)] = ev
+            for s in range(self._world):
+                self._open_link(s, t)
         except (RuntimeError, dist.DistError) as exc:
             raise SyncTimeout(f"process group did not form: {exc}", phase="init",
                               peer="collective group") from None
+
+    # -- control links: per-bucket headers and acks bypass the store ---------------------
+    def _open_hub(self, client: Any, host: str, timeout: float) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._hub = LinkHub(family, (host, 0), self._token, timeout)
+        port = self._hub.address[1]
+        client.set(self._prefix(self._rank) + "/link", json.dumps([host, port]))
+        self._hub.accept(self._num_receivers, time.monotonic() + timeout)
+
+    def _open_link(self, stream: int, timeout: float) -> None:
+        peer = f"trainer rank {stream}"
+        try:
+            host, port = json.loads(self._clients[stream].get(self._prefix(stream) + "/link",
+                                                               timeout))
+        except Exception as exc:  # StoreTimeout, a closed store, a malformed value
+            raise SyncTimeout(f"no control link address from {peer}: {exc}", peer=peer,
+                              phase="init") from None
+        family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+        self._links[stream] = Link(family, (str(host), int(port)), self._token, self._rank,
+                                   timeout, peer=peer)
+
+    def _tx_control(self) -> Any:
+        return self._hub if self._hub is not None else self._tx_inbox
+
+    def _rx_control(self, stream: int) -> Any:
+        return self._links.get(stream) or self._rx_push[stream]
+
+    def _rx_pump_inbox(self, stream: int) -> Any:
+        return self._links.get(stream) or self._rx_pop[stream]
 
     def _alloc(self, dev: torch.device) -> torch.Tensor:
         buf = torch.empty(self.config.bucket_size, dtype=torch.uint8, device=dev)
@@ -133,7 +180,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         return await super().send_weights(named_tensors, version)
 
     def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
-        self._tx_inbox.push_many(self._receiver_boxes(), msg)
+        self._tx_control().push_many(self._receiver_boxes(), msg)
         view = self._bufs[slot][: msg.nbytes]
         pg = self._groups[self._rank]
         if self._cuda:  # NCCL's stream waits for the stream the bucket was packed on
@@ -196,6 +243,36 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                         msg.version)
         return buf
 
+    # -- direct tensors (CPU): broadcast from the trainer's tensor into the receiver's own,
+    # no packing or unpacking copy; the header goes first, so every rank posts the
+    # broadcasts of one group in the same order ------------------------------------------
+    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (not self._cuda and self._direct_min > 0 and tensor.dtype == dtype
+                and _plain_cpu(tensor) and not self.config.checksum
+                and tensor.numel() * tensor.element_size() >= self._direct_min)
+
+    def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+        seq, k = self._direct_seq
+        k = k + 1 if seq == state.seq else 1
+        self._direct_seq = (state.seq, k)
+        nbytes = tensor.numel() * tensor.element_size()
+        meta = TensorMeta(name, tuple(tensor.shape), dtype_name(dtype), 0, nbytes, 0, nbytes)
+        msg = BucketMsg(version=_jsonable(state.version), seq=state.seq, stream=self._rank,
+                        index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
+                        layout="direct", entries=(meta,))
+        self._tx_control().push_many(self._receiver_boxes(), msg)
+        flat = tensor.reshape(-1).view(torch.uint8)
+        self._wait_work(self._groups[self._rank].broadcast(flat, 0), "rollout ranks",
+                        state.version)  # the tensor may change once we return
+        state.tensors += 1
+        state.nbytes += nbytes
+
+    def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
+        flat = dest.reshape(-1).view(torch.uint8)
+        self._wait_work(self._groups[stream].broadcast(flat, 0), f"trainer rank {stream}",
+                        msg.version)
+
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         if self._cuda:  # runs in the consumer's thread: its current stream did the reads
             event = torch.cuda.Event()
@@ -218,6 +295,11 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 except Exception:
                     pass
         self._groups, self._works, self._free, self._released = {}, {}, {}, {}
+        if self._hub is not None:
+            self._hub.close()
+        for link in self._links.values():
+            link.close()
+        self._hub, self._links = None, {}
         self._bufs, self._rx_bufs = [], {}
         self._leave()
 

@@ -8,6 +8,16 @@ while someone reads it. Rollout ranks get views straight into the shared buckets
 consumer's copy into its model is the only copy on their side). Waiting is blocking on a
 socket, never spinning. Segments are unlinked as soon as all readers mapped them.
 
+Speed (see BENCHMARKS.md): per-bucket headers and acks travel on one Unix socket per
+receiver (:mod:`._direct`), not through the control store. Where the kernel lets rollout
+ranks read the trainer's memory (``process_vm_readv``, probed in ``init_process_group``),
+every contiguous tensor of at least ``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (1 MiB) skips the
+ring: the trainer sends its address and waits until every receiver has read it (the
+tensor is valid only until the next item), so one copy remains instead of two; with
+``receive_into`` that copy lands straight in the receiver's own tensor. Copies use
+``memmove`` rather than torch's thread pool (:mod:`._fastcopy`).
+``WEIGHTSYNC_SHM_DIRECT=0`` turns direct reads off.
+
 Lifecycle (per worker): ``prepare`` (trainers start their control store) ->
 ``build_topology`` -> ``init_process_group`` (trainers create the ring, rollout ranks map
 it) -> any number of ``send_weights``/``receive_weights`` -> ``finalize``.
