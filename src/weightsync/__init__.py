@@ -15,7 +15,7 @@ from .errors import (AuthenticationError, BackendUnavailable, IntegrityError, Pe
                      TopologyError, VersionMismatch, WeightSyncError, WireError)
 from .manager import CheckpointEngineManager
 from .plan import Bucket, PlanBuilder, TensorMeta, WeightPlan, build_plan
-from .report import ReplicaStatus, SyncReport
+from .report import ReplicaStatus, SyncReport, VerifyReport
 from .rendezvous import connect
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointEngineManager",
     "SyncReport",
     "ReplicaStatus",
+    "VerifyReport",
     "TensorMeta",
     "Bucket",
     "WeightPlan",

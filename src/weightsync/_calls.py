@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -43,6 +44,7 @@ class Call:
     method: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    patient: bool = False         # see ``settle`` of :func:`call_all`
 
 
 @dataclass
@@ -76,62 +78,70 @@ def _timeout_error(label: str, method: str, timeout: float, phase: str, version:
                        phase=phase, version=version)
 
 
-def call_all(calls: list[Call], *, timeout: float, phase: str,
-             version: Any = None) -> list[Outcome]:
-    """Start every call at once and wait for all of them, at most ``timeout`` seconds."""
+def call_all(calls: list[Call], *, timeout: float, phase: str, version: Any = None,
+             settle: Optional[float] = None) -> list[Outcome]:
+    """Start every call at once and wait for all of them, at most ``timeout`` seconds.
+
+    ``settle``: once every call marked ``patient`` has finished (the trainer ranks of a
+    sync, say), the others get at most ``settle`` more seconds: peers told of a failure
+    end within their own timeout, so one still running after that is hung.
+    """
     if not calls:
         return []
-    ray_idx = [i for i, c in enumerate(calls) if is_ray_handle(c.handle)]
-    local_idx = [i for i, c in enumerate(calls) if i not in set(ray_idx)]
     out: list[Optional[Outcome]] = [None] * len(calls)
-    refs = {}
-    if ray_idx:
-        for i in ray_idx:
-            c = calls[i]
-            try:
-                refs[i] = getattr(c.handle, c.method).remote(*c.args, **c.kwargs)
-            except Exception as exc:  # a dead handle may fail at submission
-                out[i] = Outcome(c.label, False,
-                                 error=_wrap(exc, c.label, c.method, phase, version))
-    futs = {}
+    refs: dict[int, Any] = {}
+    futs: dict[int, concurrent.futures.Future] = {}
     pool = _local_pool()
-    for i in local_idx:
+    for i, c in enumerate(calls):
+        try:
+            if is_ray_handle(c.handle):
+                refs[i] = getattr(c.handle, c.method).remote(*c.args, **c.kwargs)
+            else:
+                futs[i] = pool.submit(getattr(c.handle, c.method), *c.args, **c.kwargs)
+        except Exception as exc:  # a dead handle may fail at submission
+            out[i] = Outcome(c.label, False, error=_wrap(exc, c.label, c.method, phase, version))
+    deadline = time.monotonic() + timeout
+    settled = False
+    while refs or futs:
+        if settle is not None and not settled and all(
+                out[i] is not None for i, c in enumerate(calls) if c.patient):
+            deadline, settled = min(deadline, time.monotonic() + settle), True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        slice_ = left if not (refs and futs) else min(left, 0.05)
+        if refs:
+            _poll_ray(calls, refs, out, slice_, phase, version)
+        if futs:
+            _poll_local(calls, futs, out, slice_, phase, version)
+    for i in list(refs) + list(futs):
         c = calls[i]
-        futs[i] = pool.submit(getattr(c.handle, c.method), *c.args, **c.kwargs)
-    if refs:
-        _collect_ray(calls, refs, out, timeout, phase, version)
-    if futs:
-        _collect_local(calls, futs, out, timeout, phase, version)
+        out[i] = Outcome(c.label, False, error=_timeout_error(c.label, c.method,
+                                                              timeout, phase, version))
     return [o for o in out]  # type: ignore[misc]
 
 
-def _collect_ray(calls, refs, out, timeout, phase, version) -> None:
+def _poll_ray(calls, refs, out, timeout, phase, version) -> None:
+    """Wait up to ``timeout`` for one of ``refs``; record (and drop) every finished one."""
     import ray
 
-    order = list(refs)
-    ready, _ = ray.wait([refs[i] for i in order], num_returns=len(order), timeout=timeout)
-    ready_ids = {r.hex() if hasattr(r, "hex") else id(r) for r in ready}
-    for i in order:
-        c, ref = calls[i], refs[i]
-        key = ref.hex() if hasattr(ref, "hex") else id(ref)
-        if key not in ready_ids:
-            out[i] = Outcome(c.label, False,
-                             error=_timeout_error(c.label, c.method, timeout, phase, version))
-            continue
+    by_key = {ref.hex() if hasattr(ref, "hex") else id(ref): i for i, ref in refs.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=1, timeout=timeout)
+    for ref in ready:
+        i = by_key[ref.hex() if hasattr(ref, "hex") else id(ref)]
+        c = calls[i]
+        del refs[i]
         try:
             out[i] = Outcome(c.label, True, value=ray.get(ref, timeout=30.0))
         except Exception as exc:
             out[i] = Outcome(c.label, False, error=_wrap(exc, c.label, c.method, phase, version))
 
 
-def _collect_local(calls, futs, out, timeout, phase, version) -> None:
-    done, _ = concurrent.futures.wait(list(futs.values()), timeout=timeout)
-    for i, fut in futs.items():
-        c = calls[i]
-        if fut not in done:
-            out[i] = Outcome(c.label, False,
-                             error=_timeout_error(c.label, c.method, timeout, phase, version))
-            continue
+def _poll_local(calls, futs, out, timeout, phase, version) -> None:
+    done, _ = concurrent.futures.wait(list(futs.values()), timeout=timeout,
+                                      return_when=concurrent.futures.FIRST_COMPLETED)
+    for i in [i for i, f in futs.items() if f in done]:
+        c, fut = calls[i], futs.pop(i)
         exc = fut.exception()
         if exc is None:
             out[i] = Outcome(c.label, True, value=fut.result())

@@ -9,11 +9,26 @@ knows the transport only through :class:`~weightsync.engines.CheckpointEngineReg
    ``build_topology``; a check that every keyword has one entry per worker
    (``TopologyError`` naming backend, side, key and sizes); ``init_process_group`` on all
    workers concurrently.
-2. **Sync** (``update_weights``): pause/abort generation -> (colocated: sleep, offload the
+2. **Validation before bytes**: every trainer rank describes what it will send (names,
+   shapes, dtypes, from metadata only) and every replica checks that against its model;
+   a mismatch raises ``PlanMismatch`` listing the offending names before anything is
+   paused or sent, and every replica keeps its weights.
+3. **Sync** (``update_weights``): pause/abort generation -> ``begin_sync`` (fences
+   generation until the whole version is applied) -> (colocated: sleep, offload the
    trainer if asked, wake ``weights``) -> send on every trainer rank and receive on every
    rollout rank concurrently, one round per weight set -> (colocated: reload the trainer,
    wake ``kv_cache``) -> finalize the group unless ``keep_group`` -> reset caches ->
    resume. Returns a :class:`~weightsync.report.SyncReport`.
+
+**Failure isolation** (``isolate_failures=True``): a replica that dies, does not answer
+in time or fails on its own during any step is removed from the topology and marked
+failed (not routed to, fenced); the group is rebuilt without it and the replicas that did
+not complete the version receive it again (the trainer re-walks its weights), all within
+the same call. The report names who failed and why (``report.isolated``,
+``report.failed``). ``add_replica`` takes a failed replica (or its replacement) back; the
+next sync brings it to the current version. A trainer's failure cannot be isolated: the
+call raises the root cause, with the partial report on ``exc.report``; the replicas stay
+fenced until a later sync completes (after a restart: ``set_trainers``).
 
 LoRA (the trainer model is a PEFT model): ``merge_and_sync=True`` sends merged weights;
 ``merge_and_sync=False`` sends the base weights once (``base_sync_done``) and from then on
@@ -23,46 +38,55 @@ the coming sync would not restore all of them (adapter-only, or a replica whose 
 cannot restore what it discarded) the level is capped at 1 with a warning.
 
 Every call on a worker is bounded (``timeout`` of the engines, plus a margin for the
-call itself); a worker that does not answer or dies becomes ``SyncTimeout``/``PeerFailed``
-naming it.
+call itself; once the trainer ranks of a step are done, the replicas get ``timeout`` + 5 s
+more); a worker that does not answer or dies becomes ``SyncTimeout``/``PeerFailed``
+naming it. ``verify()`` compares a digest of each replica's weights with the trainer's.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from typing import Any, Optional, Sequence
 
-from ._calls import Call, call_all, values_or_raise
+from ._calls import Call, call_all
+from ._mgr_group import GroupMixin
+from ._mgr_checks import run_validate, run_verify
 from .config import EngineConfig
-from .engines.base import validate_topology, worker_kwargs
 from .engines.registry import CheckpointEngineRegistry
-from .errors import TopologyError, WeightSyncError
-from .report import ReplicaStatus, SyncReport
+from .errors import WeightSyncError
+from .plan import dtype_name
+from .report import ReplicaStatus, SyncReport, VerifyReport
 from .rollout.base import SLEEP_LEVELS
 
-__all__ = ["CheckpointEngineManager", "SyncReport", "ReplicaStatus"]
+__all__ = ["CheckpointEngineManager", "SyncReport", "ReplicaStatus", "VerifyReport"]
 
 logger = logging.getLogger(__name__)
 _ENGINE_KEYS = ("device", "dtype", "num_slots", "checksum", "host")
 
 
-class CheckpointEngineManager:
+def _trainer_list(trainer: Any) -> list:
+    trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
+    if not trainers:
+        raise ValueError("trainer must be a worker handle or a non-empty list of them")
+    return trainers
+
+
+class CheckpointEngineManager(GroupMixin):
     """Weight syncs from ``trainer`` workers (one handle per rank) to ``replicas``."""
 
     def __init__(self, backend: str, trainer: Any, replicas: Sequence[Any], *,
                  colocated: bool = False, sleep_level: int = 1,
                  bucket_size: Optional[int] = None, timeout: Optional[float] = None,
                  keep_group: bool = True, offload_trainer: bool = False,
-                 **engine_kwargs: Any) -> None:
+                 isolate_failures: bool = True, **engine_kwargs: Any) -> None:
         if not isinstance(backend, str):
             raise ValueError(f"backend must be a backend name (str), got {backend!r}")
         self._engine_cls = CheckpointEngineRegistry.get(backend)  # unknown -> clear error
         self.backend = backend
-        self.trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
-        if not self.trainers:
-            raise ValueError("trainer must be a worker handle or a non-empty list of them")
+        self.trainers = _trainer_list(trainer)
         if isinstance(replicas, (str, bytes)) or not isinstance(replicas, (list, tuple)):
             raise ValueError("replicas must be a list of rollout worker handles")
         if sleep_level not in SLEEP_LEVELS:
@@ -78,74 +102,61 @@ class CheckpointEngineManager:
                               **engine_kwargs}
         self.timeout = config.timeout
         self.call_timeout = 2 * config.timeout + 60   # above a worker's own bound
+        self.settle = config.timeout + 5.0            # replicas, once the trainers are done
+        self._dtype = dtype_name(config.dtype) if config.dtype is not None else None
         self.colocated, self.sleep_level = bool(colocated), sleep_level
         self.keep_group, self.offload_trainer = bool(keep_group), bool(offload_trainer)
-        self.replicas: list[Any] = []
-        self._names: dict[int, str] = {}
-        self._counter = 0
-        for r in replicas:
-            self._register(r)
-        self._group_ready = False
-        self._ranks: list[int] = []              # receiving ranks per replica
-        self._caps: dict[int, dict] = {}
-        self._weights: dict[int, Optional[str]] = {}   # replica -> "base" / "full" / None
+        self.isolate_failures = bool(isolate_failures)
+        self.version: Any = None                  # last version a sync completed
+        self._lock = threading.RLock()
         self._lora: Any = False                  # False: not asked yet; None: no LoRA
         self._warned: set[str] = set()
+        self._init_replicas(replicas)
 
-    # -- replicas ---------------------------------------------------------------------
-    def _register(self, replica: Any) -> None:
-        if any(r is replica for r in self.replicas):
-            raise ValueError("this replica is already managed")
-        self.replicas.append(replica)
-        self._names[id(replica)] = f"replica-{self._counter}"
-        self._counter += 1
-
-    def name_of(self, replica: Any) -> str:
-        return self._names[id(replica)]
-
+    # -- membership -------------------------------------------------------------------
     def add_replica(self, replica: Any) -> str:
-        """Manage one more replica; the next sync rebuilds the group and sends it everything."""
-        self._register(replica)
-        self._invalidate()
-        return self.name_of(replica)
+        """Manage one more replica (or take back a failed one, under its old name); it is
+        not routed to until the next sync, which rebuilds the group and sends it all."""
+        with self._lock:
+            name = next((n for n, (h, _) in self._failed.items() if h is replica), None)
+            if name is not None:
+                del self._failed[name]
+            name = self._register(replica, name)
+            self._invalidate()
+            return name
 
     def remove_replica(self, replica: Any) -> Any:
-        """Stop managing ``replica`` (a handle or its index); its engine is finalized."""
-        if isinstance(replica, int):
-            replica = self.replicas[replica]
-        index = next((i for i, r in enumerate(self.replicas) if r is replica), None)
-        if index is None:
-            raise ValueError("this replica is not managed by this manager")
-        self.replicas.pop(index)
-        self._invalidate()
-        outcome = call_all([Call(self.name_of(replica), replica, "ws_finalize")],
-                           timeout=self.timeout, phase="remove_replica")[0]
-        if not outcome.ok:
-            logger.warning("weightsync: finalizing removed %s failed: %s",
-                           self.name_of(replica), outcome.error)
-        return replica
+        """Stop managing ``replica`` (a handle, its index, or a failed replica's handle);
+        its engine is finalized."""
+        with self._lock:
+            failed = next((n for n, (h, _) in self._failed.items() if h is replica), None)
+            if failed is not None:
+                return self._failed.pop(failed)[0]
+            if isinstance(replica, int):
+                replica = self.replicas[replica]
+            if not any(r is replica for r in self.replicas):
+                raise ValueError("this replica is not managed by this manager")
+            self.replicas = [r for r in self.replicas if r is not replica]
+            self._health.pop(id(replica), None)
+            self._invalidate()
+            outcome = call_all([Call(self.name_of(replica), replica, "ws_finalize")],
+                               timeout=self.timeout, phase="remove_replica")[0]
+            if not outcome.ok:
+                logger.warning("weightsync: finalizing removed %s failed: %s",
+                               self.name_of(replica), outcome.error)
+            return replica
+
+    def set_trainers(self, trainer: Any) -> None:
+        """Replace the trainer workers (e.g. restarted after a failure); the next sync
+        builds a new group and sends everything."""
+        with self._lock:
+            self.trainers = _trainer_list(trainer)
+            self._lora = False
+            self._invalidate()
 
     def _invalidate(self) -> None:
         self._group_ready = False
         self._weights = {}
-
-    # -- group ------------------------------------------------------------------------
-    def _trainer_calls(self, method: str, *args: Any, per_rank: Optional[list] = None,
-                       **kwargs: Any) -> list[Call]:
-        return [Call(f"trainer rank {i}", h, method,
-                     (per_rank[i],) if per_rank is not None else args, kwargs)
-                for i, h in enumerate(self.trainers)]
-
-    def _replica_calls(self, method: str, *args: Any, per_replica: Optional[list] = None,
-                       **kwargs: Any) -> list[Call]:
-        return [Call(self.name_of(r), r, method,
-                     (per_replica[j],) if per_replica is not None else args, kwargs)
-                for j, r in enumerate(self.replicas)]
-
-    def _run(self, calls: list[Call], phase: str, version: Any = None,
-             timeout: Optional[float] = None) -> list[Any]:
-        return values_or_raise(call_all(calls, timeout=timeout or self.timeout, phase=phase,
-                                        version=version))
 
     def _finalize_all(self) -> None:
         outcomes = call_all(self._trainer_calls("ws_finalize") + self._replica_calls("ws_finalize"),
@@ -153,56 +164,6 @@ class CheckpointEngineManager:
         for o in outcomes:
             if not o.ok:
                 logger.warning("weightsync: finalize on %s failed: %s", o.label, o.error)
-
-    def build_group(self) -> None:
-        """prepare -> build_topology -> validate -> init_process_group (see module doc)."""
-        if not self.replicas:
-            raise ValueError("no rollout replicas to sync to; add_replica first")
-        self._group_ready = False
-        metas = self._run(self._trainer_calls("ws_prepare", self.backend, self.engine_kwargs)
-                          + self._replica_calls("ws_prepare", self.backend, self.engine_kwargs),
-                          "prepare")
-        n_train = len(self.trainers)
-        trainer_metas, replica_metas = metas[:n_train], metas[n_train:]
-        self._ranks = []
-        for r, m in zip(self.replicas, replica_metas):
-            if not isinstance(m, (list, tuple)) or not m:
-                raise TopologyError(f"{self.name_of(r)} returned no receiving rank from "
-                                    f"prepare (got {m!r})", peer=self.name_of(r), phase="prepare")
-            self._ranks.append(len(m))
-        flat = [meta for m in replica_metas for meta in m]
-        tk, rk = self._engine_cls.build_topology(n_train, len(flat), list(trainer_metas) + flat)
-        self._check(tk, "trainer", n_train)
-        self._check(rk, "rollout", len(flat))
-        rollout_kw, start = [], 0
-        for n in self._ranks:
-            rollout_kw.append([self._entry(rk, j) for j in range(start, start + n)])
-            start += n
-        trainer_kw = [self._entry(tk, i) for i in range(n_train)]
-        self._run(self._trainer_calls("ws_init", per_rank=trainer_kw)
-                  + self._replica_calls("ws_init", per_replica=rollout_kw), "init")
-        caps = self._run(self._replica_calls("ws_capabilities"), "capabilities")
-        self._caps = {id(r): c for r, c in zip(self.replicas, caps)}
-        self._group_ready = True
-        logger.info("weightsync: %s group ready: %d trainer ranks -> %d replicas (%d ranks)",
-                    self.backend, n_train, len(self.replicas), len(flat))
-
-    def _check(self, kwargs: Any, side: str, size: int) -> None:
-        if isinstance(kwargs, dict):
-            validate_topology(self.backend, side, kwargs, size)
-        elif isinstance(kwargs, (list, tuple)):
-            if len(kwargs) != size:
-                raise TopologyError(f"{self.backend}: build_topology gave {len(kwargs)} {side} "
-                                    f"entries, but the {side} side has {size} workers",
-                                    phase="build_topology")
-        else:
-            raise TopologyError(f"{self.backend}: build_topology returned "
-                                f"{type(kwargs).__name__} for the {side} side",
-                                phase="build_topology")
-
-    @staticmethod
-    def _entry(kwargs: Any, index: int) -> dict:
-        return worker_kwargs(kwargs, index) if isinstance(kwargs, dict) else dict(kwargs[index])
 
     def shutdown(self) -> None:
         """Finalize every worker's engine (bounded, best effort)."""
@@ -253,7 +214,7 @@ class CheckpointEngineManager:
         msg = f"weightsync: sleep_level={level} capped at 1: {reason}"
         if reason not in self._warned:       # once per reason and manager
             self._warned.add(reason)
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            warnings.warn(msg, RuntimeWarning, stacklevel=5)
         else:
             logger.info(msg)
         return 1
@@ -262,45 +223,63 @@ class CheckpointEngineManager:
         """One sync of the trainer's current weights as ``version`` (see the module doc)."""
         if isinstance(version, bool) or not isinstance(version, (int, str)):
             raise ValueError(f"version must be an int or a str, got {version!r}")
-        start = time.perf_counter()
-        report = SyncReport(version=version)
-        if not self._group_ready:
-            self.build_group()
-            report.rebuilt = True
+        with self._lock:
+            start = time.perf_counter()
+            report = SyncReport(version=version)
+            self._statuses, self._fenced_now = {}, []
+            for r in self.replicas:
+                self._status(report, r)
+            try:
+                self._sync(report, version, merge_and_sync)
+            except BaseException as exc:
+                self._after_failure(report, exc)
+                raise
+            finally:
+                self._resume(report)
+                report.total_seconds = time.perf_counter() - start
+            logger.info("weightsync: %s", report.summary())
+            return report
+
+    def _sync(self, report: SyncReport, version: Any, merge_and_sync: bool) -> None:
+        if not self.replicas:
+            raise ValueError("no rollout replicas to sync to; add_replica first")
         rounds = self._rounds(merge_and_sync)
         report.kinds = [k for k, _ in rounds]
+        self._ensure_group(report)
         self._check_kinds(report.kinds)
-        statuses = {id(r): ReplicaStatus(j, self.name_of(r), ok=True)
-                    for j, r in enumerate(self.replicas)}
-        report.replicas = list(statuses.values())
-        try:
-            self._step(report, "pause", self._replica_calls("ws_pause", abort=True))
-            if self.colocated:
-                self._sleep_and_wake_weights(report, rounds)
-            for kind, cfg in rounds:
-                self._transfer(report, statuses, version, kind, cfg)
-            if self.colocated:
-                if self.offload_trainer:
-                    self._step(report, "trainer_reload", self._trainer_calls("ws_reload"))
-                self._step(report, "wake_up:kv_cache",
-                           self._replica_calls("ws_wake_up", ["kv_cache"]))
-            if not self.keep_group:
-                self._step(report, "finalize", self._trainer_calls("ws_finalize")
-                           + self._replica_calls("ws_finalize"))
-                self._group_ready = False
-            self._step(report, "reset_caches", self._replica_calls("ws_reset_caches"))
-        except BaseException as exc:
-            self._after_failure(report, statuses, exc)
-            raise
-        finally:
-            self._resume(report)
-            report.total_seconds = time.perf_counter() - start
+        run_validate(self, report, rounds)
+        self._replica_step(report, "pause", "ws_pause", kwargs={"abort": True})
+        self._fenced_now = list(self.replicas)
+        self._replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+                           record=False)
+        if self.colocated:
+            self._sleep_and_wake_weights(report, rounds)
+        self._ensure_group(report)       # rebuilt without a replica isolated meanwhile
+        todo = self._transfer(report, version, rounds)
+        while todo:                    # isolated someone: re-run for who did not complete
+            report.retries += 1
+            members = self._build(report, todo)
+            if not members:
+                break
+            self._replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+                               targets=members, record=False)
+            todo = self._transfer(report, version, rounds)
+        if self.colocated:
+            if self.offload_trainer:
+                self._step(report, "trainer_reload", self._trainer_calls("ws_reload"))
+            self._replica_step(report, "wake_up:kv_cache", "ws_wake_up", (["kv_cache"],))
+        if not self.keep_group:
+            self._step(report, "finalize", self._trainer_calls("ws_finalize")
+                       + self._replica_calls("ws_finalize"))
+            self._group_ready = False
+        self._replica_step(report, "reset_caches", "ws_reset_caches")
         kind = "full" if "full" in report.kinds else "base"
         for r in self.replicas:
             self._weights[id(r)] = kind
-            statuses[id(r)].version = version
-        logger.info("weightsync: %s", report.summary())
-        return report
+            self._health[id(r)] = "healthy"
+            self._held[id(r)] = version
+            self._status(report, r).version = version
+        self.version = version
 
     def _check_kinds(self, kinds: list[str]) -> None:
         """Refuse before anything moves when a replica cannot apply a weight set (e.g. a
@@ -320,40 +299,47 @@ class CheckpointEngineManager:
     def _sleep_and_wake_weights(self, report: SyncReport, rounds: list) -> None:
         level = self._level(rounds)
         report.sleep_level = level
-        self._step(report, f"sleep:{level}", self._replica_calls("ws_sleep", level))
+        self._replica_step(report, f"sleep:{level}", "ws_sleep", (level,))
         if self.offload_trainer:
             self._step(report, "trainer_offload", self._trainer_calls("ws_offload"))
-        self._step(report, "wake_up:weights", self._replica_calls("ws_wake_up", ["weights"]))
+        self._replica_step(report, "wake_up:weights", "ws_wake_up", (["weights"],))
 
-    def _transfer(self, report: SyncReport, statuses: dict, version: Any, kind: str,
-                  cfg: Optional[dict]) -> None:
-        report.phases.append(f"sync:{kind}")
-        calls = self._trainer_calls("ws_send", version, kind=kind) + \
-            self._replica_calls("ws_receive", version, kind=kind, adapter_config=cfg)
-        t0 = time.perf_counter()
-        outcomes = call_all(calls, timeout=self.call_timeout, phase=f"sync:{kind}",
-                            version=version)
-        report.seconds += time.perf_counter() - t0
-        n = len(self.trainers)
-        for o in outcomes[:n]:
-            if o.ok:
-                report.trainer.append(o.value)
-                report.bytes += int(o.value.get("bytes", 0))
-        for r, o in zip(self.replicas, outcomes[n:]):
-            st = statuses[id(r)]
-            if o.ok:
-                st.seconds += float(o.value.get("seconds", 0.0))
-                st.bytes += int(o.value.get("bytes", 0))
-            else:
-                st.ok, st.error = False, f"{type(o.error).__name__}: {o.error}"
-        # Raise the root cause first: a worker's own failure, not a peer relaying it.
-        ordered = sorted(outcomes[n:] + outcomes[:n],
-                         key=lambda o: o.ok or getattr(o.error, "peer", None) != o.label)
-        values_or_raise(ordered)
+    def _transfer(self, report: SyncReport, version: Any, rounds: list) -> list:
+        """Every round on the current group; the survivors that must re-run (if any)."""
+        members, n = list(self._members), len(self.trainers)
+        for i, (kind, cfg) in enumerate(rounds):
+            report.phases.append(f"sync:{kind}")
+            calls = self._trainer_calls("ws_send", version, kind=kind) + self._replica_calls(
+                "ws_receive", version, kind=kind, adapter_config=cfg, targets=members)
+            t0 = time.perf_counter()
+            outs = call_all(calls, timeout=self.call_timeout, settle=self.settle,
+                            phase=f"sync:{kind}", version=version)
+            report.seconds += time.perf_counter() - t0
+            for o in outs[:n]:
+                if o.ok:
+                    report.trainer.append(o.value)
+                    report.bytes += int(o.value.get("bytes", 0))
+            for r, o in zip(members, outs[n:]):
+                st = self._status(report, r)
+                st.attempts += int(i == 0)
+                if o.ok:
+                    st.seconds += float(o.value.get("seconds", 0.0))
+                    st.bytes += int(o.value.get("bytes", 0))
+            verdict = self._judge(report, outs[:n], outs[n:], f"sync:{kind}")
+            if verdict.failed:
+                alive = [m for m in members if any(m is r for r in self.replicas)]
+                if i < len(rounds) - 1:
+                    return alive
+                failed = {o.label for o in outs[n:] if not o.ok}
+                return [m for m in alive if self.name_of(m) in failed]
+        return []
 
-    def _after_failure(self, report: SyncReport, statuses: dict, exc: BaseException) -> None:
+    def _after_failure(self, report: SyncReport, exc: BaseException) -> None:
         self._invalidate()       # the next sync rebuilds the group and resends everything
-        for st in statuses.values():
+        for r in self._fenced_now:
+            if any(r is x for x in self.replicas):
+                self._health[id(r)] = "stale"      # fenced until a sync completes
+        for st in self._statuses.values():
             if st.ok and isinstance(exc, WeightSyncError) and st.error is None:
                 st.ok, st.error = False, f"sync aborted: {type(exc).__name__}: {exc}"
         if isinstance(exc, WeightSyncError):
@@ -372,14 +358,18 @@ class CheckpointEngineManager:
             if not o.ok:
                 logger.warning("weightsync: resume on %s failed: %s", o.label, o.error)
 
-    # -- generation -------------------------------------------------------------------
+    # -- integrity and generation -----------------------------------------------------
+    def verify(self, *, fence: bool = True) -> VerifyReport:
+        """Compare a digest of every replica's weights with the trainer's (xxh3 per tensor,
+        the trainer's cast to each replica's dtypes; FSDP2 shards gathered as in a sync).
+        ``fence``: a replica that differs is fenced and marked stale until the next sync."""
+        with self._lock:
+            return run_verify(self, fence=fence)
+
     def generate(self, prompts: Sequence[Sequence[int]], *, replica: Optional[int] = None,
                  **kwargs: Any) -> list:
-        """Generate on one replica (round robin unless ``replica`` is given)."""
-        if not self.replicas:
-            raise ValueError("no rollout replicas")
-        if replica is None:
-            replica = self._counter_rr = (getattr(self, "_counter_rr", -1) + 1) % len(self.replicas)
-        handle = self.replicas[replica]
+        """Generate on one replica: the next healthy one (round robin, see ``route``)
+        unless ``replica`` (an index into ``replicas``) is given."""
+        handle = self.route() if replica is None else self.replicas[replica]
         return self._run([Call(self.name_of(handle), handle, "generate", (prompts,), kwargs)],
                          "generate")[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["SyncReport", "ReplicaStatus"]
+__all__ = ["SyncReport", "ReplicaStatus", "VerifyReport"]
 
 
 @dataclass
@@ -18,7 +18,9 @@ class ReplicaStatus:
     seconds: float = 0.0          # time spent receiving and loading (all rounds)
     bytes: int = 0
     version: Any = None           # the version it holds after the sync (None if failed)
-    error: Optional[str] = None
+    error: Optional[str] = None   # why it failed (its own failure, or the sync's)
+    isolated: bool = False        # removed from the topology and from generation routing
+    attempts: int = 0             # transfers it took part in (more than 1: re-run)
 
 
 @dataclass
@@ -37,6 +39,8 @@ class SyncReport:
     phases: list = field(default_factory=list)      # the manager's calls, in order
     sleep_level: Optional[int] = None               # effective level (colocated)
     rebuilt: bool = False                           # the group was (re)built first
+    isolated: list = field(default_factory=list)    # names of replicas removed by this sync
+    retries: int = 0                                # re-runs after isolating a replica
 
     @property
     def gbps(self) -> float:
@@ -50,8 +54,34 @@ class SyncReport:
     def failed(self) -> list:
         return [r for r in self.replicas if not r.ok]
 
+    @property
+    def completed(self) -> list:
+        """Names of the replicas that hold this version."""
+        return [r.name for r in self.replicas if r.ok]
+
     def summary(self) -> str:
         status = "ok" if self.ok else f"FAILED: {[r.name for r in self.failed]}"
+        if self.isolated:
+            status += f" (isolated {self.isolated}, {self.retries} re-run(s))"
         return (f"version {self.version} [{'+'.join(self.kinds)}]: {self.bytes / 1e6:.2f} MB in "
                 f"{self.seconds:.3f} s ({self.gbps:.2f} GB/s), total {self.total_seconds:.3f} s, "
                 f"{len(self.replicas)} replicas {status}")
+
+
+@dataclass
+class VerifyReport:
+    """What ``CheckpointEngineManager.verify`` found: per replica, the names whose digest
+    differs from the trainer's (``mismatched``), or the error that kept it from answering."""
+
+    version: Any
+    trainer: dict = field(default_factory=dict)     # weight set -> combined trainer digest
+    replicas: dict = field(default_factory=dict)    # name -> {"ok", "digest", "mismatched", "error"}
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.replicas) and all(r["ok"] for r in self.replicas.values())
+
+    @property
+    def bad(self) -> list:
+        return [n for n, r in self.replicas.items() if not r["ok"]]

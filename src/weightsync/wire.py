@@ -234,7 +234,7 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
             _fail("names must be a list or null")
         return tuple(_str(n, "name") for n in v)
     if name == "error":
-        if v not in _ERROR_NAMES:
+        if type(v) is not str or v not in _ERROR_NAMES:   # a list/dict is unhashable
             _fail(f"unknown error type {v!r}")
         return v
     if name == "message":

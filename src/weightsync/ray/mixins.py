@@ -17,15 +17,20 @@ engine directly. Every call is synchronous and bounded by the engine's timeout.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from typing import Any, Optional, Sequence
 
 from .._async import AsyncRunner
 from ..engines.registry import CheckpointEngineRegistry
+from ..integrity import describe_export, export_digests
+from ..plan import dtype_from_name
 from ..trainer.export import KINDS, export_weights
 from ..trainer.lora import is_peft_model, lora_config_dict
 
 __all__ = ["TrainerWorkerMixin", "RolloutWorkerMixin"]
+
+logger = logging.getLogger(__name__)
 
 
 class _TrainerSide:
@@ -80,12 +85,36 @@ class TrainerWorkerMixin:
         items = export_weights(self.weightsync_model(), kind=kind, dtype=engine.config.dtype,
                                group=self.weightsync_group())
         start = time.perf_counter()
-        metrics = side.runner.run(engine.send_weights(items, version=version),
-                                  timeout=2 * engine.config.timeout + 30, phase="send",
-                                  version=version)
+        try:
+            metrics = side.runner.run(engine.send_weights(items, version=version),
+                                      timeout=2 * engine.config.timeout + 30, phase="send",
+                                      version=version)
+        except BaseException:
+            _drain(items)
+            raise
         metrics = dict(metrics)
         metrics["wall_seconds"] = time.perf_counter() - start
         return metrics
+
+    def ws_describe(self, kind: str = "full", dtype: Optional[str] = None) -> list:
+        """``[[name, shape, dtype], ...]`` of what ``ws_send(kind)`` would send (no bytes
+        move: metadata of the model, full shapes of FSDP2 shards, after the cast to
+        ``dtype``, a dtype name; default: the engine's)."""
+        return describe_export(self.weightsync_model(), kind, self._export_dtype(dtype))
+
+    def ws_digest(self, kind: str = "full", cast_to: Optional[dict] = None,
+                  dtype: Optional[str] = None) -> dict:
+        """Digests of the tensors this rank exports (every rank must call it; see
+        :func:`weightsync.integrity.export_digests`)."""
+        return export_digests(self.weightsync_model(), kind=kind,
+                              dtype=self._export_dtype(dtype),
+                              group=self.weightsync_group(), cast_to=cast_to)
+
+    def _export_dtype(self, dtype: Optional[str]) -> Any:
+        if dtype is not None:
+            return dtype_from_name(dtype)
+        engine = self._ws().engine
+        return engine.config.dtype if engine is not None else None
 
     def ws_finalize(self) -> None:
         side = self._ws()
@@ -119,6 +148,18 @@ class TrainerWorkerMixin:
         if engine is None:
             raise RuntimeError("no checkpoint engine on this trainer worker; ws_prepare first")
         return engine
+
+
+def _drain(items: Any) -> None:
+    """Run a failed send's export to its end: its FSDP2 exchanges are collectives, and the
+    other trainer ranks finish theirs (sending or draining) only if this rank takes part."""
+    try:
+        for _ in items:
+            pass
+    except ValueError:      # still running in the timed-out send: it drains it itself
+        pass
+    except Exception as exc:   # the export group itself broke: nothing left to keep aligned
+        logger.warning("weightsync: draining the export after a failed send: %s", exc)
 
 
 class RolloutWorkerMixin:
@@ -162,6 +203,38 @@ class RolloutWorkerMixin:
 
     def ws_version(self) -> Any:
         return self.weightsync_rollout().current_version()
+
+    def ws_begin_sync(self, version: Any, kinds: list) -> bool:
+        fn = getattr(self.weightsync_rollout(), "begin_sync", None)
+        if fn is None:
+            return False
+        fn(version, kinds)
+        return True
+
+    def ws_check_weights(self, offered: list, kind: str = "full",
+                         adapter_config: Optional[dict] = None) -> Optional[list]:
+        """Problems of loading ``offered`` as ``kind`` (None: the adapter cannot check)."""
+        fn = getattr(self.weightsync_rollout(), "check_weights", None)
+        return None if fn is None else fn(offered, kind=kind, adapter_config=adapter_config)
+
+    def ws_digest(self, kind: str = "full") -> dict:
+        rollout = self.weightsync_rollout()
+        if not hasattr(rollout, "weight_digests"):
+            raise NotImplementedError(f"{type(rollout).__name__} has no weight_digests()")
+        return rollout.weight_digests(kind)
+
+    def ws_fence(self, reason: str) -> bool:
+        """Refuse generation until a sync completes; False if the adapter cannot fence."""
+        fn = getattr(self.weightsync_rollout(), "fence", None)
+        if fn is None:
+            return False
+        fn(reason)
+        return True
+
+    def ws_sync_state(self) -> dict:
+        rollout = self.weightsync_rollout()
+        fn = getattr(rollout, "sync_state", None)
+        return fn() if fn is not None else {"version": rollout.current_version()}
 
     def ws_capabilities(self) -> dict:
         return self.weightsync_rollout().capabilities()

@@ -9,7 +9,19 @@ A *rollout adapter* wraps one inference replica (HF transformers, vLLM, ...). Th
   and ``execute_checkpoint_engine(method, *args, **kwargs)``;
 * generation control: ``pause(abort=True)``, ``resume()``, ``sleep(level)``,
   ``wake_up(tags)`` (tags ``"weights"`` and ``"kv_cache"``), ``reset_caches()``;
-* state: ``current_version()``, ``capabilities()``, ``call_log()``.
+* state: ``current_version()``, ``capabilities()``, ``call_log()``;
+* optional (used when present): ``begin_sync(version, kinds)`` (fence generation until
+  every round of ``version`` is applied), ``check_weights(offered, kind=...,
+  adapter_config=...) -> [[name, why], ...]`` (validation before any byte moves),
+  ``weight_digests(kind) -> {"digests": {...}, "dtypes": {...}}`` (for
+  ``CheckpointEngineManager.verify``), ``fence(reason)``, ``sync_state()``.
+
+**No mixed versions** (:class:`SyncFence`): a replica generates only with a complete
+version. Generation is fenced from ``begin_sync`` (the manager calls it right after
+``pause``) until every tensor of every round of that version has been applied and checked
+(all of the model's tensors written, shapes equal, checksums if enabled); a round that
+fails leaves the replica fenced until a later sync completes. ``generate`` refuses while
+fenced, and every :class:`Generation` carries the version that produced it.
 
 ``kind`` of a sync: ``"full"`` (every weight, merged if LoRA), ``"base"`` (base weights of a
 LoRA model, unmerged), ``"adapter"`` (LoRA tensors plus ``adapter_config``, PEFT's JSON).
@@ -39,9 +51,9 @@ import torch
 
 from .._async import AsyncRunner
 from ..engines.registry import CheckpointEngineRegistry
-from ..errors import SyncTimeout
+from ..errors import SyncTimeout, WeightSyncError
 
-__all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate",
+__all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate", "SyncFence",
            "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "check_tags"]
 
 SLEEP_LEVELS = (1, 2)
@@ -133,6 +145,50 @@ class GenerationGate:
         return self._paused
 
 
+class SyncFence:
+    """When a replica may generate (the no-mixed-versions rule of the module doc).
+
+    ``reason`` is None when the replica holds one complete version, else why it does not.
+    Without ``begin`` (a caller that syncs one round at a time) each successful round
+    completes a version on its own.
+    """
+
+    def __init__(self) -> None:
+        self.reason: Optional[str] = None
+        self._pending: Optional[tuple[Any, set]] = None     # (version, kinds still to apply)
+        self._lock = threading.Lock()
+
+    def begin(self, version: Any, kinds: Sequence[str]) -> None:
+        bad = [k for k in kinds if k not in WEIGHT_KINDS]
+        if bad or not kinds:
+            raise ValueError(f"kinds must be a non-empty list of {WEIGHT_KINDS}, got {kinds!r}")
+        with self._lock:
+            self._pending = (version, set(kinds))
+            self.reason = f"the sync of version {version!r} is in progress"
+
+    def start_round(self, version: Any, kind: str) -> None:
+        with self._lock:
+            if self._pending is None or self._pending[0] != version:
+                self._pending = None
+            self.reason = f"the sync of version {version!r} did not complete"
+
+    def round_done(self, version: Any, kind: str) -> bool:
+        """Record a fully applied round; True when ``version`` is now complete."""
+        with self._lock:
+            if self._pending is not None and self._pending[0] == version:
+                self._pending[1].discard(kind)
+                if self._pending[1]:
+                    self.reason = (f"the sync of version {version!r} still lacks "
+                                   f"{sorted(self._pending[1])}")
+                    return False
+            self._pending, self.reason = None, None
+            return True
+
+    def fence(self, reason: str) -> None:
+        with self._lock:
+            self._pending, self.reason = None, str(reason)
+
+
 class LocalEngineRollout(abc.ABC):
     """Base for adapters that receive in their own process with one checkpoint engine."""
 
@@ -142,11 +198,37 @@ class LocalEngineRollout(abc.ABC):
         self._engine: Any = None
         self._runner = AsyncRunner(f"weightsync-{name}")
         self._log: collections.deque = collections.deque(maxlen=2000)
+        self._fence = SyncFence()
+        self._in_flight = 0      # receives still running (maybe past a caller's timeout)
+
+    def _check_idle(self, what: str) -> None:
+        """Never release an engine whose buffers a running receive still reads from."""
+        if self._in_flight:
+            raise WeightSyncError(f"{self.name}: a receive is still running (hung past its "
+                                  f"timeout?); cannot {what} its engine", phase=what)
+
+    # -- no mixed versions ------------------------------------------------------------------
+    @property
+    def _fenced(self) -> Optional[str]:
+        """Why this replica must not generate now (None: it holds one complete version)."""
+        return self._fence.reason
+
+    def begin_sync(self, version: Any, kinds: Sequence[str]) -> None:
+        """Fence generation until every round in ``kinds`` of ``version`` is applied."""
+        self._fence.begin(version, list(kinds))
+
+    def fence(self, reason: str) -> None:
+        """Refuse to generate until a sync completes (e.g. a digest did not match)."""
+        self._fence.fence(reason)
+
+    def sync_state(self) -> dict:
+        return {"version": self.current_version(), "fenced": self._fence.reason}
 
     # -- engine lifecycle -----------------------------------------------------------------
     def engine_prepare(self, backend: str, engine_kwargs: dict) -> list:
         self._record("engine_prepare")
         if self._engine is not None:
+            self._check_idle("replace")
             self._engine.finalize()
         kwargs = dict(engine_kwargs)
         kwargs.setdefault("device", self.device)
@@ -169,26 +251,33 @@ class LocalEngineRollout(abc.ABC):
             raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         self._record(f"load:{kind}:{version}")
         start = time.perf_counter()
+        self._fence.start_round(version, kind)     # fenced until the round is applied
         stats = self._runner.run(self._receive(version, kind, adapter_config),
                                  timeout=2 * self._engine.config.timeout + 30, phase="receive",
                                  version=version, peer=self.name)
+        self._fence.round_done(version, kind)
         stats = dict(stats or {})
         stats.setdefault("seconds", time.perf_counter() - start)
         return stats
 
     async def _receive(self, version: Any, kind: str, adapter_config: Optional[dict]) -> dict:
         stream = self._engine.receive_weights(version)
+        self._in_flight += 1
         try:
             return await self.load_weights(stream, version=version, kind=kind,
                                            adapter_config=adapter_config)
         finally:
             # If loading stopped early, closing the stream now makes the engine tell its
             # peers at once (instead of whenever the generator is collected).
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            finally:
+                self._in_flight -= 1
 
     def engine_finalize(self) -> None:
         self._record("engine_finalize")
         if self._engine is not None:
+            self._check_idle("finalize")
             self._engine.finalize()
             self._engine = None
 

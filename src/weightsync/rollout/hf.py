@@ -10,7 +10,10 @@ process (see :class:`~weightsync.rollout.base.LocalEngineRollout`) and
   PEFT model, so the adapter is really used; a later full (merged) sync removes it;
 * tags every :class:`~weightsync.rollout.base.Generation` with the version it used;
   weights never change during a generation (loads pause generation first, and
-  ``pause(abort=True)`` stops running generations at the next token);
+  ``pause(abort=True)`` stops running generations at the next token), and it never
+  generates with a partly applied version (:class:`~weightsync.rollout.base.SyncFence`);
+* checks a weight set against its model before any byte moves (``check_weights``) and
+  hashes its weights for ``CheckpointEngineManager.verify`` (``weight_digests``);
 * sleeps at vLLM's levels (1: weights copied to host and freed, 2: discarded) and wakes
   per tag (``weights``, ``kv_cache``); generation needs both awake. HF's ``generate``
   builds its KV cache per call and keeps none, so ``kv_cache`` sleep only gates
@@ -26,9 +29,12 @@ from typing import Any, AsyncIterator, Optional, Sequence
 import torch
 
 from ..errors import PlanMismatch, WeightSyncError
+from ..integrity import check_weight_set, tensor_digest
+from ..plan import dtype_name
 from ..trainer.lora import adapter_name, hf_name, is_lora_param
 from ._parking import WeightParking
-from .base import (SLEEP_LEVELS, Generation, GenerationGate, LocalEngineRollout, check_tags)
+from .base import (SLEEP_LEVELS, WEIGHT_KINDS, Generation, GenerationGate, LocalEngineRollout,
+                   check_tags)
 
 __all__ = ["HFRolloutReplica", "build_causal_lm", "greedy_generate", "lora_config_from_dict"]
 
@@ -126,7 +132,6 @@ class HFRolloutReplica(LocalEngineRollout):
         self._peft: Any = None
         self._adapter_config: Optional[dict] = None
         self._version: Any = None
-        self._fenced: Optional[str] = None       # why generation is refused, if it is
         self._kv_asleep = False
         self._parking = WeightParking()
         self.gate = GenerationGate(timeout)
@@ -134,6 +139,7 @@ class HFRolloutReplica(LocalEngineRollout):
     # -- state --------------------------------------------------------------------------
     def current_version(self) -> Any:
         return self._version
+
 
     def has_adapter(self) -> bool:
         return self._peft is not None
@@ -212,11 +218,77 @@ class HFRolloutReplica(LocalEngineRollout):
             model = self._peft if self._peft is not None else self.model
             tokens, logits, aborted = greedy_generate(model, prompts, max_new_tokens,
                                                       abort=self.gate.abort)
+            if self._version != version or self._fenced:   # the gate makes this impossible
+                raise WeightSyncError(f"{self.name}: weights changed during a generation",
+                                      phase="generate", version=version)
         finally:
             self.gate.exit()
         return [Generation(prompt=list(p), tokens=t, version=version, aborted=aborted,
                            logits=lg if return_logits else None)
                 for p, t, lg in zip(prompts, tokens, logits)]
+
+    # -- checks -------------------------------------------------------------------------
+    def _weight_targets(self, kind: str, adapter_config: Optional[dict] = None
+                        ) -> Optional[dict[str, torch.Tensor]]:
+        if kind not in WEIGHT_KINDS:
+            raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
+        if kind != "adapter":
+            return self._base_targets()
+        if self._peft is not None and adapter_config in (None, self._adapter_config):
+            return self._adapter_targets()
+        return None          # the adapter's layers do not exist yet
+
+    def check_weights(self, offered: list, *, kind: str = "full",
+                      adapter_config: Optional[dict] = None) -> list[list[str]]:
+        """Problems (``[name, why]`` per offending tensor) of loading ``offered`` ([name, shape, dtype]
+        per tensor) as ``kind``; nothing is changed."""
+        targets = self._weight_targets(kind, adapter_config)
+        if targets is None:
+            return self._check_new_adapter(offered)
+        return check_weight_set(targets, offered, complete=True)
+
+    def _check_new_adapter(self, offered: list) -> list[list[str]]:
+        """LoRA tensors for an adapter not built yet: each must sit on a Linear of the
+        model, lora_A [r, in_features] and lora_B [out_features, r], floating point."""
+        problems = []
+        for name, shape, dtype in offered:
+            part = ".lora_A.weight" if name.endswith(".lora_A.weight") else (
+                ".lora_B.weight" if name.endswith(".lora_B.weight") else None)
+            path = name[len("base_model.model."):] if name.startswith("base_model.model.") \
+                else name
+            try:
+                module = self.model.get_submodule(path[: -len(part)]) if part else None
+            except AttributeError:
+                module = None
+            base = getattr(module, "base_layer", module)
+            if not hasattr(base, "in_features"):
+                problems.append([name, "not a LoRA tensor of a Linear layer of the model"])
+                continue
+            dim = base.in_features if part == ".lora_A.weight" else base.out_features
+            axis = 1 if part == ".lora_A.weight" else 0
+            if len(shape) != 2 or shape[axis] != dim:
+                problems.append([name, f"shape {tuple(shape)} does not fit the layer "
+                                       f"({base.in_features} -> {base.out_features})"])
+            elif not dtype.startswith(("float", "bfloat")):
+                problems.append([name, f"dtype {dtype} sent, LoRA tensors are floating point"])
+        return problems
+
+    def weight_digests(self, kind: str = "full") -> dict:
+        """``{"digests": {name: xxh3}, "dtypes": {name: dtype}}`` of the weights of ``kind``
+        (tied tensors once, under their first name, as the trainer exports them)."""
+        if self._parking.asleep:
+            raise WeightSyncError(f"{self.name} is asleep; wake_up before verify",
+                                  phase="verify", version=self._version)
+        targets = self._weight_targets(kind) or {}
+        seen, digests, dtypes = set(), {}, {}
+        with torch.no_grad():
+            for name, t in targets.items():
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                digests[name] = tensor_digest(t)
+                dtypes[name] = dtype_name(t.dtype)
+        return {"digests": digests, "dtypes": dtypes, "version": self._version}
 
     # -- weights ------------------------------------------------------------------------
     async def load_weights(self, weights: AsyncIterator, *, version: Any, kind: str,
@@ -228,7 +300,7 @@ class HFRolloutReplica(LocalEngineRollout):
         if paused_here:
             self.gate.pause(abort=False)
         start = time.perf_counter()
-        self._fenced = f"the sync of version {version!r} did not complete"
+        self._fence.start_round(version, kind)   # also when called without engine_receive
         try:
             if kind == "adapter":
                 targets = self._prepare_adapter(adapter_config, version)
@@ -238,7 +310,7 @@ class HFRolloutReplica(LocalEngineRollout):
                 targets = self._base_targets()
             count, nbytes = await self._copy_in(weights, targets, version)
             self._version = version
-            self._fenced = None
+            self._fence.round_done(version, kind)
         finally:
             if paused_here:
                 self.gate.resume()
