@@ -70,3 +70,21 @@ def never_init_rollout_1(engine, role, rank):
             import time
             time.sleep(3600)
         engine.init_process_group = stuck
+
+
+def linger_rollouts_on_error(engine, role, rank):
+    """A rollout rank that fails (e.g. version mismatch) but whose process stays alive."""
+    if role != "rollout":
+        return
+    orig = engine.receive_weights
+
+    async def wrapped(version=None):
+        try:
+            async for item in orig(version):
+                yield item
+        except Exception:
+            import asyncio
+            await asyncio.sleep(12)
+            raise
+
+    engine.receive_weights = wrapped

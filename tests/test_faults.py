@@ -13,7 +13,8 @@ PROCESS_BACKENDS = ["shm", "collective"]
 def _spec(backend, hook, **kw):
     engine_kwargs = {"bucket_size": BUCKET, "timeout": 6, **kw.pop("engine_kwargs", {})}
     kw.setdefault("timeout", 60)
-    return GroupSpec(backend=backend, receivers=2, steps=3, hook=hook, tiny=100,
+    kw.setdefault("steps", 3)
+    return GroupSpec(backend=backend, receivers=2, hook=hook, tiny=100,
                      engine_kwargs=engine_kwargs, **kw)
 
 
@@ -64,3 +65,16 @@ def test_corruption_without_checksums_is_what_the_option_is_for():
     trainer, r0, r1 = run_group(_spec("shm", "faults:corrupt_rollout_0"))
     assert not r0["errors"]
     assert any(step["bad"] for step in r0["steps"])  # the fault really corrupts bytes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
+def test_failed_receiver_that_stays_alive_fails_the_trainer_fast(backend):
+    """The trainer learns of a receiver's failure from the control channel, not at the
+    timeout, even while a broadcast waits for that (live) receiver."""
+    spec = _spec(backend, "faults:linger_rollouts_on_error", steps=1, expect_version_offset=7,
+                 engine_kwargs={"timeout": 40})
+    trainer, r0, r1 = run_group(spec)
+    assert r0["errors"][0].startswith("VersionMismatch"), r0
+    assert trainer["errors"], trainer
+    assert trainer["failed_after_s"] < 10, trainer

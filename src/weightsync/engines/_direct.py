@@ -168,12 +168,15 @@ class LinkHub:
         while True:
             order = [r for r in self._order if r not in self._closed]
             left = deadline - time.monotonic()
-            if left <= 0 or not order:
+            if not order:
                 raise SyncTimeout(f"no message from {peer} within {t:.1f}s", peer=peer,
                                   phase=phase, version=version)
             socks = [self._conns[r] for r in order]
-            ready, _, _ = select.select(socks, [], [], left)
+            ready, _, _ = select.select(socks, [], [], max(left, 0.0))
             if not ready:
+                if left <= 0:  # a zero timeout still looks once (non-blocking check)
+                    raise SyncTimeout(f"no message from {peer} within {t:.1f}s", peer=peer,
+                                      phase=phase, version=version)
                 continue
             n = len(socks)
             i = next(j % n for j in range(self._next, self._next + n) if socks[j % n] in ready)

@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from ..errors import SyncTimeout
 from ..plan import TensorMeta, dtype_name
-from ..wire import BucketMsg
-from ._bucketed import BucketedEngine, _jsonable, _plain_cpu
+from ..wire import AckMsg, BucketMsg, ErrorMsg
+from ._bucketed import BucketedEngine, _jsonable, _plain_cpu, raise_remote
 from ._direct import Link, LinkHub
 from ._ctlserver import C10dStore
 from ._group import StoreGroupMixin
@@ -189,25 +189,47 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         else:
             self._works[slot] = pg.broadcast(view, 0)
 
-    def _wait_work(self, work: Any, peer: str, version: Any) -> None:
-        """Until the broadcast completed (bounded); then its error, if any, is raised."""
+    def _wait_work(self, work: Any, peer: str, version: Any, *, watch: bool = False) -> None:
+        """Until the broadcast completed (bounded); then its error, if any, is raised.
+
+        With ``watch`` (the trainer's side) the control channel is checked meanwhile, so a
+        rollout rank that failed and reported it ends the wait at once instead of at the
+        timeout (a broadcast never completes without every rank).
+        """
         try:
-            if not self._cuda:
-                work.wait(datetime.timedelta(seconds=self.config.timeout))
-                return
             deadline = time.monotonic() + self.config.timeout
-            delay = 20e-6
+            next_check = time.monotonic() + 0.05
+            delay, cap = 20e-6, (100e-6 if self._cuda else 500e-6)
             while not work.is_completed():
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     self._abort_groups()
                     raise SyncTimeout(f"broadcast did not complete in {self.config.timeout}s",
                                       peer=peer, phase="broadcast", version=version)
+                if watch and now >= next_check:
+                    self._check_receivers(version)
+                    next_check = now + 0.05
                 time.sleep(delay)
-                delay = min(2 * delay, 100e-6)
-            work.wait()  # completed: only surfaces an error NCCL recorded
+                delay = min(2 * delay, cap)
+            work.wait()  # completed: only surfaces an error the backend recorded
         except (RuntimeError, dist.DistError) as exc:
             raise SyncTimeout(f"broadcast did not complete: {exc}", peer=peer,
                               phase="broadcast", version=version) from None
+
+    def _check_receivers(self, version: Any) -> None:
+        """Non-blocking: raise a receiver's reported failure; keep acks for later."""
+        ctl = self._tx_control()
+        while True:
+            try:
+                msg = ctl.pop(timeout=0.0, peer="rollout ranks", phase="broadcast",
+                              version=version)
+            except SyncTimeout:
+                return
+            if isinstance(msg, ErrorMsg) and msg.seq in (self._seq, 0):
+                self._abort_groups()
+                raise_remote(msg, phase="broadcast")
+            if isinstance(msg, AckMsg):
+                self._acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
 
     def _abort_groups(self) -> None:
         for pg in self._groups.values():
@@ -221,7 +243,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
     def _tx_wait_free(self, slot: int, state: Any) -> None:
         work = self._works.pop(slot, None)
         if work is not None:
-            self._wait_work(work, "rollout ranks", state.version)
+            self._wait_work(work, "rollout ranks", state.version, watch=True)
 
     def _finish_stream(self, state: Any) -> None:
         for slot in list(self._works):
@@ -264,7 +286,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._tx_control().push_many(self._receiver_boxes(), msg)
         flat = tensor.reshape(-1).view(torch.uint8)
         self._wait_work(self._groups[self._rank].broadcast(flat, 0), "rollout ranks",
-                        state.version)  # the tensor may change once we return
+                        state.version, watch=True)  # the tensor may change once we return
         state.tensors += 1
         state.nbytes += nbytes
 
