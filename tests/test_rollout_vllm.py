@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -198,6 +199,8 @@ def test_lora_adapter_only_syncs(vllm_worker):
             assert_matches(_gen(vllm_worker), ref, step, exact=False, who="vllm")
         assert kinds == [["base", "adapter"], ["adapter"]]
         assert vllm_worker.rollout.has_adapter()
+        check = manager.verify()              # base from the loader, adapter from its folder
+        assert check.ok and set(check.trainer) == {"base", "adapter"}, check.replicas
         base = build_causal_lm(CFG)
         base.load_state_dict(dict(export_weights(trainer.model, kind="base")))
         assert _hf_ref(base)["tokens"] != ref["tokens"], "the adapter must change the output"
@@ -266,6 +269,7 @@ def test_default_multiprocess_engine_lives_in_the_worker_process():
             states = worker.worker_states()
             assert len(states) == 1 and states[0]["engine"] and states[0]["version"] == 2
             assert states[0]["pid"] != os.getpid()
+            assert manager.verify().ok        # digests kept in the worker process
         lora_trainer = _trainer(lora=lora_config(random_init=True))
         with CheckpointEngineManager("shm", [lora_trainer], [worker], bucket_size=1 << 20,
                                      timeout=60) as manager:
@@ -275,3 +279,112 @@ def test_default_multiprocess_engine_lives_in_the_worker_process():
             assert_matches(_gen(worker), lora_trainer.reference(PROMPTS, NEW), 3, exact=False)
     finally:
         worker.close()
+
+
+# -- validation before bytes, verify ------------------------------------------------------
+def _on_workers(rep, fn):
+    """Run ``fn(worker)`` in every vLLM worker (in-process replica: a plain callable)."""
+    return rep.llm.collective_rpc(fn)
+
+
+def test_validation_rejects_a_mismatched_weight_set_before_any_byte(vllm_worker):
+    """A trainer whose model does not fit (other MLP width, one layer more): PlanMismatch
+    from the vLLM workers' check, listing the names, before pause; nothing is applied."""
+    rep = vllm_worker.rollout
+    good = build_causal_lm(CFG, seed=41)
+    _push(rep, export_weights(good), "v-good")
+    before = _gen(rep)
+    rep.clear_call_log()
+    bad = ToyTrainerWorker()
+    bad.build({**tiny_qwen2_config(vocab_size=VOCAB, layers=3, intermediate_size=256),
+               "max_position_embeddings": 512})
+    with CheckpointEngineManager("shm", [bad], [vllm_worker], bucket_size=1 << 20,
+                                 timeout=60) as manager:
+        with pytest.raises(PlanMismatch) as info:
+            manager.update_weights(1)
+    err = info.value
+    assert err.phase == "validate" and list(err.problems) == ["replica-0"]
+    assert any(".mlp." in n for n in err.names) and any("layers.2." in n for n in err.names)
+    assert all(".mlp." in n or "layers.2." in n for n in err.names), err.names
+    assert not any(x.startswith(("load:", "pause")) for x in rep.call_log())
+    assert rep.current_version() == "v-good" and rep.sync_state()["fenced"] is None
+    assert_matches(_gen(rep), {"tokens": [g.tokens for g in before],
+                               "logits": [g.logits for g in before]}, "v-good", exact=False)
+    # dtypes and adapter tensors are checked too
+    offered = [[n, list(t.shape), "float32"] for n, t in export_weights(good)]
+    offered[0][2] = "int32"
+    assert [p[0] for p in rep.check_weights(offered)] == [offered[0][0]]
+    lora = [["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", [4, 128],
+             "float32"],
+            ["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", [64, 4],
+             "float32"],
+            ["base_model.model.model.nope.lora_A.weight", [4, 128], "float32"]]
+    found = rep.check_weights(lora, kind="adapter")
+    assert [p[0] for p in found] == [lora[1][0], lora[2][0]], found
+
+
+def test_verify_digests_of_what_the_loader_received(vllm_worker):
+    """verify() passes after syncs; a changed live parameter (norm) or a digest of a fused
+    weight that differs from the trainer's is found, the replica fenced until a sync."""
+    rep = vllm_worker.rollout
+    trainer = _trainer()
+    with CheckpointEngineManager("shm", [trainer], [vllm_worker], bucket_size=1 << 20,
+                                 timeout=60) as manager:
+        trainer.train_step(1)
+        manager.update_weights(1)
+        check = manager.verify()
+        assert check.ok, check.replicas
+        assert check.trainer["full"] == check.replicas["replica-0"]["digest"]["full"]
+        live = rep.weight_digests()["live"]
+        assert {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"} <= set(live)
+        assert not any("proj" in n for n in live)       # fused/repacked: not read back
+
+        def tamper_norm(worker):
+            with torch.no_grad():
+                worker.model_runner.get_model().model.norm.weight.view(-1)[3] += 1.0
+
+        _on_workers(rep, tamper_norm)
+        found = manager.verify()
+        assert not found.ok and found.replicas["replica-0"]["mismatched"] == ["model.norm.weight"]
+        with pytest.raises(WeightSyncError, match="refuses"):
+            _gen(rep)
+
+        trainer.train_step(2)
+        manager.update_weights(2)
+        assert manager.verify().ok
+        name = "model.layers.0.mlp.up_proj.weight"
+
+        def tamper_digest(worker):
+            worker._weightsync_state.digests[name] = "0" * 16
+
+        _on_workers(rep, tamper_digest)
+        assert manager.verify().replicas["replica-0"]["mismatched"] == [name]
+        trainer.train_step(3)
+        manager.update_weights(3)
+        assert manager.verify().ok
+        assert_matches(_gen(rep), trainer.reference(PROMPTS, NEW), 3, exact=False)
+
+
+def test_begin_sync_fences_until_the_version_is_complete(vllm_worker):
+    """Fenced from begin_sync until every round of that version is applied; a round that
+    fails (staged: old weights intact) leaves it fenced until a later sync completes."""
+    rep = vllm_worker.rollout
+    model = build_causal_lm(CFG, seed=51)
+    _push(rep, export_weights(model), "b1")
+    rep.begin_sync("b2", ["full"])
+    with pytest.raises(WeightSyncError, match="refuses to generate.*in progress"):
+        _gen(rep)
+    _push(rep, export_weights(model), "b2")
+    assert _gen(rep)[0].version == "b2" and rep.sync_state()["fenced"] is None
+    rep.begin_sync("b3", ["full"])
+    rep.options.apply = "staged"
+    try:
+        with pytest.raises(PlanMismatch, match="unwritten"):
+            _push(rep, list(export_weights(model))[:-1], "b3")
+    finally:
+        rep.options.apply = "stream"
+    assert rep.sync_state()["fenced"] and rep.current_version() == "b2"
+    with pytest.raises(WeightSyncError, match="refuses"):
+        _gen(rep)
+    _push(rep, export_weights(model), "b4")
+    assert _gen(rep)[0].version == "b4"

@@ -35,22 +35,23 @@ import torch
 
 from ..errors import PlanMismatch
 
-__all__ = ["checkpoint_manifest", "CheckedStream", "pending_layers", "apply_weights",
-           "heal_after_failure", "zero_kv_cache", "write_adapter", "pick_loader"]
+__all__ = ["checkpoint_header", "checkpoint_manifest", "CheckedStream", "pending_layers",
+           "apply_weights", "heal_after_failure", "zero_kv_cache", "write_adapter",
+           "pick_loader"]
 
 logger = logging.getLogger(__name__)
 _MAX_HEADER = 64 << 20
 
 
-def checkpoint_manifest(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
-    """``{name: shape}`` of the ``*.safetensors`` files of a local model folder (headers
-    only, JSON), or None when the model is not a local folder of safetensors files."""
+def checkpoint_header(model_path: str) -> Optional[dict[str, tuple[tuple[int, ...], str]]]:
+    """``{name: (shape, safetensors dtype code)}`` of the ``*.safetensors`` files of a local
+    model folder (headers only, JSON), or None when it is not a folder of such files."""
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
         return None
     files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
     if not files:
         return None
-    out: dict[str, tuple[int, ...]] = {}
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
     for fname in files:
         with open(os.path.join(model_path, fname), "rb") as f:
             raw = f.read(8)
@@ -62,8 +63,15 @@ def checkpoint_manifest(model_path: str) -> Optional[dict[str, tuple[int, ...]]]
             header = json.loads(f.read(size))
         for name, meta in header.items():
             if name != "__metadata__" and isinstance(meta, dict):
-                out[name] = tuple(int(d) for d in meta.get("shape", ()))
+                out[name] = (tuple(int(d) for d in meta.get("shape", ())),
+                             str(meta.get("dtype", "")))
     return out
+
+
+def checkpoint_manifest(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
+    """``{name: shape}`` of :func:`checkpoint_header`, or None."""
+    header = checkpoint_header(model_path)
+    return None if header is None else {n: shape for n, (shape, _) in header.items()}
 
 
 class CheckedStream:
@@ -73,13 +81,22 @@ class CheckedStream:
     names). Every tensor is yielded as an owned copy when ``copy`` (engines yield views
     into reused buckets; vLLM's layerwise loader keeps references until a layer is
     complete). Timing of the pulls is kept in ``transport_seconds``.
+
+    ``digest_dtype``: also hash every tensor as the loader gets it, floating ones cast to
+    this dtype first (the dtype vLLM holds them in), with
+    :func:`weightsync.integrity.tensor_digest` (as the trainer side of ``verify`` does):
+    ``digests``/``dtypes`` by name.
     """
 
     def __init__(self, items: Iterable, expected: Optional[dict], *, version: Any,
-                 peer: str, copy: bool = True) -> None:
+                 peer: str, copy: bool = True,
+                 digest_dtype: Optional[torch.dtype] = None) -> None:
         self._items = iter(items)
         self.expected = expected
         self.version, self.peer, self.copy = version, peer, copy
+        self.digest_dtype = digest_dtype
+        self.digests: dict[str, str] = {}
+        self.dtypes: dict[str, str] = {}
         self.seen: set[str] = set()
         self.count = self.nbytes = 0
         self.transport_seconds = 0.0
@@ -105,10 +122,20 @@ class CheckedStream:
         self.seen.add(name)
         if self.copy:
             tensor = tensor.clone(memory_format=torch.contiguous_format)
+        if self.digest_dtype is not None:
+            self._digest(name, tensor)
         self.count += 1
         self.nbytes += tensor.numel() * tensor.element_size()
         self.transport_seconds += time.perf_counter() - start
         return name, tensor
+
+    def _digest(self, name: str, tensor: torch.Tensor) -> None:
+        from ..integrity import tensor_digest
+        from ..plan import dtype_name
+
+        held = self.digest_dtype if tensor.is_floating_point() else tensor.dtype
+        self.digests[name] = tensor_digest(tensor if tensor.dtype == held else tensor.to(held))
+        self.dtypes[name] = dtype_name(held)
 
     def missing(self) -> list[str]:
         if self.expected is None:

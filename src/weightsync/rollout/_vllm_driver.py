@@ -20,7 +20,7 @@ import torch
 from ..errors import PeerFailed, SyncTimeout, WeightSyncError
 from ._vllm_util import (VLLMOptions, env_set, error_from_reply, host_process_kept,
                          max_positions)
-from .base import Generation, GenerationGate
+from .base import Generation, GenerationGate, SyncFence
 
 __all__ = ["VLLMDriver"]
 
@@ -48,6 +48,8 @@ class VLLMDriver:
         self._version: Any = None
         self._versions: dict[str, Any] = {}
         self._fenced: Optional[str] = None
+        self._sync_fence = SyncFence()          # begin_sync .. every round applied
+        self._base_version: Any = None          # of the last full/base load
         self._asleep = {"weights": False, "kv_cache": False}
         self._discarded = False
         self._lora_request: Any = None

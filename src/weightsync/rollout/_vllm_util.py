@@ -32,12 +32,15 @@ class VLLMOptions:
     or everything in this process (``WEIGHTSYNC_VLLM_MULTIPROCESS``; sets
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` while the LLM starts). ``kv_cache_bytes``: KV cache
     size (``WEIGHTSYNC_VLLM_KV_CACHE_BYTES``; without it vLLM-CPU reserves 90 % of RAM).
-    ``timeout``: seconds any RPC other than a sync may take.
+    ``timeout``: seconds any RPC other than a sync may take. ``digests``: hash every
+    received tensor for ``verify`` (``WEIGHTSYNC_VLLM_DIGESTS``; costs one pass over the
+    weights per sync, a device-to-host copy on GPU; off: ``verify`` reports an error).
     """
 
     apply: str = field(default_factory=lambda: _env("VLLM_APPLY", str, "stream"))
     loader: str = field(default_factory=lambda: _env("VLLM_LOADER", str, "auto"))
     multiprocess: bool = field(default_factory=lambda: _env("VLLM_MULTIPROCESS", _bool, True))
+    digests: bool = field(default_factory=lambda: _env("VLLM_DIGESTS", _bool, True))
     kv_cache_bytes: int = field(default_factory=lambda: _env("VLLM_KV_CACHE_BYTES", int,
                                                              64 << 20))
     max_model_len: int = 512
@@ -58,7 +61,7 @@ class VLLMOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        for name in ("multiprocess", "enable_lora", "enforce_eager"):
+        for name in ("multiprocess", "enable_lora", "enforce_eager", "digests"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

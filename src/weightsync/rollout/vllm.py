@@ -15,6 +15,11 @@ the rollout adapter protocol (:mod:`weightsync.rollout.base`):
   set before the commit; a sync that fails half way *fences* the replica (generation
   refused, KV cache zeroed) until a complete version lands. With ``apply="staged"`` a
   transport failure leaves the old version serving instead (see ``vllm_ext``).
+* **Checks and digests** (:mod:`._vllm_checks`): ``check_weights`` checks a weight set
+  in every worker against the checkpoint's headers before any byte moves (the manager's
+  validation), ``weight_digests`` gives ``verify`` the digests of what vLLM's loader
+  received in the last complete sync (plus live embeddings/norms), and ``begin_sync``
+  fences generation until every round of a version is applied.
 * **Prefix cache reset after every sync** (stale KV of old weights would be reused
   otherwise), adapters included.
 * **Versions on outputs** come from vLLM itself: the engine's weight version is set
@@ -39,6 +44,7 @@ import tempfile
 from typing import Any, Optional, Sequence
 
 from ..errors import WeightSyncError
+from ._vllm_checks import VLLMChecks
 from ._vllm_driver import VLLMDriver
 from ._vllm_util import VLLMOptions, model_folder_from_config
 from .base import SLEEP_LEVELS, WEIGHT_KINDS, Generation, check_tags
@@ -58,7 +64,7 @@ def vllm_replicas(n: int, config: dict, **kwargs: Any) -> list:
     return make(n, config, **kwargs)
 
 
-class VLLMRolloutReplica(VLLMDriver):
+class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
     """One vLLM replica (see the module docstring).
 
     ``model``: a local HF model folder (``model_folder_from_config`` writes one from a
@@ -98,7 +104,8 @@ class VLLMRolloutReplica(VLLMDriver):
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         self._record(f"load:{kind}:{version}")
-        options: dict[str, Any] = {"apply": self.options.apply, "loader": self.options.loader}
+        options: dict[str, Any] = {"apply": self.options.apply, "loader": self.options.loader,
+                                   "digests": self.options.digests}
         folder = None
         if kind == "adapter":
             folder, reject = self._adapter_target(adapter_config)
@@ -124,6 +131,9 @@ class VLLMRolloutReplica(VLLMDriver):
                 self._after_base_load(kind, version)
             self.reset_caches(version=version)
             self._committed(version)
+            if kind != "adapter":
+                self._base_version = version
+            self._sync_fence.round_done(version, kind)
         except BaseException as exc:
             if applied:       # new weights in, but no clean prefix cache/adapter: fence
                 self._fenced = (f"version {version!r} was loaded, then {type(exc).__name__}: "
@@ -278,8 +288,8 @@ class VLLMRolloutReplica(VLLMDriver):
         if any(self._asleep.values()):
             raise WeightSyncError(f"{self.name} is asleep ({self._asleep}); wake_up first",
                                   phase="generate", version=self._version)
-        if self._fenced:
-            raise WeightSyncError(f"{self.name} refuses to generate: {self._fenced}",
+        if self._fence_reason():
+            raise WeightSyncError(f"{self.name} refuses to generate: {self._fence_reason()}",
                                   phase="generate", version=self._version)
         if self._discarded:
             raise WeightSyncError(f"{self.name}: weights discarded by sleep(level=2) were "

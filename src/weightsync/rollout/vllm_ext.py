@@ -43,6 +43,10 @@ class _State:
         self.version: Any = None
         self.fenced: Optional[str] = None
         self.manifest: Any = False      # False: not read yet; None: no manifest
+        self.header: Optional[dict] = None  # {name: (shape, safetensors dtype)}
+        self.digests: Optional[dict] = None  # of the last complete version (see _vllm_checks)
+        self.dtypes: dict = {}
+        self.live: list = []            # names whose live parameters are hashed at verify
 
 
 def _error(exc: BaseException) -> dict:
@@ -78,6 +82,15 @@ class WeightSyncWorkerExtension:
         if state is None:
             state = self.__dict__["_weightsync_state"] = _State()
         return state
+
+    def _weightsync_manifest(self, state: _State) -> Optional[dict]:
+        if state.manifest is False:
+            from ._vllm_apply import checkpoint_header
+
+            state.header = checkpoint_header(self.model_config.model)
+            state.manifest = None if state.header is None else {
+                n: shape for n, (shape, _) in state.header.items()}
+        return state.manifest
 
     def _weightsync_peer(self) -> str:
         return f"vllm worker {getattr(self, 'rank', 0)} (pid {os.getpid()})"
@@ -139,11 +152,8 @@ class WeightSyncWorkerExtension:
     def weightsync_state(self) -> dict:
         """Identity and state; the first call also reads the checkpoint's manifest (the
         names and shapes every full sync must cover), so the folder may go afterwards."""
-        from ._vllm_apply import checkpoint_manifest
-
         state = self._weightsync()
-        if state.manifest is False:
-            state.manifest = checkpoint_manifest(self.model_config.model)
+        self._weightsync_manifest(state)
         return {"version": state.version, "fenced": state.fenced, "pid": os.getpid(),
                 "rank": int(getattr(self, "rank", 0)), "engine": state.engine is not None,
                 "manifest": None if state.manifest is None else len(state.manifest)}
@@ -153,6 +163,39 @@ class WeightSyncWorkerExtension:
         from ._vllm_apply import zero_kv_cache
 
         return zero_kv_cache(self)
+
+    # -- checks (see _vllm_checks) ---------------------------------------------------------
+    @_guard
+    def weightsync_check(self, offered: list, kind: str) -> Optional[list]:
+        """Problems (``[name, why]``) of loading ``offered`` as ``kind``; nothing changes.
+        ``[]`` when the model was not started from a local safetensors folder."""
+        from ._vllm_checks import check_offered
+
+        state = self._weightsync()
+        if self._weightsync_manifest(state) is None:
+            logger.warning("weightsync: no checkpoint headers to check a weight set against")
+            return []
+        lora = self.vllm_config.lora_config
+        return check_offered(state.header, offered, kind, self.model_config.dtype,
+                             None if lora is None else int(lora.max_lora_rank))
+
+    @_guard
+    def weightsync_digests(self) -> dict:
+        """Digests of the last complete version as the loader received it, and of the live
+        parameters that can be read back exactly (``live``)."""
+        from ._vllm_checks import live_digests
+        from ..errors import WeightSyncError
+
+        state = self._weightsync()
+        if state.digests is None:
+            raise WeightSyncError("no digests: no sync completed in this vLLM worker since "
+                                  "it started or since the last failed one (or "
+                                  "WEIGHTSYNC_VLLM_DIGESTS=0)", peer=self._weightsync_peer(),
+                                  phase="verify", version=state.version)
+        live = live_digests(self.model_runner.get_model(), state.live, state.manifest,
+                            state.dtypes)
+        return {"version": state.version, "digests": state.digests, "dtypes": state.dtypes,
+                "live": live}
 
     # -- a sync -------------------------------------------------------------------------
     @_guard
@@ -184,7 +227,8 @@ class WeightSyncWorkerExtension:
                 stats = self._weightsync_adapter(pull, version, options)
             else:
                 stats = self._weightsync_full(state, pull, version, apply,
-                                              options.get("loader", "auto"))
+                                              options.get("loader", "auto"),
+                                              bool(options.get("digests", True)))
         except BaseException as exc:
             pull.close(exc)
             raise
@@ -195,16 +239,17 @@ class WeightSyncWorkerExtension:
         return stats
 
     def _weightsync_full(self, state: _State, pull: "_Pull", version: Any, apply: str,
-                         loader: str) -> dict:
-        from ._vllm_apply import (CheckedStream, apply_weights, checkpoint_manifest,
-                                  heal_after_failure, pick_loader, zero_kv_cache)
+                         loader: str, digests: bool) -> dict:
+        from ._vllm_apply import (CheckedStream, apply_weights, heal_after_failure,
+                                  pick_loader, zero_kv_cache)
+        from ._vllm_checks import calibrate_live
         from ..errors import PlanMismatch
 
-        if state.manifest is False:
-            state.manifest = checkpoint_manifest(self.model_config.model)
+        self._weightsync_manifest(state)
         loader = pick_loader(loader)
         peer = self._weightsync_peer()
-        checked = CheckedStream(pull, state.manifest, version=version, peer=peer)
+        checked = CheckedStream(pull, state.manifest, version=version, peer=peer,
+                                digest_dtype=self.model_config.dtype if digests else None)
         items: Any = checked
         if apply == "staged":
             staged = collections.deque(checked)   # the whole version, owned and checked
@@ -215,6 +260,7 @@ class WeightSyncWorkerExtension:
                                    version=version)
             items = _drain(staged)            # each tensor freed once its layer is loaded
         state.fenced = f"the sync of version {version!r} did not complete"
+        state.digests, state.dtypes, state.live = None, {}, []
         try:
             info = apply_weights(self, items, loader=loader, version=version, peer=peer)
         except BaseException:
@@ -223,6 +269,10 @@ class WeightSyncWorkerExtension:
             zero_kv_cache(self)
             raise
         state.version, state.fenced = version, None
+        if digests:
+            state.digests, state.dtypes = checked.digests, checked.dtypes
+            state.live = calibrate_live(self.model_runner.get_model(), checked.digests,
+                                        state.manifest, checked.dtypes)
         return {"tensors": checked.count, "bytes": checked.nbytes, "loader": loader,
                 "transport_seconds": checked.transport_seconds, **info}
 
