@@ -19,10 +19,10 @@ def _have(module: str) -> bool:
 
 @pytest.mark.timeout(300)
 def test_bench_cli_smoke(tmp_path, capsys):
-    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out, png, md = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "bench.md"
     args = ["bench", "--sizes", "4MiB", "--dtypes", "bfloat16", "--receivers", "1",
             "--bucket-size", "1MiB", "--warm", "2", "--no-hf", "--quiet", "--timeout", "60",
-            "--json", str(out)]
+            "--json", str(out), "--markdown", str(md)]
     if _have("matplotlib"):
         args += ["--plot", str(png)]
     assert main(args) == 0
@@ -45,6 +45,10 @@ def test_bench_cli_smoke(tmp_path, capsys):
     assert {"shm_vs_memcpy", "collective_vs_gloo", "memory"} <= goals
     if _have("matplotlib"):
         assert png.stat().st_size > 1000
+    assert "| shm | weightsync |" in md.read_text()
+    md2 = tmp_path / "again.md"               # re-render without running
+    assert main(["bench", "--from-json", str(out), "--markdown", str(md2)]) == 0
+    assert md2.read_text() == md.read_text()
 
 
 def test_workloads_and_config():

@@ -55,7 +55,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receivers", type=_csv(int), default=(1, 2, 4),
                    help="receiver process counts; default 1,2,4")
     p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
-                   help=f"subset of {','.join(ALL_METHODS)} (default: all but shm-buckets)")
+                   help=f"subset of {','.join(ALL_METHODS)} (default: all but the shm-buckets/shm-direct variants)")
     p.add_argument("--no-hf", action="store_true",
                    help="skip the config-built HF Qwen2 (~0.5B) workload")
     p.add_argument("--warm", type=int, default=5, help="warm syncs per case (median reported)")
@@ -67,6 +67,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         "cores; 0: torch's default of one per core)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="write a GB/s plot (needs matplotlib)")
+    p.add_argument("--markdown", metavar="PATH", help="write the tables and goals as Markdown")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="do not run: re-render a previous --json result (table, plot, Markdown)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -105,28 +108,38 @@ class _Progress:
 
 @subcommand("bench", "time weight syncs against baselines and limits", _bench_args)
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, format_goals, format_table, plot, run_bench
-    cfg = BenchConfig(sizes=args.sizes, dtypes=args.dtypes, receivers=args.receivers,
-                      methods=args.methods, hf=not args.no_hf, warm=args.warm,
-                      bucket_size=args.bucket_size, timeout=args.timeout, threads=args.threads)
-    progress = _Progress(args.quiet)
-    try:
-        doc = run_bench(cfg, progress=progress, total_cb=progress.total_cb)
-    finally:
-        progress.close()
-    doc["command"] = "weightsync " + " ".join(sys.argv[1:]) if sys.argv else ""
+    from .bench import BenchConfig, format_goals, format_table, plot, run_bench, validate
+    from .bench.report import format_markdown
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        validate(doc)
+    else:
+        cfg = BenchConfig(sizes=args.sizes, dtypes=args.dtypes, receivers=args.receivers,
+                          methods=args.methods, hf=not args.no_hf, warm=args.warm,
+                          bucket_size=args.bucket_size, timeout=args.timeout,
+                          threads=args.threads)
+        progress = _Progress(args.quiet)
+        try:
+            doc = run_bench(cfg, progress=progress, total_cb=progress.total_cb)
+        finally:
+            progress.close()
+        doc["command"] = "weightsync " + " ".join(sys.argv[1:]) if sys.argv else ""
     out = sys.stderr if args.json == "-" else sys.stdout
     print(format_table(doc), file=out)
     print("\nGoals (ratios from this run):\n" + format_goals(doc), file=out)
     for note in doc["notes"]:
         print(f"note: {note}", file=out)
-    if args.json:
+    if args.json and not args.from_json:
         text = json.dumps(doc, indent=1)
         if args.json == "-":
             print(text)
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(doc) + "\n")
     if args.plot:
         try:
             plot(doc, args.plot)

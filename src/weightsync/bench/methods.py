@@ -231,11 +231,13 @@ class ShmBuckets(WeightSync):
     """``shm`` with direct (cross-memory-attach) reads turned off: every byte goes
     through the shared-memory bucket ring (two copies, pipelined). For analysis."""
 
+    direct = "0"
+
     backend = "shm"
 
     def setup(self) -> None:
         old = os.environ.get("WEIGHTSYNC_SHM_DIRECT")
-        os.environ["WEIGHTSYNC_SHM_DIRECT"] = "0"
+        os.environ["WEIGHTSYNC_SHM_DIRECT"] = self.direct
         try:
             super().setup()
         finally:
@@ -243,6 +245,12 @@ class ShmBuckets(WeightSync):
                 os.environ.pop("WEIGHTSYNC_SHM_DIRECT", None)
             else:
                 os.environ["WEIGHTSYNC_SHM_DIRECT"] = old
+
+
+class ShmDirect(ShmBuckets):
+    """``shm`` with direct reads forced on whatever the receiver count. For analysis."""
+
+    direct = "1"
 
 
 class Collective(WeightSync):
@@ -256,7 +264,8 @@ def method_table() -> dict[str, type[Method]]:
     """Every method by name (baselines imported on first use)."""
     if not _TABLE:
         from .baselines import BASELINES
-        _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets})
+        _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
+                       "shm-direct": ShmDirect})
         _TABLE.update(BASELINES)
         _TABLE.update({"memcpy": Memcpy, "gloo-flat": GlooFlat,
                        "memcpy-parallel": MemcpyParallel})

@@ -14,8 +14,8 @@ import platform
 import socket
 from typing import Any, Optional
 
-__all__ = ["build_report", "format_table", "format_goals", "plot", "SCHEMA", "machine_info",
-           "validate"]
+__all__ = ["build_report", "format_table", "format_goals", "format_markdown", "plot", "SCHEMA",
+           "machine_info", "validate"]
 
 SCHEMA = "weightsync-bench/1"
 WS_METHODS = ("shm", "collective")
@@ -187,6 +187,34 @@ def format_goals(doc: dict) -> str:
         lines.append(f"{g['goal']:<22} {g['case']:<44} {_fmt(g['ratio'], '7.2f')} "
                      f"{sign}{g['target']:>6g}  {met}  {g['detail']}".rstrip())
     return "\n".join(lines)
+
+
+def format_markdown(doc: dict) -> str:
+    """The results and goals as Markdown tables (for BENCHMARKS.md)."""
+    out = []
+    for w, d, r in _cases(doc["results"]):
+        rows = [x for x in doc["results"] if (x["workload"], x["dtype"], x["receivers"]) == (w, d, r)]
+        out += ["", f"**{w}** ({rows[0]['bytes'] / 2**30:.2f} GiB, {d}), {r} receiver(s)", "",
+                "| method | kind | cold s | warm s (median) | GB/s | x memcpy | max extra RSS MiB |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        mc = _find(doc["results"], "memcpy", w, d, r)
+        for x in rows:
+            if x["status"] != "ok":
+                out.append(f"| {x['method']} | {x['kind']} | {x['status']}: {x['note'][:80]} "
+                           "| | | | |")
+                continue
+            rel = x["gbps"] / mc["gbps"] if mc and x["gbps"] else None
+            extra = x["max_extra_rss_bytes"] / 2**20
+            out.append(f"| {x['method']} | {x['kind']} | {_fmt(x['cold_s'], '.3f')} | "
+                       f"{_fmt(x['warm_median_s'], '.3f')} | {_fmt(x['gbps'], '.2f')} | "
+                       f"{_fmt(rel, '.2f')} | {extra:.0f} |")
+    out += ["", "| goal | case | ratio | target | met | how |", "| --- | --- | ---: | --- | --- | --- |"]
+    for g in doc["goals"]:
+        sign = ">=" if g["higher_is_better"] else "<="
+        met = {True: "yes", False: "**no**", None: "-"}[g["met"]]
+        out.append(f"| {g['goal']} | {g['case']} | {_fmt(g['ratio'], '.2f')} | "
+                   f"{sign} {g['target']:g} | {met} | {g['detail']} |")
+    return "\n".join(out).lstrip("\n")
 
 
 def plot(doc: dict, path: str) -> None:

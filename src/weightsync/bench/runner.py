@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
                    "gloo-flat", "memcpy-parallel")
-ALL_METHODS = DEFAULT_METHODS + ("shm-buckets",)
+ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct")
 
 
 @dataclass(kw_only=True)
@@ -89,6 +89,7 @@ def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
     return {
         "shm": 2 * bucket + receivers * big + 2 * cap,
         "shm-buckets": 2 * bucket + receivers * big + 2 * cap,
+        "shm-direct": 2 * bucket + receivers * big + 2 * cap,
         "collective": (receivers + 1) * (2 * bucket + cap) + receivers * big,
         "ray": n + receivers * n + (receivers + 1) * 300 * MiB,
         "gloo-per-tensor": receivers * big,
@@ -194,13 +195,16 @@ def _durations(results: list[dict], key: str, part: str) -> list[float]:
     """Per step: from the trainer's start to the last participant's end."""
     rows = []
     for i in range(len(results[0][key])):
-        start = results[0][key][i][0]
-        rows.append(max(r[key][i][1] for r in results if r[part]) - start)
+        active = [r for r in results if r[part]]
+        start = results[0][key][i][0] if results[0][part] else \
+            min(r[key][i][0] for r in active)
+        rows.append(max(r[key][i][1] for r in active) - start)
     return rows
 
 
 #: goals compare these pairs step by step (the limit runs right before each step)
-PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "collective": "gloo-flat"}
+PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "shm-direct": "memcpy",
+         "collective": "gloo-flat"}
 
 
 def _summarize(w: Workload, method: str, receivers: int, results: list[dict],

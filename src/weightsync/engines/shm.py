@@ -16,7 +16,8 @@ ring: the trainer sends its address and waits until every receiver has read it (
 tensor is valid only until the next item), so one copy remains instead of two; with
 ``receive_into`` that copy lands straight in the receiver's own tensor. Copies use
 ``memmove`` rather than torch's thread pool (:mod:`._fastcopy`).
-``WEIGHTSYNC_SHM_DIRECT=0`` turns direct reads off.
+``WEIGHTSYNC_SHM_DIRECT``: ``auto`` (default: only while every receiver has two cores, or
+there is one receiver), ``1`` always, ``0`` never.
 
 Lifecycle (per worker): ``prepare`` (trainers start their control store) ->
 ``build_topology`` -> ``init_process_group`` (trainers create the ring, rollout ranks map
@@ -67,8 +68,11 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._direct_seq = (0, 0)
         self._copy_threads = copy_threads()
         self._copy_pool: Optional[ThreadPoolExecutor] = None
-        env = os.environ.get("WEIGHTSYNC_SHM_DIRECT", "1").strip().lower()
-        self._direct_wanted = env not in ("0", "false", "no", "off")
+        env = os.environ.get("WEIGHTSYNC_SHM_DIRECT", "auto").strip().lower()
+        if env not in ("auto", "0", "1", "false", "true", "no", "yes", "off", "on"):
+            raise ValueError(f"WEIGHTSYNC_SHM_DIRECT must be auto, 1 or 0, got {env!r}")
+        self._direct_mode = "auto" if env == "auto" else \
+            ("off" if env in ("0", "false", "no", "off") else "on")
         try:
             self._direct_min = int(os.environ.get("WEIGHTSYNC_SHM_DIRECT_MIN", str(1 << 20)))
         except ValueError:
@@ -130,8 +134,14 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                                 peer="rollout ranks", phase="init")
             if isinstance(msg, HelloMsg) and msg.segments == ("cma",):
                 ok.add(msg.rank)
-        return self._direct_wanted and len(ok) == self._num_receivers \
-            and not self.config.checksum
+        return self._direct_mode != "off" and len(ok) == self._num_receivers \
+            and not self.config.checksum and (self._direct_mode == "on" or self._direct_pays())
+
+    def _direct_pays(self) -> bool:
+        """``auto``: direct reads win while every receiver has cores to read with; with
+        more receivers than that, their concurrent reads and the per-tensor wait for the
+        slowest one cost more than the ring's extra copy (measured: BENCHMARKS.md)."""
+        return self._num_receivers == 1 or 2 * self._num_receivers <= (os.cpu_count() or 1)
 
     def _init_receiver(self) -> None:
         for s in range(self._world):
