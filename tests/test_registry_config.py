@@ -68,7 +68,7 @@ def test_build_topology_checks_sizes():
     with pytest.raises(TopologyError, match="hosts no store"):
         cls.build_topology(1, 1, [{"role": None}, {"role": "rollout"}])
     with pytest.raises(TopologyError, match="one host"):
-        cls.build_topology(1, 1, [{"host": "h", "port": 1, "hostname": "a"},
+        cls.build_topology(1, 1, [{"host": "h", "port": 1, "auth": "t", "hostname": "a"},
                                   {"hostname": "b"}])
     with pytest.raises(ValueError):
         cls.build_topology(0, 1, [{}])
