@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import math
 import os
 from typing import Any, ClassVar
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional
 

@@ -24,9 +24,20 @@ from .workloads import Workload, materialize, zeros_like_spec
 __all__ = ["Ctx", "worker_main", "fingerprint"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+try:  # psutil where installed (the bench extra); /proc otherwise
+    import psutil as _psutil
+except ImportError:  # pragma: no cover - depends on the environment
+    _psutil = None
+_PROC: Any = None
 
 
 def rss_bytes() -> int:
+    """Resident set size of this process (shared pages it touched included)."""
+    global _PROC
+    if _psutil is not None:
+        if _PROC is None or _PROC.pid != os.getpid():
+            _PROC = _psutil.Process()
+        return int(_PROC.memory_info().rss)
     with open("/proc/self/statm", "rb") as f:
         return int(f.read().split()[1]) * _PAGE
 

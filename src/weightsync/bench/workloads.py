@@ -13,7 +13,7 @@ norm. The hidden size grows with the target size so that matrices stay realistic
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
