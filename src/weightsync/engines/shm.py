@@ -11,7 +11,7 @@ socket, never spinning. Segments are unlinked as soon as all readers mapped them
 Speed (see BENCHMARKS.md): per-bucket headers and acks travel on one Unix socket per
 receiver (:mod:`._direct`), not through the control store. Where the kernel lets rollout
 ranks read the trainer's memory (``process_vm_readv``, probed in ``init_process_group``),
-every contiguous tensor of at least ``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (1 MiB) skips the
+every contiguous tensor of at least ``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (8 MiB) skips the
 ring: the trainer sends its address and waits until every receiver has read it (the
 tensor is valid only until the next item), so one copy remains instead of two; with
 ``receive_into`` that copy lands straight in the receiver's own tensor. Copies use
@@ -74,7 +74,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._direct_mode = "auto" if env == "auto" else \
             ("off" if env in ("0", "false", "no", "off") else "on")
         try:
-            self._direct_min = int(os.environ.get("WEIGHTSYNC_SHM_DIRECT_MIN", str(1 << 20)))
+            self._direct_min = int(os.environ.get("WEIGHTSYNC_SHM_DIRECT_MIN", str(8 << 20)))
         except ValueError:
             raise ValueError("WEIGHTSYNC_SHM_DIRECT_MIN must be a number of bytes") from None
 
