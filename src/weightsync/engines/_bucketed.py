@@ -15,22 +15,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..errors import (IntegrityError, PeerFailed, PlanMismatch, SyncTimeout, VersionMismatch,
-                      WeightSyncError)
+from ..errors import PeerFailed, SyncTimeout, WeightSyncError
 from ..plan import Bucket, PlanBuilder, TensorMeta, bucket_digest, dtype_name, plan_signature
 from ..wire import AckMsg, BucketMsg, DoneMsg, ErrorMsg
 from ._fastcopy import can_memmove, copy_into
 from ._iterutil import aiter_items, as_bytes, checksum, wire_dtype
 from ._ownership import Ownership
-from .base import CheckpointEngine, version_matches
+from .base import CheckpointEngine
 
 __all__ = ["BucketedEngine"]
 
@@ -63,6 +60,22 @@ class _SendState:
     nbytes: int = 0
     changed: int = 0
     yielded: list = field(default_factory=list)
+
+
+def direct_header(engine: Any, state: Any, name: str, tensor: torch.Tensor,
+                  dtype: torch.dtype) -> BucketMsg:
+    """Header of a tensor that goes "direct" (outside the bucket ring): the k-th of sync
+    ``state.seq``, indexed from ``DIRECT_BASE`` so it never collides with bucket indices."""
+    from ._receiver import DIRECT_BASE, DIRECT_SLOT
+
+    seq, k = engine._direct_seq
+    k = k + 1 if seq == state.seq else 1
+    engine._direct_seq = (state.seq, k)
+    nbytes = tensor.numel() * tensor.element_size()
+    meta = TensorMeta(name, tuple(tensor.shape), dtype_name(dtype), 0, nbytes, 0, nbytes)
+    return BucketMsg(version=_jsonable(state.version), seq=state.seq, stream=engine._rank,
+                     index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
+                     layout="direct", entries=(meta,))
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:

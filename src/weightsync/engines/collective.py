@@ -46,13 +46,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SyncTimeout
-from ..plan import TensorMeta, dtype_name
 from ..wire import AckMsg, BucketMsg, ErrorMsg
-from ._bucketed import BucketedEngine, _jsonable, _plain_cpu, raise_remote
+from ._bucketed import BucketedEngine, _plain_cpu, direct_header, raise_remote
 from ._direct import Link, LinkHub
 from ._ctlserver import C10dStore
 from ._group import StoreGroupMixin
-from ._receiver import DIRECT_BASE, DIRECT_SLOT, ReceiverMixin
+from ._receiver import ReceiverMixin
 from .registry import CheckpointEngineRegistry
 
 __all__ = ["CollectiveEngine"]
@@ -275,14 +274,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
 
     def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
                    dtype: torch.dtype) -> None:
-        seq, k = self._direct_seq
-        k = k + 1 if seq == state.seq else 1
-        self._direct_seq = (state.seq, k)
-        nbytes = tensor.numel() * tensor.element_size()
-        meta = TensorMeta(name, tuple(tensor.shape), dtype_name(dtype), 0, nbytes, 0, nbytes)
-        msg = BucketMsg(version=_jsonable(state.version), seq=state.seq, stream=self._rank,
-                        index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
-                        layout="direct", entries=(meta,))
+        msg = direct_header(self, state, name, tensor, dtype)
+        nbytes = msg.nbytes
         self._tx_control().push_many(self._receiver_boxes(), msg)
         flat = tensor.reshape(-1).view(torch.uint8)
         self._wait_work(self._groups[self._rank].broadcast(flat, 0), "rollout ranks",

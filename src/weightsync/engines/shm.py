@@ -36,13 +36,12 @@ from typing import Any, Optional
 import torch
 
 from ..errors import PeerFailed, SyncTimeout, TopologyError
-from ..plan import TensorMeta, dtype_name
 from ..wire import BucketMsg, HelloMsg
-from ._bucketed import BucketedEngine, _jsonable, _plain_cpu
+from ._bucketed import BucketedEngine, _plain_cpu, direct_header
 from ._direct import Link, LinkHub, unix_address
 from ._fastcopy import cma_available, cma_read, copy_threads
 from ._group import StoreGroupMixin
-from ._receiver import DIRECT_BASE, DIRECT_SLOT, ReceiverMixin
+from ._receiver import ReceiverMixin
 from ._shmseg import Segment, sweep_stale
 from .registry import CheckpointEngineRegistry
 
@@ -217,16 +216,10 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
 
     def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
                    dtype: torch.dtype) -> None:
-        seq, k = self._direct_seq
-        k = k + 1 if seq == state.seq else 1
-        self._direct_seq = (state.seq, k)
-        nbytes = tensor.numel() * tensor.element_size()
-        meta = TensorMeta(name, tuple(tensor.shape), dtype_name(dtype), 0, nbytes, 0, nbytes)
-        msg = BucketMsg(version=_jsonable(state.version), seq=state.seq, stream=self._rank,
-                        index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
-                        layout="direct", entries=(meta,))
+        msg = direct_header(self, state, name, tensor, dtype)
+        nbytes = msg.nbytes
         self._hub.push_many(self._receiver_boxes(), msg, aux=tensor.data_ptr())
-        self._await_acks(state, final=False, index=DIRECT_BASE + k)
+        self._await_acks(state, final=False, index=msg.index)
         state.tensors += 1
         state.nbytes += nbytes
 
