@@ -90,6 +90,19 @@ def _token32(token: str) -> bytes:
     return token.encode()[:32].ljust(32, b"\0")
 
 
+def _read_message(sock: socket.socket, peer: str, phase: str, version: object,
+                  deadline: float) -> tuple[Message, int]:
+    """One framed message and its aux value; failures name the peer, phase and version."""
+    try:
+        data, aux = _read_frame(sock, max(deadline, time.monotonic() + 5.0))
+        return decode(data), aux
+    except WireError as exc:
+        raise WireError(exc.detail, peer=peer, phase=phase, version=version) from None
+    except (ConnectionError, OSError, TimeoutError) as exc:
+        raise PeerFailed(f"lost the control link to {peer} ({type(exc).__name__})",
+                         peer=peer, phase=phase, version=version) from None
+
+
 class LinkHub:
     """Trainer side: one listening socket, one connection per receiver."""
 
@@ -192,14 +205,8 @@ class LinkHub:
 
     def _read(self, sock: socket.socket, peer: str, phase: str, version: object,
               deadline: float) -> Message:
-        try:
-            data, self.last_aux = _read_frame(sock, max(deadline, time.monotonic() + 5.0))
-            return decode(data)
-        except WireError as exc:
-            raise WireError(exc.detail, peer=peer, phase=phase, version=version) from None
-        except (ConnectionError, OSError, TimeoutError) as exc:
-            raise PeerFailed(f"lost the control link to {peer} ({type(exc).__name__})",
-                             peer=peer, phase=phase, version=version) from None
+        msg, self.last_aux = _read_message(sock, peer, phase, version, deadline)
+        return msg
 
     def close(self) -> None:
         for conn in list(self._conns.values()) + [self._lsock]:
@@ -283,14 +290,8 @@ class Link:
             ready, _, _ = select.select([self._sock, self._wake_r], [], [], left)
             if self._sock in ready and self._wake_r not in ready:
                 break
-        try:
-            data, self.last_aux = _read_frame(self._sock, max(deadline, time.monotonic() + 5.0))
-            return decode(data)
-        except WireError as exc:
-            raise WireError(exc.detail, peer=peer, phase=phase, version=version) from None
-        except (ConnectionError, OSError, TimeoutError) as exc:
-            raise PeerFailed(f"lost the control link to {peer} ({type(exc).__name__})",
-                             peer=peer, phase=phase, version=version) from None
+        msg, self.last_aux = _read_message(self._sock, peer, phase, version, deadline)
+        return msg
 
     def close(self) -> None:
         for fd in (self._wake_r, self._wake_w):

@@ -109,14 +109,19 @@ class StoreGroupMixin:
     def _prefix(self, stream: int) -> str:
         return f"ws/{self._token}/s{stream}"
 
-    def _tx_control(self) -> Inbox:
-        return self._tx_inbox
+    # Per-bucket messages go over an engine's direct control links (``_hub`` on the
+    # trainer, ``_links`` on receivers) when it opened them, else through the store.
+    _hub: Any = None
+    _links: dict = {}
 
-    def _rx_control(self, stream: int) -> Inbox:
-        return self._rx_push[stream]
+    def _tx_control(self) -> Any:
+        return self._hub if self._hub is not None else self._tx_inbox
 
-    def _rx_pump_inbox(self, stream: int) -> Inbox:
-        return self._rx_pop[stream]
+    def _rx_control(self, stream: int) -> Any:
+        return self._links.get(stream) or self._rx_push[stream]
+
+    def _rx_pump_inbox(self, stream: int) -> Any:
+        return self._links.get(stream) or self._rx_pop[stream]
 
     def _leave(self) -> None:
         """Close control channels (the store server survives until ``close_server``)."""

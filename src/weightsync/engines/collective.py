@@ -153,15 +153,6 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._links[stream] = Link(family, (str(host), int(port)), self._token, self._rank,
                                    timeout, peer=peer)
 
-    def _tx_control(self) -> Any:
-        return self._hub if self._hub is not None else self._tx_inbox
-
-    def _rx_control(self, stream: int) -> Any:
-        return self._links.get(stream) or self._rx_push[stream]
-
-    def _rx_pump_inbox(self, stream: int) -> Any:
-        return self._links.get(stream) or self._rx_pop[stream]
-
     def _alloc(self, dev: torch.device) -> torch.Tensor:
         buf = torch.empty(self.config.bucket_size, dtype=torch.uint8, device=dev)
         if dev.type == "cpu":

@@ -200,15 +200,6 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         pass  # the acknowledgement the protocol sends frees the slot
 
     # -- control links (per-bucket messages bypass the store) ---------------------------
-    def _tx_control(self) -> Any:
-        return self._hub if self._hub is not None else self._tx_inbox
-
-    def _rx_control(self, stream: int) -> Any:
-        return self._links.get(stream) or self._rx_push[stream]
-
-    def _rx_pump_inbox(self, stream: int) -> Any:
-        return self._links.get(stream) or self._rx_pop[stream]
-
     # -- direct tensors: receivers read the trainer's memory (one copy in all) ------------
     def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
         return (self._direct and tensor.dtype == dtype and _plain_cpu(tensor)
