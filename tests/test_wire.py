@@ -15,6 +15,8 @@ MESSAGES = [
     DoneMsg(version="v1", seq=1, stream=0, num_buckets=2, num_tensors=3, nbytes=5,
             signature="x"),
     ErrorMsg(version=1, seq=2, error="SyncTimeout", message="m", peer="p", phase="send"),
+    ErrorMsg(version=1, seq=2, error="PeerFailed", message="m", peer="trainer rank 0",
+             phase="send", origin="rollout rank 2"),
     NamesMsg(seq=1, rank=0, digest="d", names=("a", "b")),
     AckMsg(seq=1, stream=0, rank=3, index=4, final=True),
     HelloMsg(stream=0, rank=1, bucket_size=256, num_slots=2, segments=("s",)),

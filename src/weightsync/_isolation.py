@@ -11,6 +11,11 @@ returns a :class:`Verdict`:
   (no peer, itself, another trainer rank): nothing can be isolated then;
 * an error that names a peer (``"trainer rank 0"`` on a replica) is a relay: that replica
   was told of someone else's failure and is innocent; it did not complete the version.
+
+An error passed on from peer to peer keeps where the failure started (``origin``, e.g.
+rollout rank 2 died, trainer rank 0 told rollout rank 1, which told trainer rank 1): the
+rules read that origin, not the last messenger, so no healthy replica is taken for the
+one that failed.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Optional
 
 from ._calls import Outcome
 
-__all__ = ["Verdict", "blame", "describe_error"]
+__all__ = ["Verdict", "blame", "describe_error", "source_of"]
 
 _RANK = re.compile(r"^rollout rank (\d+)$")
 
@@ -41,6 +46,11 @@ def describe_error(err: Optional[BaseException]) -> str:
     return f"{type(err).__name__}: {getattr(err, 'detail', err)}"[:2000]
 
 
+def source_of(err: Optional[BaseException]) -> Optional[str]:
+    """The peer an error points at: where a relayed failure started, else its peer."""
+    return getattr(err, "origin", None) or getattr(err, "peer", None)
+
+
 def _owner(peer: Optional[str], rank_owner: dict[int, str]) -> Optional[str]:
     m = _RANK.match(peer or "")
     return rank_owner.get(int(m.group(1))) if m else None
@@ -54,10 +64,10 @@ def blame(trainers: list[Outcome], replicas: list[Outcome],
     for o in replicas:
         if o.ok:
             continue
-        peer = getattr(o.error, "peer", None)
+        peer = source_of(o.error)
         named = _owner(peer, rank_owner)
         if peer in (None, o.label) or named == o.label:
-            v.culprits.setdefault(o.label, describe_error(o.error))
+            v.culprits[o.label] = describe_error(o.error)   # its own word beats a peer's
         elif named is not None:
             v.culprits.setdefault(named, f"named by {o.label}: {describe_error(o.error)}")
         else:
@@ -65,7 +75,7 @@ def blame(trainers: list[Outcome], replicas: list[Outcome],
     for o in trainers:
         if o.ok:
             continue
-        peer = getattr(o.error, "peer", None)
+        peer = source_of(o.error)
         named = _owner(peer, rank_owner)
         if named is not None:
             v.culprits.setdefault(named, f"named by {o.label}: {describe_error(o.error)}")

@@ -13,7 +13,7 @@ import logging
 from typing import Any, Optional
 
 from ._calls import Call, Outcome, call_all, values_or_raise
-from ._isolation import Verdict, blame
+from ._isolation import Verdict, blame, source_of
 from .engines.base import validate_topology, worker_kwargs
 from .errors import TopologyError, WeightSyncError
 from .report import ReplicaStatus, SyncReport
@@ -154,7 +154,7 @@ class GroupMixin:
                 or not self.isolate_failures or not self.replicas:
             # the root cause first: a worker's own failure, not a peer relaying it
             ordered = sorted(trainers + replicas,
-                             key=lambda o: o.ok or getattr(o.error, "peer", None) != o.label)
+                             key=lambda o: o.ok or source_of(o.error) != o.label)
             if verdict.trainer_fault is not None:
                 ordered.insert(0, verdict.trainer_fault)
             values_or_raise(ordered)

@@ -25,6 +25,8 @@ class WeightSyncError(RuntimeError):
 
     ``peer`` names the remote side (e.g. ``"trainer rank 1"``), ``phase`` the step of the
     lifecycle (``"init"``, ``"send"``, ``"receive"``...), ``version`` the weight version.
+    ``origin`` is set on an error that relays another peer's failure: the peer where that
+    failure started (``peer`` is then only the messenger); ``None`` when not relayed.
     """
 
     def __init__(
@@ -34,8 +36,10 @@ class WeightSyncError(RuntimeError):
         peer: str | None = None,
         phase: str | None = None,
         version: object = None,
+        origin: str | None = None,
     ) -> None:
         self.peer = peer
+        self.origin = origin
         self.phase = phase
         self.version = version
         self.detail = message
@@ -47,6 +51,8 @@ class WeightSyncError(RuntimeError):
             ctx.append(f"phase={phase}")
         if version is not None:
             ctx.append(f"version={version}")
+        if origin is not None and origin != peer:
+            ctx.append(f"origin={origin}")
         if ctx:
             parts.append("(" + ", ".join(ctx) + ")")
         super().__init__(" ".join(parts))
@@ -54,12 +60,12 @@ class WeightSyncError(RuntimeError):
     def __reduce__(self):  # keep context across pickling (Ray actors re-raise these)
         return (
             _rebuild,
-            (type(self), self.detail, self.peer, self.phase, self.version),
+            (type(self), self.detail, self.peer, self.phase, self.version, self.origin),
         )
 
 
-def _rebuild(cls, detail, peer, phase, version):
-    return cls(detail, peer=peer, phase=phase, version=version)
+def _rebuild(cls, detail, peer, phase, version, origin=None):
+    return cls(detail, peer=peer, phase=phase, version=version, origin=origin)
 
 
 class SyncTimeout(WeightSyncError):

@@ -90,6 +90,7 @@ class ErrorMsg(Message):
     message: str
     peer: str
     phase: str
+    origin: Optional[str] = None  # where a relayed failure started (None: at ``peer``)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class HelloMsg(Message):
 _KINDS: dict[str, type[Message]] = {
     c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
-             "segments": (), "handles": ()}
+             "segments": (), "handles": (), "origin": None}
 _ERROR_NAMES = {
     "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
     "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
@@ -239,6 +240,8 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         return v
     if name == "message":
         return _str(v, name, 65536)
+    if name == "origin":
+        return None if v is None else _str(v, name, 1024)
     return _str(v, name, 1024)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,10 +35,27 @@ __all__ = ["BucketedEngine"]
 logger = logging.getLogger(__name__)
 
 
+_ONE_PEER = re.compile(r"^(trainer|rollout) rank \d+$")
+
+
+def failure_origin(exc: BaseException) -> Optional[str]:
+    """Where the failure ``exc`` started, as far as this process knows: the origin it was
+    relayed with, else the one peer it saw go away or fall silent (a lost link, a missed
+    deadline); ``None``: here (its own error, or one it cannot pin on a single peer)."""
+    if not isinstance(exc, WeightSyncError):
+        return None
+    if exc.origin is not None:
+        return exc.origin
+    if isinstance(exc, (PeerFailed, SyncTimeout)) and _ONE_PEER.match(exc.peer or ""):
+        return exc.peer
+    return None
+
+
 def error_msg(exc: BaseException, *, seq: int, version: Any, peer: str, phase: str) -> ErrorMsg:
     name = type(exc).__name__ if isinstance(exc, WeightSyncError) else "PeerFailed"
     return ErrorMsg(version=_jsonable(version), seq=seq, error=name,
-                    message=f"{type(exc).__name__}: {exc}"[:60000], peer=peer, phase=phase)
+                    message=f"{type(exc).__name__}: {exc}"[:60000], peer=peer, phase=phase,
+                    origin=failure_origin(exc))
 
 
 def _jsonable(version: Any) -> Any:
@@ -45,8 +63,17 @@ def _jsonable(version: Any) -> Any:
 
 
 def raise_remote(msg: ErrorMsg, *, phase: str) -> None:
+    """Raise the failure a peer reported; ``origin`` keeps where it started, so a peer that
+    only passed it on is not taken for the one that failed."""
     raise PeerFailed(f"{msg.peer} failed in {msg.phase}: {msg.message}", peer=msg.peer,
-                     phase=phase, version=msg.version)
+                     phase=phase, version=msg.version, origin=msg.origin or msg.peer)
+
+
+def _best_effort(tell: Any) -> None:
+    try:
+        tell()
+    except Exception:  # the control channel itself may be gone
+        logger.debug("could not tell peers about a failed sync", exc_info=True)
 
 
 @dataclass
@@ -275,15 +302,15 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                 acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
 
     def _abort_send(self, state: _SendState, exc: BaseException) -> None:
-        """Tell every receiver that this sync is over (also relays a receiver's failure)."""
+        """Tell every receiver that this sync is over (also relays a receiver's failure),
+        and the other trainer ranks, which may be waiting for this rank's names."""
         self._acks.clear()
         self._slot_bucket.clear()
-        try:
-            msg = error_msg(exc, seq=state.seq, version=state.version,
-                            peer=f"trainer rank {self._rank}", phase="send")
-            self._tx_control().push_many(self._receiver_boxes(), msg)
-        except Exception:  # the control channel itself may be gone
-            logger.debug("could not tell receivers about the failed send", exc_info=True)
+        msg = error_msg(exc, seq=state.seq, version=state.version,
+                        peer=f"trainer rank {self._rank}", phase="send")
+        _best_effort(lambda: self._tx_control().push_many(self._receiver_boxes(), msg))
+        if self._ownership is not None:
+            _best_effort(lambda: self._ownership.fail(state.seq, msg))
 
     def _report(self, state: _SendState, seconds: float) -> dict[str, Any]:
         self._acks.clear()

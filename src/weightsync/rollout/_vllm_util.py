@@ -83,7 +83,7 @@ def error_from_reply(err: dict, *, phase: str, version: Any, peer: str) -> BaseE
     cls = getattr(_errors, name, None) if name in _errors.__all__ else None
     if cls is not None:
         return cls(message, peer=err.get("peer") or peer, phase=err.get("phase") or phase,
-                   version=err.get("version", version))
+                   version=err.get("version", version), origin=err.get("origin"))
     if name == "ValueError":
         return ValueError(f"{peer}: {message}")
     return PeerFailed(f"{name}: {message}", peer=peer, phase=phase, version=version)

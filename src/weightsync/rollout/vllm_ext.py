@@ -54,7 +54,7 @@ def _error(exc: BaseException) -> dict:
 
     err = {"type": type(exc).__name__, "message": str(exc)[:4000]}
     if isinstance(exc, WeightSyncError):
-        err.update(message=exc.detail[:4000], peer=exc.peer, phase=exc.phase,
+        err.update(message=exc.detail[:4000], peer=exc.peer, phase=exc.phase, origin=exc.origin,
                    version=exc.version if exc.version is None or
                    isinstance(exc.version, (int, str)) else str(exc.version))
     return err
