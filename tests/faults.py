@@ -29,6 +29,11 @@ def kill_rollout_1(engine, role, rank):
         _kill_receiver(engine, rank)
 
 
+def kill_rollout_2(engine, role, rank):
+    if role == "rollout" and rank == 2:
+        _kill_receiver(engine, rank)
+
+
 def kill_trainer_0(engine, role, rank):
     if role != "trainer" or rank != 0:
         return

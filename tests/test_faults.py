@@ -14,7 +14,8 @@ def _spec(backend, hook, **kw):
     engine_kwargs = {"bucket_size": BUCKET, "timeout": 6, **kw.pop("engine_kwargs", {})}
     kw.setdefault("timeout", 60)
     kw.setdefault("steps", 3)
-    return GroupSpec(backend=backend, receivers=2, hook=hook, tiny=100,
+    kw.setdefault("receivers", 2)
+    return GroupSpec(backend=backend, hook=hook, tiny=100,
                      engine_kwargs=engine_kwargs, **kw)
 
 
@@ -28,6 +29,21 @@ def test_rollout_killed_mid_sync(backend):
     assert "rollout rank" in trainer["errors"][0]
     assert len(r0["steps"]) == 1 and r0["errors"], r0   # told, not left waiting
     assert time.monotonic() - start < 50
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", PROCESS_BACKENDS)
+def test_relayed_errors_keep_their_origin(backend):
+    """Two trainer ranks, three rollout ranks, rank 2 dies: its failure reaches every other
+    worker, directly or passed on by a peer, and no error blames a surviving rollout rank
+    (the manager isolates by these origins)."""
+    spec = _spec(backend, "faults:kill_rollout_2", trainers=2, receivers=3)
+    *trainers, r0, r1, r2 = run_group(spec)
+    assert r2 == {"died": 17}
+    for w in trainers:
+        assert len(w["steps"]) == 1 and w["origins"] == ["rollout rank 2"], w
+    for w in (r0, r1):   # one that got all of version 1 then sees the trainers exit
+        assert w["errors"] and w["origins"][0] not in ("rollout rank 0", "rollout rank 1"), w
 
 
 @pytest.mark.timeout(120)

@@ -129,7 +129,7 @@ async def _receive_step(engine, spec: GroupSpec, step: int) -> dict[str, Any]:
 
 
 async def _run_role(engine, spec: GroupSpec, role: str, rank: int) -> dict[str, Any]:
-    steps, errors, failed_after = [], [], None
+    steps, errors, origins, failed_after = [], [], [], None
     for step in range(spec.steps):
         started = time.monotonic()
         try:
@@ -140,10 +140,11 @@ async def _run_role(engine, spec: GroupSpec, role: str, rank: int) -> dict[str, 
                 steps.append(await _receive_step(engine, spec, step))
         except Exception as exc:  # reported to the parent, which asserts on it
             errors.append(f"{type(exc).__name__}: {exc}")
+            origins.append(getattr(exc, "origin", None) or getattr(exc, "peer", None))
             failed_after = time.monotonic() - started
             break
     return {"role": role, "rank": rank, "steps": steps, "errors": errors,
-            "failed_after_s": failed_after}
+            "origins": origins, "failed_after_s": failed_after}
 
 
 def _worker(spec: GroupSpec, role: str, rank: int, conn) -> None:

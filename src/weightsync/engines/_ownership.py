@@ -14,8 +14,8 @@ import hashlib
 import zlib
 from typing import Optional
 
-from ..errors import PlanMismatch, SyncTimeout
-from ..wire import NamesMsg, decode, encode
+from ..errors import PeerFailed, PlanMismatch, SyncTimeout
+from ..wire import ErrorMsg, Message, NamesMsg, decode, encode
 from ._ctlserver import ControlClient, StoreTimeout
 
 __all__ = ["Ownership", "owner_of"]
@@ -35,6 +35,7 @@ class Ownership:
         self.world = world
         self._timeout = timeout
         self._owner: Optional[dict[str, int]] = None
+        self._posted = -1        # the last seq this rank posted its names (or failure) for
 
     def reset(self) -> None:
         self._owner = None
@@ -50,29 +51,51 @@ class Ownership:
     def _key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/names/{seq}/{rank}"
 
+    def fail(self, seq: int, msg: ErrorMsg) -> None:
+        """This rank's sync ``seq`` failed before the exchange: post the failure in place
+        of its names, so ranks waiting in :meth:`agree` learn it now, with its origin."""
+        if self._posted == seq:
+            return
+        self._posted = seq
+        self._store.set(self._key(seq, self.rank), encode(msg))
+
     def _exchange(self, seq: int, yielded: list[str], version: object) -> dict[int, list[str]]:
         digest = hashlib.sha256("\0".join(yielded).encode()).hexdigest()[:32]
-        self._store.set(self._key(seq, self.rank),
-                        encode(NamesMsg(seq=seq, rank=self.rank, digest=digest,
-                                        names=tuple(yielded))))
+        self._posted = seq
         keys = [self._key(seq, r) for r in range(self.world)]
         try:
+            self._store.set(keys[self.rank], encode(NamesMsg(seq=seq, rank=self.rank,
+                                                             digest=digest,
+                                                             names=tuple(yielded))))
             self._store.wait(keys, self._timeout)
-        except (StoreTimeout, ConnectionError):
-            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+        except StoreTimeout:
+            try:
+                missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            except ConnectionError:
+                missing = []
             raise SyncTimeout(f"trainer ranks {missing} did not finish walking their tensors",
                               peer=f"trainer rank {missing[0] if missing else '?'}",
                               phase="ownership", version=version) from None
+        except ConnectionError as exc:
+            raise PeerFailed(f"lost the control store of trainer rank 0 ({exc})",
+                             peer="trainer rank 0", phase="ownership", version=version) from None
         out = {}
         for r, k in enumerate(keys):
-            msg = decode(self._store.get(k))
-            if not isinstance(msg, NamesMsg) or msg.rank != r or msg.names is None:
-                raise PlanMismatch("bad names message", peer=f"trainer rank {r}",
-                                   phase="ownership", version=version)
+            msg = self._names(r, decode(self._store.get(k)), version)
             out[r] = list(msg.names)
         if seq > 1:
             self._store.delete_key(self._key(seq - 1, self.rank))
         return out
+
+    @staticmethod
+    def _names(rank: int, msg: Message, version: object) -> NamesMsg:
+        if isinstance(msg, ErrorMsg):
+            raise PeerFailed(f"{msg.peer} failed in {msg.phase}: {msg.message}", peer=msg.peer,
+                             phase="ownership", version=version, origin=msg.origin or msg.peer)
+        if not isinstance(msg, NamesMsg) or msg.rank != rank or msg.names is None:
+            raise PlanMismatch("bad names message", peer=f"trainer rank {rank}",
+                               phase="ownership", version=version)
+        return msg
 
     def agree(self, seq: int, yielded: list[str], version: object = None) -> None:
         """End-of-sync agreement; raises ``PlanMismatch`` if a name was not sent."""

@@ -51,6 +51,13 @@ def _fits(dest: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device
             and dest.device == device and dest.is_contiguous())
 
 
+def patience(timeout: float) -> float:
+    """How long a receiver waits for a sender: longer than the sender waits for receivers
+    (``timeout``), so that when one receiver stalls the sender reports it first and the
+    others hear who failed instead of timing out on a healthy sender themselves."""
+    return timeout + max(1.0, 0.1 * timeout)
+
+
 class ReceiverMixin:
     """``receive_weights`` for :class:`BucketedEngine` subclasses."""
 
@@ -104,7 +111,8 @@ class ReceiverMixin:
     async def _next_item(self, state: _RecvState) -> tuple:
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(None, state.q.get, True, self.config.timeout + 5)
+            return await loop.run_in_executor(None, state.q.get, True,
+                                              patience(self.config.timeout) + 5)
         except queue.Empty:
             raise SyncTimeout("receive pump stalled", peer=f"trainer ranks {sorted(state.remaining)}",
                               phase="receive", version=state.version) from None
@@ -115,7 +123,8 @@ class ReceiverMixin:
         peer = f"trainer rank {stream}"
         try:
             while not state.stop.is_set():
-                msg = inbox.pop(peer=peer, phase="receive", version=state.version)
+                msg = inbox.pop(timeout=patience(self.config.timeout), peer=peer,
+                                phase="receive", version=state.version)
                 seq = getattr(msg, "seq", state.seq)
                 if seq < state.seq:
                     continue  # left over from an earlier, failed sync
