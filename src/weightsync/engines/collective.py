@@ -40,23 +40,24 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..errors import SyncTimeout
+from ..errors import SyncTimeout, WeightSyncError
 from ..wire import AckMsg, BucketMsg, ErrorMsg
 from ._bucketed import BucketedEngine, _plain_cpu, direct_header, raise_remote
 from ._direct import Link, LinkHub
 from ._ctlserver import C10dStore
 from ._group import StoreGroupMixin
-from ._receiver import ReceiverMixin
+from ._receiver import ReceiverMixin, patience
 from .registry import CheckpointEngineRegistry
 
 __all__ = ["CollectiveEngine"]
 
 logger = logging.getLogger(__name__)
+_CAUSE_GRACE_S = 2.0  # how long a broken broadcast waits to learn from whom (see below)
 
 
 def _make_group(store: dist.Store, rank: int, size: int, device: torch.device,
@@ -97,11 +98,13 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         except ValueError:
             raise ValueError("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN must be a number of bytes") from None
         self._direct_seq = (0, 0)
+        self._aborted = False
         self._hub: Any = None
         self._links: dict[int, Link] = {}
 
     def init_process_group(self, **kwargs: Any) -> None:
         self._join(**kwargs)
+        self._aborted = False
         dev = torch.device(self.config.device)
         size = self._num_receivers + 1
         t = self.config.timeout
@@ -121,7 +124,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 self._clients.append(client)
                 store = C10dStore(client, self._prefix(s) + "/pg", t)
                 self._stores.append(store)  # pybind trampolines need the Python object alive
-                self._groups[s] = _make_group(store, self._rank + 1, size, dev, t, host)
+                self._groups[s] = _make_group(store, self._rank + 1, size, dev, patience(t),
+                                              host)
                 self._rx_bufs[s] = [self._alloc(dev) for _ in range(self.config.num_slots)]
                 for slot in range(self.config.num_slots):
                     ev = threading.Event()
@@ -179,32 +183,59 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         else:
             self._works[slot] = pg.broadcast(view, 0)
 
-    def _wait_work(self, work: Any, peer: str, version: Any, *, watch: bool = False) -> None:
+    def _wait_work(self, work: Any, version: Any, *, stream: Optional[int] = None,
+                   seq: int = 0) -> None:
         """Until the broadcast completed (bounded); then its error, if any, is raised.
 
-        With ``watch`` (the trainer's side) the control channel is checked meanwhile, so a
+        On the trainer (``stream`` None) the control channel is checked meanwhile, so a
         rollout rank that failed and reported it ends the wait at once instead of at the
-        timeout (a broadcast never completes without every rank).
+        timeout (a broadcast never completes without every rank). A receiver (of trainer
+        ``stream``, sync ``seq``) waits a little longer than the trainer (``patience``).
         """
+        trainer = stream is None
+        peer = "rollout ranks" if trainer else f"trainer rank {stream}"
+        timeout = self.config.timeout if trainer else patience(self.config.timeout)
         try:
-            deadline = time.monotonic() + self.config.timeout
+            deadline = time.monotonic() + timeout
             next_check = time.monotonic() + 0.05
             delay, cap = 20e-6, (100e-6 if self._cuda else 500e-6)
             while not work.is_completed():
                 now = time.monotonic()
                 if now > deadline:
                     self._abort_groups()
-                    raise SyncTimeout(f"broadcast did not complete in {self.config.timeout}s",
+                    raise SyncTimeout(f"broadcast did not complete in {timeout:.1f}s",
                                       peer=peer, phase="broadcast", version=version)
-                if watch and now >= next_check:
+                if trainer and now >= next_check:
                     self._check_receivers(version)
                     next_check = now + 0.05
                 time.sleep(delay)
                 delay = min(2 * delay, cap)
             work.wait()  # completed: only surfaces an error the backend recorded
+        except WeightSyncError:
+            raise
         except (RuntimeError, dist.DistError) as exc:
+            self._cause_of_broken_group(stream, seq, version)
             raise SyncTimeout(f"broadcast did not complete: {exc}", peer=peer,
                               phase="broadcast", version=version) from None
+
+    def _cause_of_broken_group(self, stream: Optional[int], seq: int, version: Any) -> None:
+        """A broadcast failed inside the backend: a member of the group went away, but the
+        backend does not say which. The control channel tells, usually a moment later (a
+        lost link, a peer's report of who failed): raise that if it comes within a grace."""
+        deadline = time.monotonic() + _CAUSE_GRACE_S
+        while (left := deadline - time.monotonic()) > 0:
+            if stream is None:
+                self._check_receivers(version)
+                time.sleep(min(left, 0.02))
+                continue
+            try:
+                msg = self._rx_pump_inbox(stream).pop(timeout=left, phase="receive",
+                                                      peer=f"trainer rank {stream}",
+                                                      version=version)
+            except SyncTimeout:
+                return
+            if isinstance(msg, ErrorMsg) and msg.seq in (seq, 0):
+                raise_remote(msg, phase="broadcast")
 
     def _check_receivers(self, version: Any) -> None:
         """Non-blocking: raise a receiver's reported failure; keep acks for later."""
@@ -221,7 +252,19 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
             if isinstance(msg, AckMsg):
                 self._acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
 
+    def _abort_send(self, state: Any, exc: BaseException) -> None:
+        super()._abort_send(state, exc)   # first the report, which names who failed
+        self._abort_groups()
+
+    def _abort_receive(self, state: Any, exc: BaseException) -> None:
+        super()._abort_receive(state, exc)
+        self._abort_groups()
+
     def _abort_groups(self) -> None:
+        """After a failed sync the groups' broadcasts can no longer pair up: abort them, so
+        a peer blocked in one fails now (and reads the report) instead of at its timeout.
+        The engine is then re-initialized (finalize, prepare, init), as the manager does."""
+        self._aborted = True
         for pg in self._groups.values():
             abort = getattr(pg, "abort", None) or getattr(pg, "_abort", None)
             if abort is not None:
@@ -233,7 +276,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
     def _tx_wait_free(self, slot: int, state: Any) -> None:
         work = self._works.pop(slot, None)
         if work is not None:
-            self._wait_work(work, "rollout ranks", state.version, watch=True)
+            self._wait_work(work, state.version)
 
     def _finish_stream(self, state: Any) -> None:
         for slot in list(self._works):
@@ -241,7 +284,6 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         super()._finish_stream(state)
 
     def _rx_fetch(self, stream: int, msg: BucketMsg) -> torch.Tensor:
-        peer = f"trainer rank {stream}"
         free = self._free[(stream, msg.slot)]
         if not free.wait(self.config.timeout):
             raise SyncTimeout(f"consumer did not release slot {msg.slot}", peer="consumer",
@@ -251,8 +293,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         released = self._released.pop((stream, msg.slot), None)
         if released is not None:  # NCCL writes only after the consumer's reads of the slot
             torch.cuda.current_stream(buf.device).wait_event(released)
-        self._wait_work(self._groups[stream].broadcast(buf[: msg.nbytes], 0), peer,
-                        msg.version)
+        self._wait_work(self._groups[stream].broadcast(buf[: msg.nbytes], 0), msg.version,
+                        stream=stream, seq=msg.seq)
         return buf
 
     # -- direct tensors (CPU): broadcast from the trainer's tensor into the receiver's own,
@@ -269,15 +311,15 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         nbytes = msg.nbytes
         self._tx_control().push_many(self._receiver_boxes(), msg)
         flat = tensor.reshape(-1).view(torch.uint8)
-        self._wait_work(self._groups[self._rank].broadcast(flat, 0), "rollout ranks",
-                        state.version, watch=True)  # the tensor may change once we return
+        self._wait_work(self._groups[self._rank].broadcast(flat, 0),
+                        state.version)  # the tensor may change once we return
         state.tensors += 1
         state.nbytes += nbytes
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
         flat = dest.reshape(-1).view(torch.uint8)
-        self._wait_work(self._groups[stream].broadcast(flat, 0), f"trainer rank {stream}",
-                        msg.version)
+        self._wait_work(self._groups[stream].broadcast(flat, 0), msg.version,
+                        stream=stream, seq=msg.seq)
 
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         if self._cuda:  # runs in the consumer's thread: its current stream did the reads
@@ -288,6 +330,10 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
 
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
+        if self._aborted:   # nothing to drain; gloo's destructor waits out an op stuck on
+            doomed = [self._groups, self._works]   # a dead peer: let a thread wait for it
+            self._groups, self._works = {}, {}
+            threading.Thread(target=doomed.clear, daemon=True, name="weightsync-drop").start()
         for work in self._works.values():
             try:
                 work.wait(datetime.timedelta(seconds=1))
