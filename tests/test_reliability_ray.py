@@ -92,9 +92,6 @@ def bound(manager):
     return 2 * T + manager.settle + 40
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: with shm control links an error relayed "
-                   "through a trainer rank can get a healthy replica isolated too (timing "
-                   "dependent); the culprit rules must skip relayed errors")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rollout_process_killed_mid_sync(cluster, backend):
     classes, trainers, replicas = cluster
