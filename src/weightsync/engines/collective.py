@@ -330,10 +330,13 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
 
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
-        if self._aborted:   # nothing to drain; gloo's destructor waits out an op stuck on
-            doomed = [self._groups, self._works]   # a dead peer: let a thread wait for it
+        if self._aborted:
+            # nothing to drain; gloo's destructor waits out an op stuck on a dead peer (up to
+            # the group's timeout), so a thread drops the groups. Not a daemon: at exit the
+            # process waits for it rather than tearing gloo's threads down mid-destructor.
+            doomed = [self._groups, self._works]
             self._groups, self._works = {}, {}
-            threading.Thread(target=doomed.clear, daemon=True, name="weightsync-drop").start()
+            threading.Thread(target=doomed.clear, name="weightsync-drop").start()
         for work in self._works.values():
             try:
                 work.wait(datetime.timedelta(seconds=1))
