@@ -40,6 +40,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import nullcontext as _nullcontext
 from typing import Any, Optional
 
 import torch
@@ -73,6 +74,32 @@ def _make_group(store: dist.Store, rank: int, size: int, device: torch.device,
     opts._timeout = td
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # bind to one interface
     return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def _connect(pg: dist.ProcessGroup, device: torch.device, timeout: float, peer: str) -> None:
+    """One tiny broadcast, bounded: NCCL makes a communicator at its first collective and
+    blocks there until every member joins, so it is done here, in init, rather than at the
+    first bucket of a sync (where a receiver that fails early would leave the trainer in
+    it, and an abort would meet a half-made communicator). On gloo it checks the links."""
+    probe = torch.zeros(1, device=device)
+    errors: list = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+                pg.broadcast(probe, 0).wait()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        except BaseException as exc:  # raised below, in the caller's thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True, name="weightsync-connect")
+    t.start()
+    t.join(timeout)
+    if t.is_alive() or errors:
+        why = f"{type(errors[0]).__name__}: {errors[0]}" if errors else f"not within {timeout:.1f}s"
+        raise SyncTimeout(f"the collective group did not connect ({why})", peer=peer,
+                          phase="init")
 
 
 @CheckpointEngineRegistry.register("collective")
@@ -116,6 +143,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 store = C10dStore(client, self._prefix(self._rank) + "/pg", t)
                 self._stores.append(store)  # pybind trampolines need the Python object alive
                 self._groups[self._rank] = _make_group(store, 0, size, dev, t, host)
+                _connect(self._groups[self._rank], dev, t, "rollout ranks")
                 self._bufs = [self._alloc(dev) for _ in range(self.config.num_slots)]
                 self._open_hub(client, host, t)
                 return
@@ -126,6 +154,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                 self._stores.append(store)  # pybind trampolines need the Python object alive
                 self._groups[s] = _make_group(store, self._rank + 1, size, dev, patience(t),
                                               host)
+                _connect(self._groups[s], dev, patience(t), f"trainer rank {s}")
                 self._rx_bufs[s] = [self._alloc(dev) for _ in range(self.config.num_slots)]
                 for slot in range(self.config.num_slots):
                     ev = threading.Event()
@@ -133,6 +162,9 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                     self._free[(s, slot)] = ev
             for s in range(self._world):
                 self._open_link(s, t)
+        except WeightSyncError:
+            self._abort_groups()
+            raise
         except (RuntimeError, dist.DistError) as exc:
             raise SyncTimeout(f"process group did not form: {exc}", phase="init",
                               peer="collective group") from None
