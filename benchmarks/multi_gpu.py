@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import faulthandler
 import json
 import os
 import statistics
@@ -99,14 +100,26 @@ async def task_conformance(eng, role, rank, dev, task):
     return out
 
 
-async def task_bench(eng, role, rank, dev, task):
+def _model(task: dict, role: str, dev: str) -> tuple[list, dict, int]:
+    """The bench model: random on trainers (same seed on each), empty on rollout ranks."""
     spec = model_spec(task["gb"])
     g = torch.Generator(device=dev).manual_seed(0)
     if task.get("cpu"):
         spec = [(n, tuple(max(1, d // 64) for d in s)) for n, s in spec]
     params = {n: (torch.randn(s, generator=g, device=dev, dtype=torch.bfloat16) if role == "trainer"
                   else torch.empty(s, device=dev, dtype=torch.bfloat16)) for n, s in spec}
-    nbytes = sum(p.numel() * 2 for p in params.values())
+    return spec, params, sum(p.numel() * 2 for p in params.values())
+
+
+def _landed(spec: list, params: dict, dev: str) -> bool:
+    """Spot check on a rollout rank: the first tensors equal the trainers' (same seed)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    return all(torch.equal(params[n], torch.randn(s, generator=g, device=dev,
+                                                  dtype=torch.bfloat16)) for n, s in spec[:3])
+
+
+async def task_bench(eng, role, rank, dev, task):
+    spec, params, nbytes = _model(task, role, dev)
     pg = _raw_group(task, 0 if role == "trainer" else 1 + rank, task["size"])
     _barrier(pg, dev)
     flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -129,18 +142,80 @@ async def task_bench(eng, role, rank, dev, task):
                 params[name].copy_(t)
         _sync(dev)
         times.append(time.perf_counter() - t0)
-    ok = True
-    if role == "rollout":  # spot-check: the last sync landed bit-exact
-        g2 = torch.Generator(device=dev).manual_seed(0)
-        for n, s in spec[:3]:
-            ok &= bool(torch.equal(params[n], torch.randn(s, generator=g2, device=dev,
-                                                          dtype=torch.bfloat16)))
+    ok = role != "rollout" or _landed(spec, params, dev)   # the last sync, bit-exact
     peak = torch.cuda.max_memory_allocated(dev) if dev.startswith("cuda") else 0
     return {"bytes": nbytes, "raw_s": raw[1:], "cold_s": times[0], "warm_s": times[1:],
             "exact": ok, "peak_alloc": peak, "params_bytes": nbytes}
 
 
-TASKS = {"conformance": task_conformance, "bench": task_bench}
+def _groups(task: dict, role: str, rank: int) -> tuple:
+    """A group of every process (barriers) and, per trainer rank this process talks to, a
+    raw broadcast group of that trainer with every rollout rank."""
+    t, size = task["trainers"], task["size"]
+    me = rank if role == "trainer" else t + rank
+    store = dist.TCPStore("127.0.0.1", task["raw_port"], size, me == 0,
+                          timeout=datetime.timedelta(seconds=120))
+
+    def group(name: str, r: int, n: int) -> dist.ProcessGroup:
+        pre = dist.PrefixStore(f"{task['name']}-{name}", store)
+        if task.get("cpu"):
+            return dist.ProcessGroupGloo(pre, r, n, datetime.timedelta(seconds=120))
+        return dist.ProcessGroupNCCL(pre, r, n, dist.ProcessGroupNCCL.Options())
+
+    everyone = group("all", me, size)
+    mine = [i for i in range(t) if role == "rollout" or i == rank]
+    return store, everyone, {i: group(f"s{i}", 0 if role == "trainer" else 1 + rank,
+                                      size - t + 1) for i in mine}
+
+
+async def task_senders(eng, role, rank, dev, task):
+    """``trainers`` senders, each yielding the whole model (as FSDP2 ranks yielding full
+    tensors do; after the first sync each tensor goes from one owner), to every rollout
+    rank. Raw reference: each sender broadcasts an equal share of the bytes at once."""
+    spec, params, nbytes = _model(task, role, dev)
+    _store, everyone, raw_pgs = _groups(task, role, rank)   # the store outlives the groups
+    _barrier(everyone, dev)
+    share = -(-nbytes // task["trainers"])
+    flats = {i: torch.empty(share, dtype=torch.uint8, device=dev) for i in raw_pgs}
+    raw, times, sent = [], [], []
+    for _ in range(task["warm"] + 1):
+        _barrier(everyone, dev)
+        t0 = time.perf_counter()
+        for w in [pg.broadcast(flats[i], 0) for i, pg in raw_pgs.items()]:
+            w.wait()
+        _sync(dev)
+        raw.append(time.perf_counter() - t0)
+    del flats
+    for step in range(task["warm"] + 1):
+        _barrier(everyone, dev)
+        t0 = time.perf_counter()
+        if role == "trainer":
+            sent.append((await eng.send_weights(params.items(), version=step))["bytes"])
+        else:
+            async for name, t in eng.receive_weights(version=step):
+                params[name].copy_(t)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    _barrier(everyone, dev)
+    return {"bytes": nbytes, "raw_s": raw, "sync_s": times, "sent": sent,
+            "exact": role != "rollout" or _landed(spec, params, dev)}
+
+
+def summarize_senders(res: list, trainers: int) -> dict:
+    """Per step the slowest process; warm: median over the steps after the first."""
+    out = [r["result"] for r in res]
+    steps = lambda key: [max(r[key][i] for r in out) for i in range(len(out[0][key]))]  # noqa
+    raw, sync = steps("raw_s"), steps("sync_s")
+    warm, raw_w = statistics.median(sync[1:]), statistics.median(raw[1:])
+    nbytes = out[0]["bytes"]
+    return {"senders": trainers, "receivers": len(out) - trainers, "GB": nbytes / 1e9,
+            "cold_s": sync[0], "warm_s": warm, "raw_s": raw_w, "warm_GBps": nbytes / warm / 1e9,
+            "raw_GBps": nbytes / raw_w / 1e9, "ratio_vs_raw": raw_w / warm,
+            "warm_bytes_per_sender": [r["sent"][-1] for r in out[:trainers]],
+            "exact": all(r["exact"] for r in out)}
+
+
+TASKS = {"conformance": task_conformance, "bench": task_bench, "senders": task_senders}
 
 
 def worker(role, rank, gpu, task, conn):
@@ -148,9 +223,12 @@ def worker(role, rank, gpu, task, conn):
         dev = "cpu" if task.get("cpu") else f"cuda:{gpu}"
         if not task.get("cpu"):
             torch.cuda.set_device(gpu)
+        if task.get("watchdog"):  # stacks of a worker still running then (a hang)
+            faulthandler.dump_traceback_later(task["watchdog"], exit=False)
         kw = dict(task.get("engine", {}))
+        kw.setdefault("timeout", 180)
         eng = CheckpointEngineRegistry.new("collective", role=role, device=dev,
-                                           bucket_size=task["bucket"], timeout=180, **kw)
+                                           bucket_size=task["bucket"], **kw)
         conn.send(eng.prepare())
         eng.init_process_group(**conn.recv())
         result = asyncio.run(TASKS[task["kind"]](eng, role, rank, dev, task))
@@ -160,10 +238,16 @@ def worker(role, rank, gpu, task, conn):
         conn.send({"role": role, "rank": rank, "fatal": traceback.format_exc()[-3000:]})
 
 
-def launch(task: dict, ngpu: int, timeout: float = 600) -> list:
+def launch(task: dict, ngpu: int, timeout: float = 600, *, trainers: int = 1,
+           gpus: list | None = None) -> list:
+    """One process per GPU of ``gpus`` (default: the first ``ngpu``): the first
+    ``trainers`` are trainer ranks, the others rollout ranks. Results, trainers first."""
     ctx = mp.get_context("spawn")
-    roles = [("trainer", 0, 0)] + [("rollout", j, j + 1) for j in range(ngpu - 1)]
-    task = dict(task, size=len(roles))
+    gpus = list(range(ngpu)) if gpus is None else list(gpus)
+    receivers = len(gpus) - trainers
+    roles = [("trainer", i, gpus[i]) for i in range(trainers)] + \
+        [("rollout", j, gpus[trainers + j]) for j in range(receivers)]
+    task = dict(task, size=len(roles), trainers=trainers)
     pipes, procs = [], []
     for role, rank, gpu in roles:
         a, b = ctx.Pipe()
@@ -176,10 +260,11 @@ def launch(task: dict, ngpu: int, timeout: float = 600) -> list:
         if any("fatal" in m for m in metas):
             return metas
         cls = CheckpointEngineRegistry.get("collective")
-        tk, rk = cls.build_topology(1, ngpu - 1, metas)
-        pipes[0].send(worker_kwargs(tk, 0))
-        for j in range(ngpu - 1):
-            pipes[j + 1].send(worker_kwargs(rk, j))
+        tk, rk = cls.build_topology(trainers, receivers, metas)
+        for i in range(trainers):
+            pipes[i].send(worker_kwargs(tk, i))
+        for j in range(receivers):
+            pipes[trainers + j].send(worker_kwargs(rk, j))
         return [c.recv() if c.poll(timeout) else {"fatal": "timeout"} for c in pipes]
     finally:
         for p in procs:
@@ -199,37 +284,32 @@ def summarize_bench(res: list, bucket: int) -> dict:
             "extra_dev_mem_GiB": (r["peak_alloc"] - r["params_bytes"] - t["bytes"]) / GiB}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--gb", type=float, default=16.0)
-    ap.add_argument("--buckets", default="512,1024,2048")
-    ap.add_argument("--warm", type=int, default=5)
-    ap.add_argument("--cpu", action="store_true", help="dry run of the script on gloo/CPU")
-    ap.add_argument("--cases", default="plain,cast_bf16,version_mismatch",
-                    help="conformance cases to run ('' for none)")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    ngpu = 2 if args.cpu else torch.cuda.device_count()
-    report = {"device": "cpu (dry run)" if args.cpu else torch.cuda.get_device_name(0),
-              "gpus": ngpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
-              "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version()))}
-    print(json.dumps(report), flush=True)
-    port = 29611
+def run_conformance(args, ngpu: int) -> list:
+    """Every case with one trainer and a rollout rank on each other GPU; with 4 GPUs or
+    more also two trainer ranks (both yielding everything) to the other GPUs."""
     conf = []
-    for name, extra in (("plain", {}), ("cast_bf16", {"engine": {"dtype": "bfloat16"},
-                                                      "dtype": torch.bfloat16}),
-                        ("version_mismatch", {"offset": 1000, "steps": 1})):
-        if name not in args.cases.split(","):
+    cases = (("plain", {}, 1), ("cast_bf16", {"engine": {"dtype": "bfloat16"},
+                                             "dtype": torch.bfloat16}, 1),
+             ("version_mismatch", {"offset": 1000, "steps": 1, "engine": {"timeout": 30},
+                                   "watchdog": 60}, 1),
+             ("two_senders", {}, 2))
+    for name, extra, trainers in cases:
+        if name not in args.cases.split(",") or (trainers > 1 and ngpu < 2 * trainers):
             continue
         task = {"kind": "conformance", "name": name, "bucket": 1 << 20, "steps": 3,
                 "cpu": args.cpu, **extra}
-        res = launch(task, ngpu)
-        conf.append({"case": name, "workers": res})
-        print(name, json.dumps(res, default=str)[:1500], flush=True)
-    report["conformance"] = conf
+        start = time.monotonic()
+        res = launch(task, ngpu, timeout=120 if "watchdog" in extra else 600,
+                     trainers=trainers)
+        conf.append({"case": name, "trainers": trainers, "receivers": ngpu - trainers,
+                     "seconds": round(time.monotonic() - start, 1), "workers": res})
+        print(name, json.dumps(conf[-1], default=str)[:1500], flush=True)
+    return conf
+
+
+def run_bench(args, ngpu: int, port: int) -> list:
     bench = []
-    for mib in [int(x) for x in args.buckets.split(",")]:
+    for mib in [int(x) for x in args.buckets.split(",") if x]:
         port += 1
         task = {"kind": "bench", "name": f"b{mib}", "bucket": mib << 20, "gb": args.gb,
                 "warm": args.warm, "raw_port": port, "cpu": args.cpu}
@@ -237,7 +317,53 @@ def main() -> None:
         row = summarize_bench(res, mib << 20) if all("result" in x for x in res) else {"error": res}
         bench.append(row)
         print("bench", json.dumps(row, default=str)[:2000], flush=True)
-    report["bench"] = bench
+    return bench
+
+
+def run_senders(args, ngpu: int, port: int) -> list:
+    """One sender (GPU 0) and two senders (GPUs 0, 1) to the same rollout ranks (GPUs 2..)."""
+    rows = []
+    for trainers, gpus in ((1, [0] + list(range(2, ngpu))), (2, list(range(ngpu)))):
+        port += 1
+        task = {"kind": "senders", "name": f"s{trainers}", "bucket": args.senders_bucket << 20,
+                "gb": args.gb, "warm": args.warm, "raw_port": port, "cpu": args.cpu}
+        res = launch(task, ngpu, trainers=trainers, gpus=gpus)
+        row = summarize_senders(res, trainers) if all("result" in x for x in res) \
+            else {"senders": trainers, "error": res}
+        rows.append(row)
+        print("senders", json.dumps(row, default=str)[:2000], flush=True)
+    if all("warm_s" in r for r in rows):
+        rows.append({"scaling_2_over_1": rows[0]["warm_s"] / rows[1]["warm_s"],
+                     "raw_scaling_2_over_1": rows[0]["raw_s"] / rows[1]["raw_s"]})
+        print("senders", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--gb", type=float, default=16.0)
+    ap.add_argument("--buckets", default="512,1024,2048", help="bucket sweep, 1 -> 1 ('' none)")
+    ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--cpu", type=int, default=0,
+                    help="dry run of the script on gloo/CPU with this many processes")
+    ap.add_argument("--cases", default="plain,cast_bf16,version_mismatch,two_senders",
+                    help="conformance cases to run ('' for none)")
+    ap.add_argument("--senders", action="store_true",
+                    help="one vs two senders to the other GPUs (needs 4 GPUs)")
+    ap.add_argument("--senders-bucket", type=int, default=1024, help="MiB")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ngpu = args.cpu or torch.cuda.device_count()
+    report = {"device": "cpu (dry run)" if args.cpu else torch.cuda.get_device_name(0),
+              "gpus": ngpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+              "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
+              "command": " ".join(sys.argv)}
+    print(json.dumps(report), flush=True)
+    report["conformance"] = run_conformance(args, ngpu)
+    report["bench"] = run_bench(args, ngpu, 29611)
+    if args.senders and ngpu >= 4:
+        report["senders"] = run_senders(args, ngpu, 29711)
     with open(os.path.join(args.out, "multi_gpu.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
 
