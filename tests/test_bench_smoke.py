@@ -74,3 +74,33 @@ def test_hf_workload_is_built_from_a_config():
     params = w.nbytes // 2
     assert 400e6 < params < 600e6
     assert any(n.endswith("embed_tokens.weight") for n, _ in w.tensors)
+
+
+@pytest.mark.timeout(240)
+def test_multi_gpu_script_dry_run_on_cpu(tmp_path):
+    """The device benchmark (benchmarks/multi_gpu.py) on gloo with 4 processes: the
+    two-sender conformance case, the 1 -> 1 bench and the one-vs-two-senders run all
+    deliver every tensor bit-exact. Guards the script between device runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
+    cmd = [sys.executable, str(script), "--cpu", "4", "--out", str(tmp_path), "--gb", "0.05",
+           "--buckets", "8", "--warm", "1", "--senders", "--senders-bucket", "8",
+           "--cases", "two_senders"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "multi_gpu.json").read_text())
+    (case,) = doc["conformance"]
+    for w in case["workers"]:
+        assert "result" in w, w
+        for step in w["result"]:
+            assert "error" not in step and not step.get("missing") and not step.get("bad") \
+                and not step.get("dupes"), (w["role"], step)
+    assert doc["bench"][0]["exact"]
+    one, two, scaling = doc["senders"]
+    assert one["exact"] and two["exact"] and two["senders"] == 2
+    sent = two["warm_bytes_per_sender"]      # each tensor from one owner, both ranks send
+    assert abs(sum(sent) - two["GB"] * 1e9) < 1 and min(sent) > 0
+    assert scaling["scaling_2_over_1"] > 0
