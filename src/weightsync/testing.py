@@ -99,6 +99,8 @@ class GroupSpec:
     hook: Optional[str] = None          # "module:function" called as f(engine, role, rank)
                                         # in each worker before init (fault injection)
     device: str = "cpu"                 # where trainers create their tensors ("cuda": GPU)
+    hold: bool = False                  # workers stay up after their run until every
+                                        # worker reported (as long-lived workers do)
 
     def __post_init__(self) -> None:
         if self.pattern not in ("full", "disjoint"):
@@ -158,6 +160,11 @@ def _worker(spec: GroupSpec, role: str, rank: int, conn) -> None:
             raise TimeoutError("no topology from the parent")
         engine.init_process_group(**conn.recv())
         result = asyncio.run(_run_role(engine, spec, role, rank))
+        if spec.hold:  # report now; finalize and exit once the parent has every report
+            conn.send(result)
+            conn.poll(spec.timeout)
+            engine.finalize()
+            return
         engine.finalize()
         result["threads"] = [t.name for t in threading.enumerate() if "weightsync" in t.name]
         result["pid"] = os.getpid()
@@ -215,7 +222,14 @@ def run_group(spec: GroupSpec) -> list[dict[str, Any]]:
         for c, kw in zip(pipes, kws):
             c.send(kw)
         deadline = time.monotonic() + spec.timeout
-        return [_recv(c, p, deadline, what="result") for c, p in zip(pipes, procs)]
+        results = [_recv(c, p, deadline, what="result") for c, p in zip(pipes, procs)]
+        if spec.hold:
+            for c in pipes:
+                try:
+                    c.send("release")
+                except OSError:  # that worker is gone
+                    pass
+        return results
     finally:
         for p in procs:
             p.join(timeout=10)

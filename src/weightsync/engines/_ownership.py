@@ -68,6 +68,9 @@ class Ownership:
                                                              digest=digest,
                                                              names=tuple(yielded))))
             self._store.wait(keys, self._timeout)
+            msgs = [decode(self._store.get(k)) for k in keys]
+            if seq > 1:
+                self._store.delete_key(self._key(seq - 1, self.rank))
         except StoreTimeout:
             try:
                 missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
@@ -79,13 +82,7 @@ class Ownership:
         except ConnectionError as exc:
             raise PeerFailed(f"lost the control store of trainer rank 0 ({exc})",
                              peer="trainer rank 0", phase="ownership", version=version) from None
-        out = {}
-        for r, k in enumerate(keys):
-            msg = self._names(r, decode(self._store.get(k)), version)
-            out[r] = list(msg.names)
-        if seq > 1:
-            self._store.delete_key(self._key(seq - 1, self.rank))
-        return out
+        return {r: list(self._names(r, msg, version).names) for r, msg in enumerate(msgs)}
 
     @staticmethod
     def _names(rank: int, msg: Message, version: object) -> NamesMsg:
