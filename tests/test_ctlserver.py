@@ -106,3 +106,22 @@ def test_rendezvous_rejects_a_wrong_token():
                                token="wrong", timeout=5)
     finally:
         srv.close()
+
+
+def test_a_lost_store_is_a_peer_failure_naming_its_host():
+    from weightsync.engines._control import Inbox
+    from weightsync.errors import PeerFailed
+    from weightsync.wire import AckMsg
+
+    srv = ControlServer("127.0.0.1", TOKEN)
+    box = Inbox(ControlClient("127.0.0.1", srv.port, TOKEN, 5), "p", "r0", 5,
+                host="trainer rank 1")
+    ack = AckMsg(seq=1, stream=1, rank=0, index=0)
+    box.push("t", ack)
+    srv.close()                                  # the trainer's process went away
+    with pytest.raises(PeerFailed) as info:
+        for _ in range(50):                      # until the client sees the closed socket
+            box.push_many(["t", "r1"], ack)
+            time.sleep(0.02)
+    assert info.value.peer == "trainer rank 1" and "lost the control store" in str(info.value)
+    box.close()

@@ -12,7 +12,7 @@ import logging
 import secrets
 from typing import Optional
 
-from ..errors import AuthenticationError, SyncTimeout, WireError
+from ..errors import AuthenticationError, PeerFailed, SyncTimeout, WireError
 from ..wire import Message, decode, encode
 from ._ctlserver import ControlClient, ControlServer, StoreTimeout
 
@@ -57,23 +57,30 @@ class Inbox:
     serve other calls. Not thread-safe: one thread per ``Inbox``.
     """
 
-    def __init__(self, store: ControlClient, prefix: str, me: str, timeout: float) -> None:
+    def __init__(self, store: ControlClient, prefix: str, me: str, timeout: float, *,
+                 host: str = "the control store's host") -> None:
         self._store = store.clone()
         self._timeout = timeout
         self.prefix = prefix
         self.me = me
+        self.host = host        # the peer whose process serves the store ("trainer rank 0")
 
     def key(self, box: str) -> str:
         return f"{self.prefix}/inbox/{box}"
 
     def push(self, box: str, msg: Message | bytes) -> None:
-        data = msg if isinstance(msg, bytes) else encode(msg)
-        self._store.queue_push(self.key(box), data)
+        self._push([box], msg if isinstance(msg, bytes) else encode(msg))
 
     def push_many(self, boxes: list[str], msg: Message) -> None:
-        data = encode(msg)
-        for box in boxes:
-            self._store.queue_push(self.key(box), data)
+        self._push(boxes, encode(msg))
+
+    def _push(self, boxes: list[str], data: bytes) -> None:
+        try:
+            for box in boxes:
+                self._store.queue_push(self.key(box), data)
+        except ConnectionError as exc:  # the store went away with the process serving it
+            raise PeerFailed(f"lost the control store ({exc})", peer=self.host,
+                             phase="control") from None
 
     def pop(self, *, timeout: Optional[float] = None, peer: str, phase: str,
             version: object = None) -> Message:

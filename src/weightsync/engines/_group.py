@@ -91,7 +91,8 @@ class StoreGroupMixin:
             if self._server is None:
                 raise TopologyError("init_process_group before prepare() on a trainer",
                                     phase="init")
-            self._tx_inbox = Inbox(self._server, self._prefix(rank), "t", t)
+            self._tx_inbox = Inbox(self._server, self._prefix(rank), "t", t,
+                                   host=f"trainer rank {rank}")
             self._ownership = None
             if world > 1:
                 store0 = self._server if rank == 0 else connect_store(
@@ -103,8 +104,10 @@ class StoreGroupMixin:
         for s, (host, port, auth) in enumerate(streams):
             store = connect_store(host, port, auth, t, peer=f"trainer rank {s}", phase="init")
             self._clients.append(store)
-            self._rx_push[s] = Inbox(store, self._prefix(s), f"r{rank}", t)
-            self._rx_pop[s] = Inbox(store, self._prefix(s), f"r{rank}", t)
+            self._rx_push[s] = Inbox(store, self._prefix(s), f"r{rank}", t,
+                                     host=f"trainer rank {s}")
+            self._rx_pop[s] = Inbox(store, self._prefix(s), f"r{rank}", t,
+                                    host=f"trainer rank {s}")
 
     def _prefix(self, stream: int) -> str:
         return f"ws/{self._token}/s{stream}"
