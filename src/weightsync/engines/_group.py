@@ -40,7 +40,19 @@ class StoreGroupMixin:
 
     @classmethod
     def _check_hosts(cls, metadata: list[dict[str, Any]]) -> None:
-        """Hook: backends limited to one host reject others here."""
+        """A backend without the ``multi_host`` capability needs every worker on one host."""
+        hosts = {m.get("hostname") for m in metadata if isinstance(m, dict)}
+        if "multi_host" not in cls.capabilities and len(hosts) > 1:
+            raise TopologyError(f"{cls.backend_name or cls.__name__} needs every worker on one "
+                                f"host, got {sorted(map(str, hosts))}", phase="build_topology")
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        """Join the group, then set up this rank's side (``_init_sender``/``_init_receiver``)."""
+        self._join(**kwargs)
+        if self.config.role == "trainer":
+            self._init_sender()
+        else:
+            self._init_receiver()
 
     @classmethod
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,

@@ -177,21 +177,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._dst_views: dict[tuple, torch.Tensor] = {}   # sender: views into slots
         self._init_refs()
 
-    @classmethod
-    def _check_hosts(cls, metadata: list[dict[str, Any]]) -> None:
-        hosts = {m.get("hostname") for m in metadata if isinstance(m, dict)}
-        if len(hosts) > 1:
-            raise TopologyError(f"cuda_ipc needs every worker on one host, got "
-                                f"{sorted(map(str, hosts))}", phase="build_topology")
-
     # -- set-up ---------------------------------------------------------------------------
-    def init_process_group(self, **kwargs: Any) -> None:
-        self._join(**kwargs)
-        if self.config.role == "trainer":
-            self._init_sender()
-        else:
-            self._init_receiver()
-
     def _init_sender(self) -> None:
         size, n = self.config.bucket_size, self.config.num_slots
         self._bufs = [self._ops.alloc(size) for _ in range(n)]

@@ -77,20 +77,6 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         except ValueError:
             raise ValueError("WEIGHTSYNC_SHM_DIRECT_MIN must be a number of bytes") from None
 
-    @classmethod
-    def _check_hosts(cls, metadata: list[dict[str, Any]]) -> None:
-        hosts = {m.get("hostname") for m in metadata if isinstance(m, dict)}
-        if len(hosts) > 1:
-            raise TopologyError(f"shm needs every worker on one host, got {sorted(map(str, hosts))}",
-                                phase="build_topology")
-
-    def init_process_group(self, **kwargs: Any) -> None:
-        self._join(**kwargs)
-        if self.config.role == "trainer":
-            self._init_sender()
-        else:
-            self._init_receiver()
-
     def _init_sender(self) -> None:
         sweep_stale()
         size, n = self.config.bucket_size, self.config.num_slots
