@@ -20,14 +20,14 @@ import torch
 from ..errors import PeerFailed, SyncTimeout, WeightSyncError
 from ._vllm_util import (VLLMOptions, env_set, error_from_reply, host_process_kept,
                          max_positions)
-from .base import Generation, GenerationGate, SyncFence
+from .base import Generation, GenerationGate, ReplicaControls, SyncFence
 
 __all__ = ["VLLMDriver"]
 
 logger = logging.getLogger(__name__)
 
 
-class VLLMDriver:
+class VLLMDriver(ReplicaControls):
     """Starts the LLM, talks to the worker extension, generates (see ``vllm.py``)."""
 
     def __init__(self, model: Optional[str] = None, *, llm: Any = None, dtype: Any = "float32",
@@ -193,15 +193,6 @@ class VLLMDriver:
         self._versions[str(version)] = version
         self._call(lambda: self.llm.llm_engine.set_weight_version(str(version)),
                    "set_weight_version", "load", version)
-
-    def _record(self, what: str) -> None:
-        self._log.append(what)
-
-    def call_log(self) -> list:
-        return list(self._log)
-
-    def clear_call_log(self) -> None:
-        self._log.clear()
 
     def close(self) -> None:
         """Finalize the hosted engines and shut vLLM down (idempotent)."""

@@ -189,7 +189,32 @@ class SyncFence:
             self._pending, self.reason = None, str(reason)
 
 
-class LocalEngineRollout(abc.ABC):
+class ReplicaControls:
+    """What every replica adapter shares: its call log (``_log``, a deque) and pause/resume
+    through its ``gate`` (a :class:`GenerationGate`)."""
+
+    _log: collections.deque
+    gate: GenerationGate
+
+    def _record(self, what: str) -> None:
+        self._log.append(what)
+
+    def call_log(self) -> list:
+        return list(self._log)
+
+    def clear_call_log(self) -> None:
+        self._log.clear()
+
+    def pause(self, *, abort: bool = True, timeout: Optional[float] = None) -> None:
+        self._record("pause")
+        self.gate.pause(abort=abort, timeout=timeout)
+
+    def resume(self) -> None:
+        self._record("resume")
+        self.gate.resume()
+
+
+class LocalEngineRollout(ReplicaControls, abc.ABC):
     """Base for adapters that receive in their own process with one checkpoint engine."""
 
     def __init__(self, *, name: str = "rollout", device: str = "cpu") -> None:
@@ -304,12 +329,3 @@ class LocalEngineRollout(abc.ABC):
     async def load_weights(self, weights: AsyncIterator, *, version: Any, kind: str,
                            adapter_config: Optional[dict]) -> dict:
         """Consume ``(name, tensor)`` pairs (views: copy before the next item)."""
-
-    def _record(self, what: str) -> None:
-        self._log.append(what)
-
-    def call_log(self) -> list:
-        return list(self._log)
-
-    def clear_call_log(self) -> None:
-        self._log.clear()

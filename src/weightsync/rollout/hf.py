@@ -159,14 +159,6 @@ class HFRolloutReplica(LocalEngineRollout):
                 if is_lora_param(n)}
 
     # -- generation control -------------------------------------------------------------
-    def pause(self, *, abort: bool = True, timeout: Optional[float] = None) -> None:
-        self._record("pause")
-        self.gate.pause(abort=abort, timeout=timeout)
-
-    def resume(self) -> None:
-        self._record("resume")
-        self.gate.resume()
-
     def sleep(self, level: int = 1) -> None:
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")

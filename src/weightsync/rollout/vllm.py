@@ -213,14 +213,6 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
         return first
 
     # -- generation control -----------------------------------------------------------
-    def pause(self, *, abort: bool = True, timeout: Optional[float] = None) -> None:
-        self._record("pause")
-        self.gate.pause(abort=abort, timeout=timeout)
-
-    def resume(self) -> None:
-        self._record("resume")
-        self.gate.resume()
-
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep where the platform has sleep mode; else pause and drop the prefix
         cache (no memory is freed; ``capabilities()["sleep_frees_memory"]`` is False)."""
