@@ -87,8 +87,8 @@ class Ownership:
     @staticmethod
     def _names(rank: int, msg: Message, version: object) -> NamesMsg:
         if isinstance(msg, ErrorMsg):
-            raise PeerFailed(f"{msg.peer} failed in {msg.phase}: {msg.message}", peer=msg.peer,
-                             phase="ownership", version=version, origin=msg.origin or msg.peer)
+            from ._bucketed import raise_remote  # (_bucketed imports this module)
+            raise_remote(msg, phase="ownership")
         if not isinstance(msg, NamesMsg) or msg.rank != rank or msg.names is None:
             raise PlanMismatch("bad names message", peer=f"trainer rank {rank}",
                                phase="ownership", version=version)
