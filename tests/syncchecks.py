@@ -29,3 +29,39 @@ def assert_changed(ref: dict, prev: dict | None) -> None:
     if prev is not None:
         assert any(not same_logits(a, b) for a, b in zip(ref["logits"], prev["logits"])), \
             "training did not change the model's logits; the staleness check would be vacuous"
+
+
+def multiprocess_cpu_backends() -> list[str]:
+    """Registered backends that move CPU tensors between processes."""
+    from weightsync.engines import CheckpointEngineRegistry
+
+    out = []
+    for name in CheckpointEngineRegistry.names():
+        caps = CheckpointEngineRegistry.get(name).capabilities
+        if "cpu" in caps and "same_process" not in caps and not name.startswith("test"):
+            out.append(name)
+    return out
+
+
+def on_all(handles, method, *args, **kwargs):
+    """Call ``method`` on every worker handle at once (bounded); their values, or raise."""
+    from weightsync._calls import Call, call_all, values_or_raise
+
+    return values_or_raise(call_all([Call(f"worker {i}", h, method, args, kwargs)
+                                     for i, h in enumerate(handles)], timeout=120, phase=method))
+
+
+def assert_clean(results: list, spec) -> None:
+    """Every worker of a ``run_group`` scenario ran all steps without an error or a leftover
+    thread, and every rollout rank got every tensor once, bit-exact."""
+    for r in results:
+        assert "fatal" not in r and "died" not in r and "hung" not in r, r
+        assert not r["errors"], (r["role"], r["rank"], r["errors"])
+        assert len(r["steps"]) == spec.steps
+        assert not r.get("threads"), f"threads left behind: {r.get('threads')}"
+    for r in results:
+        if r["role"] == "rollout":
+            for step in r["steps"]:
+                assert not step["missing"], step["missing"][:5]
+                assert not step["dupes"], step["dupes"][:5]
+                assert not step["bad"], step["bad"][:5]

@@ -5,6 +5,7 @@ import torch
 
 from weightsync import CheckpointEngineRegistry
 from weightsync.testing import GroupSpec, run_group
+from syncchecks import assert_clean
 
 BUCKET = 64 * 1024
 
@@ -21,20 +22,6 @@ def test_builtin_cpu_backends_are_registered():
     assert {"inproc", "shm", "collective"} <= set(BACKENDS)
 
 
-def _assert_clean(results, spec):
-    for r in results:
-        assert "fatal" not in r, r.get("fatal")
-        assert not r["errors"], (r["role"], r["rank"], r["errors"])
-        assert len(r["steps"]) == spec.steps
-        assert not r.get("threads"), f"threads left behind: {r.get('threads')}"
-    for r in results:
-        if r["role"] == "rollout":
-            for step in r["steps"]:
-                assert not step["missing"], step["missing"][:5]
-                assert not step["dupes"], step["dupes"][:5]
-                assert not step["bad"], step["bad"][:5]
-
-
 def _spec(backend, **kw):
     kw.setdefault("engine_kwargs", {})
     kw["engine_kwargs"] = {"bucket_size": BUCKET, "timeout": 60, **kw["engine_kwargs"]}
@@ -47,7 +34,7 @@ def _spec(backend, **kw):
 def test_one_trainer_many_receivers(backend, receivers, shm_segments):
     spec = _spec(backend, receivers=receivers, steps=3, tiny=1500)
     results = run_group(spec)
-    _assert_clean(results, spec)
+    assert_clean(results, spec)
     pids = {str(r["pid"]) for r in results if "pid" in r}
     leaked = [s for s in shm_segments() if s.split("-")[1] in pids]
     assert not leaked, leaked
@@ -65,7 +52,7 @@ def test_one_trainer_many_receivers(backend, receivers, shm_segments):
 def test_two_trainers(backend, pattern):
     spec = _spec(backend, trainers=2, receivers=2, steps=3, pattern=pattern)
     results = run_group(spec)
-    _assert_clean(results, spec)
+    assert_clean(results, spec)
     if backend == "inproc":
         return
     sent = [sum(r["steps"][s]["tensors"] for r in results if r["role"] == "trainer")
@@ -81,7 +68,7 @@ def test_two_trainers(backend, pattern):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dtype_cast(backend):
     spec = _spec(backend, receivers=2, steps=2, engine_kwargs={"dtype": torch.bfloat16})
-    _assert_clean(run_group(spec), spec)
+    assert_clean(run_group(spec), spec)
 
 
 @pytest.mark.timeout(240)

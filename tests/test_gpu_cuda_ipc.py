@@ -11,6 +11,7 @@ import torch
 from weightsync import CheckpointEngineRegistry
 from weightsync.engines.base import worker_kwargs
 from weightsync.testing import GroupSpec, run_group
+from syncchecks import assert_clean
 
 pytestmark = pytest.mark.gpu
 BUCKET = 64 * 1024
@@ -22,20 +23,6 @@ def _spec(**kw):
     return GroupSpec(backend="cuda_ipc", device="cuda", engine_kwargs=engine_kwargs, **kw)
 
 
-def _assert_clean(results, spec):
-    for r in results:
-        assert "fatal" not in r and "died" not in r and "hung" not in r, r
-        assert not r["errors"], (r["role"], r["rank"], r["errors"])
-        assert len(r["steps"]) == spec.steps
-        assert not r.get("threads"), r.get("threads")
-    for r in results:
-        if r["role"] == "rollout":
-            for step in r["steps"]:
-                assert not step["missing"], step["missing"][:5]
-                assert not step["dupes"], step["dupes"][:5]
-                assert not step["bad"], step["bad"][:5]
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero_copy", [False, True])
 @pytest.mark.parametrize("receivers,sync", [(1, "event"), (3, "event"), (3, "host")])
@@ -43,7 +30,7 @@ def test_one_trainer_many_receivers(receivers, zero_copy, sync):
     spec = _spec(receivers=receivers, steps=3, tiny=1500,
                  engine_kwargs={"zero_copy": zero_copy, "min_ref_bytes": 0, "sync": sync})
     results = run_group(spec)
-    _assert_clean(results, spec)
+    assert_clean(results, spec)
     trainer = results[0]["steps"]
     assert trainer[0]["buckets_with_layout"] == trainer[0]["buckets"] >= 1
     assert trainer[1]["buckets_with_layout"] == trainer[2]["buckets_with_layout"] == 0
@@ -56,14 +43,14 @@ def test_one_trainer_many_receivers(receivers, zero_copy, sync):
 def test_two_trainers(pattern, zero_copy, sync):
     spec = _spec(trainers=2, receivers=2, steps=3, pattern=pattern,
                  engine_kwargs={"zero_copy": zero_copy, "min_ref_bytes": 0, "sync": sync})
-    _assert_clean(run_group(spec), spec)
+    assert_clean(run_group(spec), spec)
 
 
 @pytest.mark.timeout(300)
 def test_dtype_cast_to_bf16():
     spec = _spec(receivers=2, steps=2, engine_kwargs={"dtype": torch.bfloat16,
                                                       "zero_copy": True})
-    _assert_clean(run_group(spec), spec)
+    assert_clean(run_group(spec), spec)
 
 
 @pytest.mark.timeout(300)

@@ -11,9 +11,8 @@ pytest.importorskip("ray")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from syncchecks import assert_changed, assert_matches  # noqa: E402
-from weightsync._calls import Call, call_all, values_or_raise  # noqa: E402
-from weightsync.engines import CheckpointEngineRegistry  # noqa: E402
+from syncchecks import (assert_changed, assert_matches, multiprocess_cpu_backends,  # noqa: E402
+                        on_all)
 from weightsync.manager import CheckpointEngineManager  # noqa: E402
 from weightsync.ray.cluster import (hf_replicas, kill_actors, start_local_ray,  # noqa: E402
                                     stop_local_ray, trainer_group)
@@ -24,15 +23,6 @@ CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)
 PROMPTS = random_prompts(2, 6, vocab_size=1001)
 
 
-def cpu_backends() -> list[str]:
-    out = []
-    for name in CheckpointEngineRegistry.names():
-        caps = CheckpointEngineRegistry.get(name).capabilities
-        if "cpu" in caps and "same_process" not in caps and not name.startswith("test"):
-            out.append(name)
-    return out
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     start_local_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
@@ -41,11 +31,6 @@ def cluster(tmp_path_factory):
     yield trainers, replicas
     kill_actors(trainers + replicas)
     stop_local_ray()
-
-
-def on_all(handles, method, *args, **kwargs):
-    return values_or_raise(call_all([Call(f"worker {i}", h, method, args, kwargs)
-                                     for i, h in enumerate(handles)], timeout=120, phase=method))
 
 
 def fresh(cluster, lora=None):
@@ -70,7 +55,7 @@ def step_and_check(manager, trainers, replicas, step, *, merge=True, lora_mode="
     return report, ref
 
 
-@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("backend", multiprocess_cpu_backends())
 def test_backend_end_to_end_fsdp2_to_hf(cluster, backend):
     trainers, replicas = fresh(cluster)
     with CheckpointEngineManager(backend, trainers, replicas, bucket_size=64 << 10,

@@ -15,9 +15,7 @@ pytest.importorskip("transformers")
 
 import weightsync  # noqa: E402
 from faultworkers import FaultyRollout, FaultyTrainer, trainer_group  # noqa: E402
-from syncchecks import assert_matches  # noqa: E402
-from weightsync._calls import Call, call_all, values_or_raise  # noqa: E402
-from weightsync.engines import CheckpointEngineRegistry  # noqa: E402
+from syncchecks import assert_matches, multiprocess_cpu_backends, on_all  # noqa: E402
 from weightsync.errors import WeightSyncError  # noqa: E402
 from weightsync.manager import CheckpointEngineManager  # noqa: E402
 from weightsync.ray.cluster import kill_actors, start_local_ray, stop_local_ray  # noqa: E402
@@ -28,15 +26,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)
 PROMPTS = random_prompts(2, 6, vocab_size=1001)
 T = 8.0            # engine timeout: a dead peer is noticed within it
-
-
-def multiprocess_cpu_backends() -> list[str]:
-    out = []
-    for name in CheckpointEngineRegistry.names():
-        caps = CheckpointEngineRegistry.get(name).capabilities
-        if "cpu" in caps and "same_process" not in caps and not name.startswith("test"):
-            out.append(name)
-    return out
 
 
 BACKENDS = multiprocess_cpu_backends()
@@ -60,11 +49,6 @@ def cluster(tmp_path_factory):
     yield classes, trainers, replicas
     kill_actors(trainers + replicas)
     stop_local_ray()
-
-
-def on_all(handles, method, *args, **kwargs):
-    return values_or_raise(call_all([Call(f"worker {i}", h, method, args, kwargs)
-                                     for i, h in enumerate(handles)], timeout=120, phase=method))
 
 
 def faulty(classes, seed=7):
