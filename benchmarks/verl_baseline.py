@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from weightsync.plan import dtype_from_name, dtype_name
+from weightsync.core.plan import dtype_from_name, dtype_name
 
 
 def _flush(peer: Any, meta: list, last: bool) -> None:

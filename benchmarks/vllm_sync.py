@@ -47,7 +47,7 @@ MODELS = {
 
 
 def _config(name: str) -> dict:
-    from weightsync.toymodel import tiny_qwen2_config
+    from weightsync.testing.toymodel import tiny_qwen2_config
 
     cfg = tiny_qwen2_config(**MODELS[name])
     cfg["max_position_embeddings"] = 512
@@ -55,7 +55,7 @@ def _config(name: str) -> dict:
 
 
 def _connect(sender, replica, backend: str, kwargs: dict) -> None:
-    from weightsync.engines.base import worker_kwargs
+    from weightsync.transport.base import worker_kwargs
 
     metas = [sender.prepare()] + replica.engine_prepare(backend, kwargs)
     tk, rk = type(sender).build_topology(1, 1, metas)
@@ -92,8 +92,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from weightsync.engines import CheckpointEngineRegistry
-    from weightsync.rollout.vllm import VLLMOptions, VLLMRolloutReplica, model_folder_from_config
+    from weightsync.transport import CheckpointEngineRegistry
+    from weightsync.rollout.vllm.replica import VLLMOptions, VLLMRolloutReplica, model_folder_from_config
 
     dtype = getattr(torch, args.dtype)
     folder = tempfile.mkdtemp(prefix="wsbench-vllm-", dir=args.tmp)

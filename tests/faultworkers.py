@@ -10,8 +10,8 @@ import os
 import threading
 from typing import Any, Optional
 
-from weightsync._calls import Call, call_all, values_or_raise
-from weightsync.ray.workers import HFRolloutWorker, ToyTrainerWorker
+from weightsync.orchestration.calls import Call, call_all, values_or_raise
+from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker
 
 EXIT_CODE = 17
 

@@ -33,7 +33,7 @@ def assert_changed(ref: dict, prev: dict | None) -> None:
 
 def multiprocess_cpu_backends() -> list[str]:
     """Registered backends that move CPU tensors between processes."""
-    from weightsync.engines import CheckpointEngineRegistry
+    from weightsync.transport import CheckpointEngineRegistry
 
     out = []
     for name in CheckpointEngineRegistry.names():
@@ -45,7 +45,7 @@ def multiprocess_cpu_backends() -> list[str]:
 
 def on_all(handles, method, *args, **kwargs):
     """Call ``method`` on every worker handle at once (bounded); their values, or raise."""
-    from weightsync._calls import Call, call_all, values_or_raise
+    from weightsync.orchestration.calls import Call, call_all, values_or_raise
 
     return values_or_raise(call_all([Call(f"worker {i}", h, method, args, kwargs)
                                      for i, h in enumerate(handles)], timeout=120, phase=method))

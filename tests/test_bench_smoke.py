@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from weightsync.bench import BenchConfig, parse_size, synthetic, validate
-from weightsync.bench.runner import DEFAULT_METHODS
-from weightsync.cli import main
+from weightsync.tools.bench import BenchConfig, parse_size, synthetic, validate
+from weightsync.tools.bench.runner import DEFAULT_METHODS
+from weightsync.tools.cli import main
 
 NEEDS = {"ray": "ray", "safetensors-shm": "safetensors"}
 
@@ -68,7 +68,7 @@ def test_workloads_and_config():
 
 @pytest.mark.skipif(not _have("transformers"), reason="transformers not installed")
 def test_hf_workload_is_built_from_a_config():
-    from weightsync.bench import hf_qwen2
+    from weightsync.tools.bench import hf_qwen2
     w, why = hf_qwen2("bfloat16")
     assert w is not None, why
     params = w.nbytes // 2

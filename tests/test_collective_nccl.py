@@ -6,7 +6,7 @@ import time
 import pytest
 
 from weightsync import CheckpointEngineRegistry
-from weightsync.errors import PeerFailed, SyncTimeout
+from weightsync.core.errors import PeerFailed, SyncTimeout
 
 
 class FakeWork:

@@ -9,9 +9,9 @@ import time
 import pytest
 
 import weightsync
-from weightsync.engines._ctlserver import (C10dStore, ControlClient, ControlServer,
+from weightsync.transport.control.server import (C10dStore, ControlClient, ControlServer,
                                            StoreTimeout)
-from weightsync.errors import AuthenticationError
+from weightsync.core.errors import AuthenticationError
 
 TOKEN = b"s3cret-token"
 
@@ -109,9 +109,9 @@ def test_rendezvous_rejects_a_wrong_token():
 
 
 def test_a_lost_store_is_a_peer_failure_naming_its_host():
-    from weightsync.engines._control import Inbox
-    from weightsync.errors import PeerFailed
-    from weightsync.wire import AckMsg
+    from weightsync.transport.control.store import Inbox
+    from weightsync.core.errors import PeerFailed
+    from weightsync.core.wire import AckMsg
 
     srv = ControlServer("127.0.0.1", TOKEN)
     box = Inbox(ControlClient("127.0.0.1", srv.port, TOKEN, 5), "p", "r0", 5,

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from weightsync import BackendUnavailable, CheckpointEngineRegistry
-from weightsync.engines._cudaipc_ops import (CudaIpcOps, IpcOps, format_descriptor,
+from weightsync.transport.backends.cuda_ipc.ops import (CudaIpcOps, IpcOps, format_descriptor,
                                              parse_descriptor, storage_bytes)
-from weightsync.engines.base import worker_kwargs
-from weightsync.engines.cuda_ipc import CudaIpcEngine, CudaIpcOptions
-from weightsync.errors import PeerFailed, SyncTimeout, VersionMismatch
+from weightsync.transport.base import worker_kwargs
+from weightsync.transport.backends.cuda_ipc.engine import CudaIpcEngine, CudaIpcOptions
+from weightsync.core.errors import PeerFailed, SyncTimeout, VersionMismatch
 from weightsync.testing import expected_tensors, make_tensors, same_bytes
 
 BUCKET = 64 * 1024
@@ -205,9 +205,9 @@ def test_unfinished_peer_event_is_a_timeout(fake_ops, monkeypatch):
 
 
 def test_ack_pusher_orders_drops_and_reports():
-    from weightsync.engines.cuda_ipc import _AckPusher
-    from weightsync.engines._cudaipc_refs import REF_INDEX_BASE
-    from weightsync.wire import AckMsg, ErrorMsg
+    from weightsync.transport.backends.cuda_ipc.engine import _AckPusher
+    from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE
+    from weightsync.core.wire import AckMsg, ErrorMsg
 
     class Box:
         def __init__(self):

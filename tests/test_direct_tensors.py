@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weightsync import CheckpointEngineRegistry
-from weightsync.engines.base import worker_kwargs
+from weightsync.transport.base import worker_kwargs
 from weightsync.testing import GroupSpec, expected_tensors, make_tensors, run_group, same_bytes
 
 BUCKET = 64 * 1024
@@ -111,7 +111,7 @@ def test_cma_read_split_over_threads_is_exact():
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from weightsync.engines._fastcopy import SPLIT_MIN, cma_available, cma_read
+    from weightsync.transport.fastcopy import SPLIT_MIN, cma_available, cma_read
     src = torch.randint(0, 255, (SPLIT_MIN + 12345,), dtype=torch.uint8)
     if not cma_available(os.getpid(), src.data_ptr(), src[:16].numpy().tobytes()):
         pytest.skip("process_vm_readv not permitted here")

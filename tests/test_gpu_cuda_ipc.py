@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weightsync import CheckpointEngineRegistry
-from weightsync.engines.base import worker_kwargs
+from weightsync.transport.base import worker_kwargs
 from weightsync.testing import GroupSpec, run_group
 from syncchecks import assert_clean
 

@@ -1,12 +1,12 @@
-"""The evidence rules of failure isolation (``weightsync._isolation.blame``), on the error
+"""The evidence rules of failure isolation (``weightsync.orchestration.isolation.blame``), on the error
 chains that the engines produce, including failures passed on from peer to peer."""
 
 import pickle
 
-from weightsync._calls import Outcome
-from weightsync._isolation import blame
-from weightsync.engines._bucketed import error_msg, raise_remote
-from weightsync.errors import PeerFailed, PlanMismatch, SyncTimeout, WeightSyncError
+from weightsync.orchestration.calls import Outcome
+from weightsync.orchestration.isolation import blame
+from weightsync.transport.protocol.sender import error_msg, raise_remote
+from weightsync.core.errors import PeerFailed, PlanMismatch, SyncTimeout, WeightSyncError
 
 OWNERS = {0: "replica-0", 1: "replica-1", 2: "replica-2"}
 

@@ -9,12 +9,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from syncchecks import assert_changed, assert_matches  # noqa: E402
-from weightsync.engines import CheckpointEngineRegistry  # noqa: E402
-from weightsync.engines.inproc import InprocEngine  # noqa: E402
-from weightsync.errors import TopologyError, WeightSyncError  # noqa: E402
-from weightsync.manager import CheckpointEngineManager  # noqa: E402
-from weightsync.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
-from weightsync.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.transport import CheckpointEngineRegistry  # noqa: E402
+from weightsync.transport.backends.inproc import InprocEngine  # noqa: E402
+from weightsync.core.errors import TopologyError, WeightSyncError  # noqa: E402
+from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
+from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)

@@ -13,10 +13,10 @@ pytest.importorskip("peft")
 
 from syncchecks import (assert_changed, assert_matches, multiprocess_cpu_backends,  # noqa: E402
                         on_all)
-from weightsync.manager import CheckpointEngineManager  # noqa: E402
-from weightsync.ray.cluster import (hf_replicas, kill_actors, start_local_ray,  # noqa: E402
+from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.integrations.ray.cluster import (hf_replicas, kill_actors, start_local_ray,  # noqa: E402
                                     stop_local_ray, trainer_group)
-from weightsync.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)

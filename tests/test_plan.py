@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from weightsync.plan import DTYPES, PlanBuilder, build_plan, dtype_name, itemsize
+from weightsync.core.plan import DTYPES, PlanBuilder, build_plan, dtype_name, itemsize
 
 ALIGN = 256
 dtype_names = st.sampled_from(sorted(DTYPES))
@@ -79,7 +79,7 @@ def test_signature_changes_with_any_field_and_bucket_size():
 
 
 def test_signature_stable_across_processes():
-    code = ("from weightsync.plan import build_plan;"
+    code = ("from weightsync.core.plan import build_plan;"
             "print(build_plan([('a',(2,3),'float32'),('b',(5000,),'int8')],1024).signature)")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": str(i),

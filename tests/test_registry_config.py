@@ -5,7 +5,7 @@ import torch
 
 from weightsync import (BackendUnavailable, CheckpointEngineRegistry, EngineConfig,
                         TopologyError)
-from weightsync.engines.base import CheckpointEngine
+from weightsync.transport.base import CheckpointEngine
 
 
 def test_names_and_lazy_import_error_is_kept():

@@ -14,11 +14,11 @@ pytest.importorskip("transformers")
 
 from faultworkers import FaultyRollout  # noqa: E402
 from syncchecks import assert_matches, same_logits  # noqa: E402
-from weightsync.errors import PlanMismatch, SyncTimeout, WeightSyncError  # noqa: E402
-from weightsync.integrity import check_weight_set  # noqa: E402
-from weightsync.manager import CheckpointEngineManager  # noqa: E402
-from weightsync.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
-from weightsync.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.core.errors import PlanMismatch, SyncTimeout, WeightSyncError  # noqa: E402
+from weightsync.core.digests import check_weight_set  # noqa: E402
+from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
+from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)

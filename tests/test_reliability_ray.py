@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 import weightsync  # noqa: E402
 from faultworkers import FaultyRollout, FaultyTrainer, trainer_group  # noqa: E402
 from syncchecks import assert_matches, multiprocess_cpu_backends, on_all  # noqa: E402
-from weightsync.errors import WeightSyncError  # noqa: E402
-from weightsync.manager import CheckpointEngineManager  # noqa: E402
-from weightsync.ray.cluster import kill_actors, start_local_ray, stop_local_ray  # noqa: E402
-from weightsync.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
-from weightsync.toymodel import random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.core.errors import WeightSyncError  # noqa: E402
+from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.integrations.ray.cluster import kill_actors, start_local_ray, stop_local_ray  # noqa: E402
+from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
+from weightsync.testing.toymodel import random_prompts, tiny_qwen2_config  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)

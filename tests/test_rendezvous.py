@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import weightsync
-from weightsync.errors import SyncTimeout
+from weightsync.core.errors import SyncTimeout
 
 
 def _free_port():

@@ -13,9 +13,9 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from syncchecks import assert_matches  # noqa: E402
-from weightsync.errors import PlanMismatch, WeightSyncError  # noqa: E402
+from weightsync.core.errors import PlanMismatch, WeightSyncError  # noqa: E402
 from weightsync.rollout.hf import HFRolloutReplica, build_causal_lm, greedy_generate  # noqa: E402
-from weightsync.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
 from weightsync.trainer import export_weights, lora_config_dict  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

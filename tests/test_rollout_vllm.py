@@ -23,15 +23,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from syncchecks import assert_changed, assert_matches  # noqa: E402
-from weightsync.engines import CheckpointEngineRegistry  # noqa: E402
-from weightsync.engines.base import worker_kwargs  # noqa: E402
-from weightsync.errors import PlanMismatch, WeightSyncError  # noqa: E402
-from weightsync.manager import CheckpointEngineManager  # noqa: E402
-from weightsync.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
+from weightsync.transport import CheckpointEngineRegistry  # noqa: E402
+from weightsync.transport.base import worker_kwargs  # noqa: E402
+from weightsync.core.errors import PlanMismatch, WeightSyncError  # noqa: E402
+from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
 from weightsync.rollout.hf import build_causal_lm, greedy_generate  # noqa: E402
-from weightsync.rollout.vllm import VLLMOptions  # noqa: E402
-from weightsync.rollout.vllm_workers import VLLMRolloutWorker  # noqa: E402
-from weightsync.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.rollout.vllm.replica import VLLMOptions  # noqa: E402
+from weightsync.integrations.ray.vllm_workers import VLLMRolloutWorker  # noqa: E402
+from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
 from weightsync.trainer import export_weights  # noqa: E402
 
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from weightsync.rollout.hf import build_causal_lm, lora_config_from_dict  # noqa: E402
-from weightsync.toymodel import lora_config, tiny_qwen2_config  # noqa: E402
+from weightsync.testing.toymodel import lora_config, tiny_qwen2_config  # noqa: E402
 from weightsync.trainer import export_weights, lora_config_dict, plan_export  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)

@@ -34,6 +34,9 @@ def test_registers_weightsync_backends_in_verls_registry():
     assert {"weightsync-shm", "weightsync-collective"} <= set(names)
     assert "weightsync-inproc" not in names   # trainer and rollout are separate actors in verl
     assert VerlRegistry.get("weightsync-shm").weightsync_backend == "shm"
+    # verl spells its own names with dashes; both spellings reach the same backend
+    assert VerlRegistry.get("weightsync-cuda-ipc") is VerlRegistry.get("weightsync-cuda_ipc")
+    assert VerlRegistry.get("weightsync-cuda-ipc").weightsync_backend == "cuda_ipc"
 
 
 def test_import_without_verl_names_the_fix():

@@ -3,9 +3,9 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from weightsync.errors import WireError
-from weightsync.plan import TensorMeta
-from weightsync.wire import (AckMsg, BucketMsg, DoneMsg, ErrorMsg, HelloMsg, NamesMsg, decode,
+from weightsync.core.errors import WireError
+from weightsync.core.plan import TensorMeta
+from weightsync.core.wire import (AckMsg, BucketMsg, DoneMsg, ErrorMsg, HelloMsg, NamesMsg, decode,
                              encode)
 
 MESSAGES = [

@@ -14,8 +14,8 @@ import time
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from test_wire import MESSAGES
-from weightsync.errors import WireError
-from weightsync.wire import Message, decode, encode
+from weightsync.core.errors import WireError
+from weightsync.core.wire import Message, decode, encode
 
 ENCODED = [encode(m) for m in MESSAGES]
 BODIES = [json.loads(raw) for raw in ENCODED]

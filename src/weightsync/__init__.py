@@ -2,21 +2,24 @@
 
 Quick start (two processes, shared memory)::
 
-    from weightsync import CheckpointEngineRegistry
-    eng = CheckpointEngineRegistry.new("shm", role="trainer")
+    import weightsync
+    engine = weightsync.connect("shm", role="trainer", address="127.0.0.1:29555")
     ...
 
-See README.md for the whole lifecycle.
+See README.md for the whole lifecycle and docs/architecture.md for the layers.
 """
 
-from .config import EngineConfig
-from .engines import CheckpointEngine, CheckpointEngineRegistry
-from .errors import (AuthenticationError, BackendUnavailable, IntegrityError, PeerFailed, PlanMismatch, SyncTimeout,
-                     TopologyError, VersionMismatch, WeightSyncError, WireError)
-from .manager import CheckpointEngineManager
-from .plan import Bucket, PlanBuilder, TensorMeta, WeightPlan, build_plan
-from .report import ReplicaStatus, SyncReport, VerifyReport
-from .rendezvous import connect
+from typing import Any
+
+from weightsync.core.config import EngineConfig
+from weightsync.core.errors import (AuthenticationError, BackendUnavailable, IntegrityError, PeerFailed,
+                                    PlanMismatch, SyncTimeout, TopologyError, VersionMismatch,
+                                    WeightSyncError, WireError)
+from weightsync.orchestration.manager import CheckpointEngineManager
+from weightsync.orchestration.report import ReplicaStatus, SyncReport, VerifyReport
+from weightsync.rollout.vllm.util import VLLMOptions
+from weightsync.transport import CheckpointEngine, CheckpointEngineRegistry
+from weightsync.transport.rendezvous import connect
 
 __version__ = "0.1.0"
 
@@ -30,11 +33,8 @@ __all__ = [
     "SyncReport",
     "ReplicaStatus",
     "VerifyReport",
-    "TensorMeta",
-    "Bucket",
-    "WeightPlan",
-    "PlanBuilder",
-    "build_plan",
+    "CudaIpcOptions",
+    "VLLMOptions",
     "WeightSyncError",
     "SyncTimeout",
     "PeerFailed",
@@ -46,3 +46,17 @@ __all__ = [
     "TopologyError",
     "AuthenticationError",
 ]
+
+#: Importable from here as before, no longer advertised: the bucket plan's internals
+#: live in :mod:`weightsync.core.plan`.
+_PLAN_NAMES = ("TensorMeta", "Bucket", "WeightPlan", "PlanBuilder", "build_plan")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PLAN_NAMES:
+        from weightsync.core import plan
+        return getattr(plan, name)
+    if name == "CudaIpcOptions":  # its module needs no CUDA to import
+        from weightsync.transport.backends.cuda_ipc.engine import CudaIpcOptions
+        return CudaIpcOptions
+    raise AttributeError(f"module 'weightsync' has no attribute {name!r}")

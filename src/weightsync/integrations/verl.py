@@ -6,7 +6,7 @@ Point verl at this module and pick a backend::
       rollout:
         checkpoint_engine:
           custom_backend_module: weightsync.integrations.verl
-          backend: weightsync-shm            # or weightsync-collective, weightsync-cuda_ipc
+          backend: weightsync-shm            # or weightsync-collective, weightsync-cuda-ipc
           update_weights_bucket_megabytes: 256
           engine_kwargs:
             weightsync-shm: {timeout: 300, num_slots: 2}
@@ -65,9 +65,9 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
         "omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0` (fastapi and uvicorn are needed "
         "too), or run `make verl` in the weightsync checkout.") from _exc
 
-from ..config import _bool, _env
-from ..engines.registry import CheckpointEngineRegistry as _WsRegistry
-from ..errors import TopologyError
+from weightsync.core.config import env_value, parse_bool
+from weightsync.transport.registry import CheckpointEngineRegistry as _WsRegistry
+from weightsync.core.errors import TopologyError
 
 __all__ = ["WeightsyncVerlEngine", "VerlOptions", "register_backend", "registered_backends",
            "group_token", "PREFIX"]
@@ -89,7 +89,7 @@ class VerlOptions:
     topology is unchanged (see the module docstring).
     """
 
-    reuse: bool = field(default_factory=lambda: _env("VERL_REUSE", _bool, True))
+    reuse: bool = field(default_factory=lambda: env_value("VERL_REUSE", parse_bool, True))
 
     def __post_init__(self) -> None:
         if not isinstance(self.reuse, bool):
@@ -318,6 +318,8 @@ def register_backend(name: str) -> type:
                                                    "__qualname__": cls_name})
     globals()[cls_name] = cls
     _VerlRegistry.register(PREFIX + name)(cls)
+    if "_" in name:  # verl's own names use dashes: weightsync-cuda-ipc
+        _VerlRegistry.register(PREFIX + name.replace("_", "-"))(cls)
     return cls
 
 

@@ -4,7 +4,7 @@
 ``weightsync.rollout.vllm`` imports vLLM lazily.
 """
 
-from .base import (SLEEP_LEVELS, WAKE_TAGS, WEIGHT_KINDS, Generation, GenerationGate,
+from weightsync.rollout.protocol import (SLEEP_LEVELS, WAKE_TAGS, WEIGHT_KINDS, Generation, GenerationGate,
                    LocalEngineRollout, RolloutAdapter)
 
 __all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate",
@@ -13,9 +13,9 @@ __all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate
 
 def __getattr__(name: str):
     if name == "HFRolloutReplica":
-        from .hf import HFRolloutReplica
+        from weightsync.rollout.hf import HFRolloutReplica
         return HFRolloutReplica
     if name == "VLLMRolloutReplica":
-        from .vllm import VLLMRolloutReplica
+        from weightsync.rollout.vllm.replica import VLLMRolloutReplica
         return VLLMRolloutReplica
     raise AttributeError(name)

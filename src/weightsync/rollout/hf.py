@@ -1,17 +1,17 @@
 """A real rollout replica on HF transformers: ``model.generate`` with versioned outputs.
 
 :class:`HFRolloutReplica` receives weights through a checkpoint engine hosted in its own
-process (see :class:`~weightsync.rollout.base.LocalEngineRollout`) and
+process (see :class:`~weightsync.rollout.protocol.LocalEngineRollout`) and
 
 * copies full/base weights into its model under HF names (a PEFT wrapper's
   ``base_layer`` names are mapped), checking that a full sync covered every tensor;
 * hosts a LoRA adapter received as tensors plus its PEFT config (JSON): the model is
   wrapped with PEFT, the adapter's tensors are copied in, and generation runs through the
   PEFT model, so the adapter is really used; a later full (merged) sync removes it;
-* tags every :class:`~weightsync.rollout.base.Generation` with the version it used;
+* tags every :class:`~weightsync.rollout.protocol.Generation` with the version it used;
   weights never change during a generation (loads pause generation first, and
   ``pause(abort=True)`` stops running generations at the next token), and it never
-  generates with a partly applied version (:class:`~weightsync.rollout.base.SyncFence`);
+  generates with a partly applied version (:class:`~weightsync.rollout.protocol.SyncFence`);
 * checks a weight set against its model before any byte moves (``check_weights``) and
   hashes its weights for ``CheckpointEngineManager.verify`` (``weight_digests``);
 * sleeps at vLLM's levels (1: weights copied to host and freed, 2: discarded) and wakes
@@ -28,12 +28,12 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 import torch
 
-from ..errors import PlanMismatch, WeightSyncError
-from ..integrity import check_weight_set, tensor_digest
-from ..plan import dtype_name
-from ..trainer.lora import adapter_name, hf_name, is_lora_param
-from ._parking import WeightParking
-from .base import (SLEEP_LEVELS, WEIGHT_KINDS, Generation, GenerationGate, LocalEngineRollout,
+from weightsync.core.errors import PlanMismatch, WeightSyncError
+from weightsync.core.digests import check_weight_set, tensor_digest
+from weightsync.core.plan import dtype_name
+from weightsync.trainer.lora import adapter_name, hf_name, is_lora_param
+from weightsync.rollout.parking import WeightParking
+from weightsync.rollout.protocol import (SLEEP_LEVELS, WEIGHT_KINDS, Generation, GenerationGate, LocalEngineRollout,
                    check_tags)
 
 __all__ = ["HFRolloutReplica", "build_causal_lm", "greedy_generate", "lora_config_from_dict"]

@@ -33,9 +33,9 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .fsdp import (coalescible, dist_rank_world, gather_many_to_owners, gather_to_owner,
+from weightsync.trainer.fsdp import (coalescible, dist_rank_world, gather_many_to_owners, gather_to_owner,
                    is_dtensor)
-from .lora import (active_adapter, adapter_name, check_supported, hf_name, is_lora_param,
+from weightsync.trainer.lora import (active_adapter, adapter_name, check_supported, hf_name, is_lora_param,
                    is_peft_model, lora_delta, lora_linears)
 
 __all__ = ["ExportItem", "plan_export", "export_weights", "assign_owners", "KINDS"]

@@ -1,0 +1,101 @@
+"""Validated configuration of a checkpoint engine.
+
+Values come from keyword arguments; where a keyword is left out, from ``WEIGHTSYNC_*``
+environment variables read when the config is built; else from the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from weightsync.core.plan import DEFAULT_ALIGNMENT, dtype_from_name
+
+__all__ = ["EngineConfig", "DEFAULT_BUCKET_SIZE", "DEFAULT_TIMEOUT", "env_value", "parse_bool",
+           "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS"]
+
+DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
+DEFAULT_TIMEOUT = 300.0
+_ROLES = (None, "trainer", "rollout")
+
+#: Rollout lifecycle vocabulary shared by the manager and every replica: sleep levels
+#: (1 offloads weights, 2 drops them), wake-up tags, and the kinds of weight set a sync moves.
+SLEEP_LEVELS = (1, 2)
+WAKE_TAGS = ("weights", "kv_cache")
+WEIGHT_KINDS = ("full", "base", "adapter")
+
+
+def env_value(name: str, cast, default):
+    """``WEIGHTSYNC_<name>`` cast by ``cast``, or ``default`` when unset or empty; a value
+    that does not parse is a ``ValueError`` naming the variable."""
+    raw = os.environ.get("WEIGHTSYNC_" + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return cast(raw)
+    except ValueError:
+        raise ValueError(f"environment variable WEIGHTSYNC_{name}={raw!r} is not valid") from None
+
+
+def parse_bool(raw: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case); anything else is a ``ValueError``."""
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Settings shared by every checkpoint engine.
+
+    ``bucket_size``: bytes per bucket (a multiple of ``alignment``); ``timeout``: seconds any
+    blocking step may wait for a peer; ``device``: where buffers and received tensors live;
+    ``dtype``: optional cast of floating tensors on send (e.g. ``torch.bfloat16``);
+    ``num_slots``: depth of the bucket ring (>= 2 gives overlap); ``checksum``: add a
+    per-bucket checksum that receivers verify; ``role``: ``"trainer"`` or ``"rollout"``
+    (engines that host a server need it at ``prepare()``); ``host``: interface that
+    servers bind to and advertise (loopback by default).
+    """
+
+    bucket_size: int = field(default_factory=lambda: env_value("BUCKET_SIZE", int, DEFAULT_BUCKET_SIZE))
+    timeout: float = field(default_factory=lambda: env_value("TIMEOUT", float, DEFAULT_TIMEOUT))
+    device: str = "cpu"
+    dtype: Optional[torch.dtype] = None
+    num_slots: int = field(default_factory=lambda: env_value("NUM_SLOTS", int, 2))
+    checksum: bool = field(default_factory=lambda: env_value("CHECKSUM", parse_bool, False))
+    role: Optional[str] = None
+    host: str = field(default_factory=lambda: env_value("HOST", str, "127.0.0.1"))
+    alignment: int = DEFAULT_ALIGNMENT
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int):
+            raise ValueError(f"bucket_size must be an int, got {self.bucket_size!r}")
+        if self.bucket_size < self.alignment or self.bucket_size % self.alignment:
+            raise ValueError(
+                f"bucket_size must be a positive multiple of {self.alignment} bytes, "
+                f"got {self.bucket_size}")
+        if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        self.timeout = float(self.timeout)
+        if isinstance(self.dtype, str):
+            self.dtype = dtype_from_name(self.dtype.replace("torch.", ""))
+        if self.dtype is not None and not (
+                isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
+        if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, int) \
+                or not 1 <= self.num_slots <= 64:
+            raise ValueError(f"num_slots must be an int in [1, 64], got {self.num_slots!r}")
+        if self.role not in _ROLES:
+            raise ValueError(f"role must be one of {_ROLES}, got {self.role!r}")
+        try:
+            self.device = str(torch.device(self.device))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {self.device!r} is not a torch device") from None
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty str, got {self.host!r}")

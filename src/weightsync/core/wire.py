@@ -1,0 +1,291 @@
+"""Typed, versioned control messages and their strict codec.
+
+Messages are JSON objects ``{"wsv": 1, "kind": ..., ...}``. The decoder accepts nothing
+else: unknown kinds or fields, wrong types, dtypes off the whitelist, negative sizes and
+messages over the size limit all raise :class:`~weightsync.core.errors.WireError`. No message is
+ever unpickled. Tensor bytes never travel in these messages, only their layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Optional, Union
+
+from weightsync.core.errors import WireError
+from weightsync.core.plan import DTYPES, TensorMeta, itemsize
+
+__all__ = [
+    "DIRECT_SLOT", "DIRECT_BASE",
+    "WIRE_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "Message",
+    "BucketMsg",
+    "DoneMsg",
+    "ErrorMsg",
+    "NamesMsg",
+    "AckMsg",
+    "HelloMsg",
+    "encode",
+    "decode",
+]
+
+#: ``BucketMsg.slot`` of a tensor sent outside the buckets (a *direct* tensor)
+DIRECT_SLOT = 1 << 20
+#: ``BucketMsg.index`` of direct tensors starts here (acks name them by index)
+DIRECT_BASE = 1 << 40
+
+
+WIRE_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_MAX_NAME = 4096
+_MAX_DIMS = 64
+_MAX_INT = 2**62
+_ITEMSIZE = {name: itemsize(name) for name in DTYPES}
+
+Version = Union[int, str, None]
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class BucketMsg(Message):
+    """Bucket ``index`` of stream ``stream`` of sync ``seq`` is ready in ``slot``.
+
+    ``entries`` is ``None`` when the receiver's cached layout of this bucket is still
+    right (plan replay); otherwise it is the bucket's new layout.
+    """
+
+    kind: ClassVar[str] = "bucket"
+    version: Version
+    seq: int
+    stream: int
+    index: int
+    slot: int
+    nbytes: int
+    layout: str
+    entries: Optional[tuple[TensorMeta, ...]] = None
+    checksum: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class DoneMsg(Message):
+    """Stream ``stream`` finished sync ``seq`` after ``num_buckets`` buckets."""
+
+    kind: ClassVar[str] = "done"
+    version: Version
+    seq: int
+    stream: int
+    num_buckets: int
+    num_tensors: int
+    nbytes: int
+    signature: str
+
+
+@dataclass(frozen=True)
+class ErrorMsg(Message):
+    """The peer that wrote it failed; every other peer of the sync must stop."""
+
+    kind: ClassVar[str] = "error"
+    version: Version
+    seq: int
+    error: str
+    message: str
+    peer: str
+    phase: str
+    origin: Optional[str] = None  # where a relayed failure started (None: at ``peer``)
+
+
+@dataclass(frozen=True)
+class NamesMsg(Message):
+    """Names a trainer rank yielded in sync ``seq`` (ownership agreement)."""
+
+    kind: ClassVar[str] = "names"
+    seq: int
+    rank: int
+    digest: str
+    names: Optional[tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
+class AckMsg(Message):
+    """Receiver ``rank`` is done with bucket ``index`` (or, if ``final``, the whole sync)."""
+
+    kind: ClassVar[str] = "ack"
+    seq: int
+    stream: int
+    rank: int
+    index: int
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class HelloMsg(Message):
+    """Set-up handshake: a sender describes its buffers, or a receiver says it attached.
+
+    ``segments`` names shared-memory segments; ``handles`` carries device-memory
+    descriptors (text, e.g. CUDA IPC handles in hex) for engines that map GPU buffers.
+    """
+
+    kind: ClassVar[str] = "hello"
+    stream: int
+    rank: int
+    bucket_size: int
+    num_slots: int
+    segments: tuple[str, ...] = ()
+    handles: tuple[str, ...] = ()
+
+
+_KINDS: dict[str, type[Message]] = {
+    c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg)}
+_OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
+             "segments": (), "handles": (), "origin": None}
+_ERROR_NAMES = {
+    "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
+    "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
+}
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a message to JSON bytes."""
+    body: dict[str, Any] = {"wsv": WIRE_VERSION, "kind": msg.kind}
+    for f in fields(msg):
+        value = getattr(msg, f.name)
+        if f.name == "entries" and value is not None:
+            value = [e.to_list() for e in value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        body[f.name] = value
+    data = json.dumps(body, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def _fail(why: str) -> None:
+    raise WireError(f"bad control message: {why}")
+
+
+def _int(v: Any, what: str, lo: int = 0) -> int:
+    if type(v) is not int or not lo <= v <= _MAX_INT:
+        _fail(f"{what} must be an int >= {lo}, got {type(v).__name__}")
+    return v
+
+
+def _str(v: Any, what: str, limit: int = _MAX_NAME) -> str:
+    if type(v) is not str or len(v) > limit:
+        _fail(f"{what} must be a str of at most {limit} chars")
+    return v
+
+
+def _version(v: Any) -> Version:
+    if v is None or type(v) is int:
+        return v
+    return _str(v, "version", 256)
+
+
+def _meta(item: Any) -> TensorMeta:
+    if type(item) is not list or len(item) != 7:
+        _fail("tensor entry must be a list of 7 fields")
+    name, shape, dtype, offset, nbytes, chunk_offset, total = item
+    _str(name, "tensor name")
+    if type(shape) is not list or len(shape) > _MAX_DIMS:
+        _fail(f"shape of {name!r} must be a list of at most {_MAX_DIMS} ints")
+    for d in shape:
+        _int(d, "shape dim")
+    if dtype not in DTYPES:
+        _fail(f"dtype {dtype!r} of {name!r} is not on the whitelist")
+    for v, what in ((offset, "offset"), (nbytes, "nbytes"), (chunk_offset, "chunk_offset"),
+                    (total, "total_nbytes")):
+        _int(v, what)
+    if chunk_offset + nbytes > total:
+        _fail(f"chunk of {name!r} runs past the tensor end")
+    if total != math.prod(shape) * _ITEMSIZE[dtype]:
+        _fail(f"total_nbytes of {name!r} does not match its shape and dtype")
+    return TensorMeta(name, tuple(shape), dtype, offset, nbytes, chunk_offset, total)
+
+
+def _check_field(cls: type[Message], name: str, v: Any) -> Any:
+    if name == "version":
+        return _version(v)
+    if name in ("seq", "stream", "index", "slot", "nbytes", "num_buckets", "num_tensors",
+                "rank", "bucket_size", "num_slots"):
+        return _int(v, name)
+    if name == "checksum":
+        return None if v is None else _int(v, name)
+    if name == "entries":
+        if v is None:
+            return None
+        if type(v) is not list:
+            _fail("entries must be a list or null")
+        return tuple(_meta(item) for item in v)
+    if name == "final":
+        if type(v) is not bool:
+            _fail("final must be a bool")
+        return v
+    if name == "segments":
+        if type(v) is not list or len(v) > 1024:
+            _fail("segments must be a list of at most 1024 names")
+        return tuple(_str(n, "segment", 255) for n in v)
+    if name == "handles":
+        if type(v) is not list or len(v) > 1024:
+            _fail("handles must be a list of at most 1024 descriptors")
+        return tuple(_str(n, "handle", 32768) for n in v)
+    if name == "names":
+        if v is None:
+            return None
+        if type(v) is not list:
+            _fail("names must be a list or null")
+        return tuple(_str(n, "name") for n in v)
+    if name == "error":
+        if type(v) is not str or v not in _ERROR_NAMES:   # a list/dict is unhashable
+            _fail(f"unknown error type {v!r}")
+        return v
+    if name == "message":
+        return _str(v, name, 65536)
+    if name == "origin":
+        return None if v is None else _str(v, name, 1024)
+    return _str(v, name, 1024)
+
+
+def decode(data: bytes | bytearray | memoryview | str, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate one control message; anything off raises ``WireError``."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        _fail(f"expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        _fail(f"{len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        body = json.loads(bytes(data))
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"bad control message: not JSON ({type(exc).__name__})") from None
+    if type(body) is not dict:
+        _fail("top level must be an object")
+    if body.get("wsv") != WIRE_VERSION:
+        _fail(f"wire version {body.get('wsv')!r} is not {WIRE_VERSION}")
+    cls = _KINDS.get(body.get("kind")) if type(body.get("kind")) is str else None
+    if cls is None:
+        _fail(f"unknown kind {body.get('kind')!r}")
+    names = {f.name for f in fields(cls)}
+    extra = set(body) - names - {"wsv", "kind"}
+    if extra:
+        _fail(f"unknown fields {sorted(extra)[:5]} for kind {cls.kind!r}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in body:
+            if f.name in _OPTIONAL:
+                kwargs[f.name] = _OPTIONAL[f.name]
+                continue
+            _fail(f"missing field {f.name!r} for kind {cls.kind!r}")
+        kwargs[f.name] = _check_field(cls, f.name, body[f.name])
+    return cls(**kwargs)
+
+
+def as_dict(msg: Message) -> dict[str, Any]:
+    """Plain dict view (for logs and tests)."""
+    return {"kind": msg.kind, **asdict(msg)}

@@ -1,0 +1,249 @@
+"""Mixins that give a trainer or rollout worker (a Ray actor class or a plain object) the
+calls :class:`~weightsync.orchestration.manager.CheckpointEngineManager` makes.
+
+Trainer workers: subclass :class:`TrainerWorkerMixin` and implement
+``weightsync_model()`` (the model, plain, FSDP2 or PEFT); optionally
+``weightsync_group()`` (the process group that shares the export, default: the world),
+``weightsync_offload()`` / ``weightsync_reload()`` (colocated mode).
+
+Rollout workers: subclass :class:`RolloutWorkerMixin` and set ``self.rollout`` to a
+rollout adapter (:class:`~weightsync.rollout.protocol.RolloutAdapter`), or override
+``weightsync_rollout()``.
+
+Both expose ``execute_checkpoint_engine(method, *args, **kwargs)`` to reach the hosted
+engine directly. Every call is synchronous and bounded by the engine's timeout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+from weightsync.core.aio import AsyncRunner
+from weightsync.transport.registry import CheckpointEngineRegistry
+from weightsync.trainer.digests import describe_export, export_digests
+from weightsync.core.plan import dtype_from_name
+from weightsync.trainer.export import KINDS, export_weights
+from weightsync.trainer.lora import is_peft_model, lora_config_dict
+
+__all__ = ["TrainerWorkerMixin", "RolloutWorkerMixin"]
+
+logger = logging.getLogger(__name__)
+
+
+class _TrainerSide:
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.runner = AsyncRunner("weightsync-trainer")
+        self.last_kind: Optional[str] = None
+
+
+class TrainerWorkerMixin:
+    """Sending side of weightsync for one trainer rank."""
+
+    # -- hooks for the user's class ------------------------------------------------------
+    def weightsync_model(self) -> Any:
+        raise NotImplementedError("implement weightsync_model() to return the trainer model")
+
+    def weightsync_group(self) -> Any:
+        return None
+
+    def weightsync_offload(self) -> None:
+        """Free training state (optimizer, gradients) before the rollout wakes (colocated)."""
+
+    def weightsync_reload(self) -> None:
+        """Bring back what ``weightsync_offload`` freed."""
+
+    # -- calls made by the manager -------------------------------------------------------
+    def _ws(self) -> _TrainerSide:
+        side = self.__dict__.get("_weightsync_trainer")
+        if side is None:
+            side = self.__dict__["_weightsync_trainer"] = _TrainerSide()
+        return side
+
+    def ws_prepare(self, backend: str, engine_kwargs: dict) -> dict:
+        side = self._ws()
+        if side.engine is not None:
+            side.engine.finalize()
+        side.engine = CheckpointEngineRegistry.new(backend, role="trainer", **engine_kwargs)
+        side.last_kind = None
+        return side.engine.prepare()
+
+    def ws_init(self, kwargs: dict) -> None:
+        self._engine_or_raise().init_process_group(**kwargs)
+
+    def ws_send(self, version: Any, *, kind: str = "full") -> dict:
+        """Export ``kind`` of the model and send it as ``version``; returns the metrics."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        side, engine = self._ws(), self._engine_or_raise()
+        if side.last_kind != kind:      # another weight set: owners and layouts change
+            engine.reset_plan()
+            side.last_kind = kind
+        items = export_weights(self.weightsync_model(), kind=kind, dtype=engine.config.dtype,
+                               group=self.weightsync_group())
+        start = time.perf_counter()
+        try:
+            metrics = side.runner.run(engine.send_weights(items, version=version),
+                                      timeout=2 * engine.config.timeout + 30, phase="send",
+                                      version=version)
+        except BaseException:
+            _drain(items)
+            raise
+        metrics = dict(metrics)
+        metrics["wall_seconds"] = time.perf_counter() - start
+        return metrics
+
+    def ws_describe(self, kind: str = "full", dtype: Optional[str] = None) -> list:
+        """``[[name, shape, dtype], ...]`` of what ``ws_send(kind)`` would send (no bytes
+        move: metadata of the model, full shapes of FSDP2 shards, after the cast to
+        ``dtype``, a dtype name; default: the engine's)."""
+        return describe_export(self.weightsync_model(), kind, self._export_dtype(dtype))
+
+    def ws_digest(self, kind: str = "full", cast_to: Optional[dict] = None,
+                  dtype: Optional[str] = None) -> dict:
+        """Digests of the tensors this rank exports (every rank must call it; see
+        :func:`weightsync.trainer.digests.export_digests`)."""
+        return export_digests(self.weightsync_model(), kind=kind,
+                              dtype=self._export_dtype(dtype),
+                              group=self.weightsync_group(), cast_to=cast_to)
+
+    def _export_dtype(self, dtype: Optional[str]) -> Any:
+        if dtype is not None:
+            return dtype_from_name(dtype)
+        engine = self._ws().engine
+        return engine.config.dtype if engine is not None else None
+
+    def ws_finalize(self) -> None:
+        side = self._ws()
+        if side.engine is not None:
+            side.engine.finalize()
+            side.engine = None
+
+    def ws_lora_config(self) -> Optional[dict]:
+        """The active adapter's PEFT config (JSON-able), or None for a model without LoRA."""
+        model = self.weightsync_model()
+        return lora_config_dict(model) if is_peft_model(model) else None
+
+    def ws_offload(self) -> None:
+        self.weightsync_offload()
+
+    def ws_reload(self) -> None:
+        self.weightsync_reload()
+
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        engine = self._engine_or_raise()
+        if method.startswith("_") or not callable(getattr(engine, method, None)):
+            raise ValueError(f"{type(engine).__name__} has no public method {method!r}")
+        result = getattr(engine, method)(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = self._ws().runner.run(result, timeout=2 * engine.config.timeout + 30,
+                                           phase=method)
+        return result
+
+    def _engine_or_raise(self) -> Any:
+        engine = self._ws().engine
+        if engine is None:
+            raise RuntimeError("no checkpoint engine on this trainer worker; ws_prepare first")
+        return engine
+
+
+def _drain(items: Any) -> None:
+    """Run a failed send's export to its end: its FSDP2 exchanges are collectives, and the
+    other trainer ranks finish theirs (sending or draining) only if this rank takes part."""
+    try:
+        for _ in items:
+            pass
+    except ValueError:      # still running in the timed-out send: it drains it itself
+        pass
+    except Exception as exc:   # the export group itself broke: nothing left to keep aligned
+        logger.warning("weightsync: draining the export after a failed send: %s", exc)
+
+
+class RolloutWorkerMixin:
+    """Receiving side of weightsync for one rollout replica (delegates to its adapter)."""
+
+    def weightsync_rollout(self) -> Any:
+        rollout = getattr(self, "rollout", None)
+        if rollout is None:
+            raise RuntimeError("set self.rollout to a rollout adapter (or override "
+                               "weightsync_rollout())")
+        return rollout
+
+    def ws_prepare(self, backend: str, engine_kwargs: dict) -> list:
+        return self.weightsync_rollout().engine_prepare(backend, engine_kwargs)
+
+    def ws_init(self, kwargs_list: list) -> None:
+        self.weightsync_rollout().engine_init(kwargs_list)
+
+    def ws_receive(self, version: Any, *, kind: str = "full",
+                   adapter_config: Optional[dict] = None) -> dict:
+        return self.weightsync_rollout().engine_receive(version, kind=kind,
+                                                        adapter_config=adapter_config)
+
+    def ws_finalize(self) -> None:
+        self.weightsync_rollout().engine_finalize()
+
+    def ws_pause(self, abort: bool = True) -> None:
+        self.weightsync_rollout().pause(abort=abort)
+
+    def ws_resume(self) -> None:
+        self.weightsync_rollout().resume()
+
+    def ws_sleep(self, level: int = 1) -> None:
+        self.weightsync_rollout().sleep(level)
+
+    def ws_wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        self.weightsync_rollout().wake_up(tags)
+
+    def ws_reset_caches(self) -> None:
+        self.weightsync_rollout().reset_caches()
+
+    def ws_version(self) -> Any:
+        return self.weightsync_rollout().current_version()
+
+    def ws_begin_sync(self, version: Any, kinds: list) -> bool:
+        fn = getattr(self.weightsync_rollout(), "begin_sync", None)
+        if fn is None:
+            return False
+        fn(version, kinds)
+        return True
+
+    def ws_check_weights(self, offered: list, kind: str = "full",
+                         adapter_config: Optional[dict] = None) -> Optional[list]:
+        """Problems of loading ``offered`` as ``kind`` (None: the adapter cannot check)."""
+        fn = getattr(self.weightsync_rollout(), "check_weights", None)
+        return None if fn is None else fn(offered, kind=kind, adapter_config=adapter_config)
+
+    def ws_digest(self, kind: str = "full") -> dict:
+        rollout = self.weightsync_rollout()
+        if not hasattr(rollout, "weight_digests"):
+            raise NotImplementedError(f"{type(rollout).__name__} has no weight_digests()")
+        return rollout.weight_digests(kind)
+
+    def ws_fence(self, reason: str) -> bool:
+        """Refuse generation until a sync completes; False if the adapter cannot fence."""
+        fn = getattr(self.weightsync_rollout(), "fence", None)
+        if fn is None:
+            return False
+        fn(reason)
+        return True
+
+    def ws_sync_state(self) -> dict:
+        rollout = self.weightsync_rollout()
+        fn = getattr(rollout, "sync_state", None)
+        return fn() if fn is not None else {"version": rollout.current_version()}
+
+    def ws_capabilities(self) -> dict:
+        return self.weightsync_rollout().capabilities()
+
+    def ws_call_log(self) -> list:
+        return self.weightsync_rollout().call_log()
+
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.weightsync_rollout().execute_checkpoint_engine(method, *args, **kwargs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> list:
+        return self.weightsync_rollout().generate(prompts, **kwargs)

@@ -1,0 +1,122 @@
+"""The manager's checks: validation before bytes, and ``verify`` after.
+
+**Validation** (every sync, before pause): every trainer rank describes what it will send
+for each round (``ws_describe``: names, full shapes, dtypes after the cast, from metadata
+only) and every replica checks the union against its model (``ws_check_weights``); any
+problem raises ``PlanMismatch`` listing the offending names (``exc.names``, and per
+replica ``exc.problems``) before anything is paused or sent. A replica whose adapter
+cannot check (no ``check_weights``) is skipped.
+
+**Verify**: every replica's weight digests against the trainer's.
+
+Each replica hashes the tensors of the weight set(s) it holds (``"full"``, or ``"base"``
+and ``"adapter"`` after adapter-only syncs) and says which dtype it holds each in; the
+trainer ranks export the same set as in a sync (FSDP2 shards gathered to their owners,
+the engine's ``dtype`` cast applied) and hash each tensor cast to the replica's dtype, as
+the replica's ``copy_`` cast it. Equal digests for every name: the replica holds exactly
+the trainer's weights. The trainer side is computed once per weight set and dtype map.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from weightsync.orchestration.calls import Call, call_all
+from weightsync.orchestration.isolation import describe_error
+from weightsync.core.errors import PlanMismatch
+from weightsync.core.digests import MAX_LISTED, combine_digests, compare_digests
+from weightsync.orchestration.report import SyncReport, VerifyReport
+
+__all__ = ["run_validate", "run_verify"]
+
+
+def run_validate(manager: Any, report: SyncReport, rounds: list) -> None:
+    for kind, cfg in rounds:
+        described = manager._run(manager._trainer_calls("ws_describe", kind, manager._dtype),
+                                 "validate", report.version)
+        offered, seen = [], set()
+        for rank in described:
+            for entry in rank:
+                if entry[0] not in seen:
+                    seen.add(entry[0])
+                    offered.append(entry)
+        targets = list(manager.replicas)
+        answers = manager._replica_step(report, "validate", "ws_check_weights",
+                                        (offered, kind, cfg), targets=targets, record=False)
+        bad = {manager.name_of(r): [list(p) for p in a] for r, a in zip(targets, answers) if a}
+        if bad:
+            raise _mismatch(bad, kind, report.version)
+
+
+def _mismatch(bad: dict, kind: str, version: Any) -> PlanMismatch:
+    names = sorted({p[0] for problems in bad.values() for p in problems})
+    listed = "; ".join(f"{who}: " + ", ".join(f"{n} ({why})" for n, why in problems[:MAX_LISTED])
+                       for who, problems in bad.items())
+    err = PlanMismatch(f"the {kind!r} weight set does not fit {sorted(bad)}: {len(names)} "
+                       f"offending tensor(s): {listed}"[:8000], peer=next(iter(bad)),
+                       phase="validate", version=version)
+    err.names, err.problems = names, bad   # type: ignore[attr-defined]
+    return err
+
+
+def _sets(manager: Any, replica: Any) -> list[str]:
+    return ["base", "adapter"] if manager._weights.get(id(replica)) == "base" else ["full"]
+
+
+def run_verify(manager: Any, *, fence: bool) -> VerifyReport:
+    start = time.perf_counter()
+    report = VerifyReport(version=manager.version)
+    replicas = list(manager.replicas)
+    if not replicas:
+        raise ValueError("no rollout replicas to verify")
+    held: dict[tuple[str, str], dict] = {}
+    for kind in ("full", "base", "adapter"):
+        targets = [r for r in replicas if kind in _sets(manager, r)]
+        outs = call_all([Call(manager.name_of(r), r, "ws_digest", (kind,)) for r in targets],
+                        timeout=manager.call_timeout, phase="verify", version=manager.version)
+        for r, o in zip(targets, outs):
+            entry = report.replicas.setdefault(manager.name_of(r), {
+                "ok": True, "digest": {}, "mismatched": [], "error": None})
+            if o.ok:
+                held[(manager.name_of(r), kind)] = o.value
+            else:
+                entry["ok"], entry["error"] = False, describe_error(o.error)
+    trainer: dict[tuple[str, str], dict] = {}
+    for (name, kind), value in held.items():
+        key = (kind, json.dumps(value["dtypes"], sort_keys=True))
+        if key not in trainer:
+            parts = manager._run(manager._trainer_calls("ws_digest", kind, value["dtypes"],
+                                                        manager._dtype),
+                                 "verify", manager.version, timeout=manager.call_timeout)
+            merged: dict[str, str] = {}
+            for part in parts:
+                merged.update(part)
+            trainer[key] = merged
+            report.trainer[kind] = combine_digests(merged)
+        bad = compare_digests(trainer[key], value["digests"])
+        entry = report.replicas[name]
+        entry["digest"][kind] = combine_digests(value["digests"])
+        entry["mismatched"] += bad
+        entry["ok"] = entry["ok"] and not bad
+    if fence:
+        _fence_bad(manager, report, replicas)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _fence_bad(manager: Any, report: VerifyReport, replicas: list) -> None:
+    for r in replicas:
+        entry = report.replicas.get(manager.name_of(r))
+        if entry is None or entry["ok"] or entry["error"]:
+            continue
+        names = entry["mismatched"]
+        why = (f"verify: {len(names)} tensor(s) differ from the trainer's: "
+               f"{names[:MAX_LISTED]}")
+        manager._health[id(r)] = "stale"
+        manager._weights.pop(id(r), None)
+        outcome = call_all([Call(manager.name_of(r), r, "ws_fence", (why,))],
+                           timeout=manager.timeout, phase="verify")[0]
+        if not outcome.ok:
+            entry["error"] = describe_error(outcome.error)

@@ -1,0 +1,375 @@
+"""``CheckpointEngineManager``: drive trainer workers and rollout replicas through syncs.
+
+Workers are Ray actor handles (or plain objects in this process) whose classes use
+:class:`~weightsync.integrations.ray.mixins.TrainerWorkerMixin` / ``RolloutWorkerMixin``. The manager
+knows the transport only through :class:`~weightsync.transport.CheckpointEngineRegistry`:
+
+1. **Group** (first sync, and again after ``add_replica``/``remove_replica`` or a failed
+   sync): ``prepare`` on every worker of both sides concurrently; the backend's
+   ``build_topology``; a check that every keyword has one entry per worker
+   (``TopologyError`` naming backend, side, key and sizes); ``init_process_group`` on all
+   workers concurrently.
+2. **Validation before bytes**: every trainer rank describes what it will send (names,
+   shapes, dtypes, from metadata only) and every replica checks that against its model;
+   a mismatch raises ``PlanMismatch`` listing the offending names before anything is
+   paused or sent, and every replica keeps its weights.
+3. **Sync** (``update_weights``): pause/abort generation -> ``begin_sync`` (fences
+   generation until the whole version is applied) -> (colocated: sleep, offload the
+   trainer if asked, wake ``weights``) -> send on every trainer rank and receive on every
+   rollout rank concurrently, one round per weight set -> (colocated: reload the trainer,
+   wake ``kv_cache``) -> finalize the group unless ``keep_group`` -> reset caches ->
+   resume. Returns a :class:`~weightsync.orchestration.report.SyncReport`.
+
+**Failure isolation** (``isolate_failures=True``): a replica that dies, does not answer
+in time or fails on its own during any step is removed from the topology and marked
+failed (not routed to, fenced); the group is rebuilt without it and the replicas that did
+not complete the version receive it again (the trainer re-walks its weights), all within
+the same call. The report names who failed and why (``report.isolated``,
+``report.failed``). ``add_replica`` takes a failed replica (or its replacement) back; the
+next sync brings it to the current version. A trainer's failure cannot be isolated: the
+call raises the root cause, with the partial report on ``exc.report``; the replicas stay
+fenced until a later sync completes (after a restart: ``set_trainers``).
+
+LoRA (the trainer model is a PEFT model): ``merge_and_sync=True`` sends merged weights;
+``merge_and_sync=False`` sends the base weights once (``base_sync_done``) and from then on
+only the adapter and its PEFT config; a replica that joined, or a group rebuilt after a
+failure, gets the base again. Colocated sleep level 2 discards the rollout's weights; when
+the coming sync would not restore all of them (adapter-only, or a replica whose engine
+cannot restore what it discarded) the level is capped at 1 with a warning.
+
+Every call on a worker is bounded (``timeout`` of the engines, plus a margin for the
+call itself; once the trainer ranks of a step are done, the replicas get ``timeout`` + 5 s
+more); a worker that does not answer or dies becomes ``SyncTimeout``/``PeerFailed``
+naming it. ``verify()`` compares a digest of each replica's weights with the trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from typing import Any, Optional, Sequence
+
+from weightsync.orchestration.calls import Call, call_all
+from weightsync.orchestration.group import GroupMixin
+from weightsync.orchestration.checks import run_validate, run_verify
+from weightsync.core.config import EngineConfig
+from weightsync.transport.registry import CheckpointEngineRegistry
+from weightsync.core.errors import WeightSyncError
+from weightsync.core.plan import dtype_name
+from weightsync.orchestration.report import ReplicaStatus, SyncReport, VerifyReport
+from weightsync.core.config import SLEEP_LEVELS
+
+__all__ = ["CheckpointEngineManager", "SyncReport", "ReplicaStatus", "VerifyReport"]
+
+logger = logging.getLogger(__name__)
+_ENGINE_KEYS = ("device", "dtype", "num_slots", "checksum", "host")
+
+
+def _trainer_list(trainer: Any) -> list:
+    trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
+    if not trainers:
+        raise ValueError("trainer must be a worker handle or a non-empty list of them")
+    return trainers
+
+
+class CheckpointEngineManager(GroupMixin):
+    """Weight syncs from ``trainer`` workers (one handle per rank) to ``replicas``."""
+
+    def __init__(self, backend: str, trainer: Any, replicas: Sequence[Any], *,
+                 colocated: bool = False, sleep_level: int = 1,
+                 bucket_size: Optional[int] = None, timeout: Optional[float] = None,
+                 keep_group: bool = True, offload_trainer: bool = False,
+                 isolate_failures: bool = True, **engine_kwargs: Any) -> None:
+        if not isinstance(backend, str):
+            raise ValueError(f"backend must be a backend name (str), got {backend!r}")
+        self._engine_cls = CheckpointEngineRegistry.get(backend)  # unknown -> clear error
+        self.backend = backend
+        self.trainers = _trainer_list(trainer)
+        if isinstance(replicas, (str, bytes)) or not isinstance(replicas, (list, tuple)):
+            raise ValueError("replicas must be a list of rollout worker handles")
+        if sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
+        unknown = sorted(set(engine_kwargs) - set(_ENGINE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: "
+                             f"{['bucket_size', 'timeout', *_ENGINE_KEYS]}")
+        given = {k: v for k, v in (("bucket_size", bucket_size), ("timeout", timeout))
+                 if v is not None}   # left out: WEIGHTSYNC_* or the defaults, as engines do
+        config = EngineConfig(**given, **engine_kwargs)
+        self.engine_kwargs = {"bucket_size": config.bucket_size, "timeout": config.timeout,
+                              **engine_kwargs}
+        self.timeout = config.timeout
+        self.call_timeout = 2 * config.timeout + 60   # above a worker's own bound
+        self.settle = config.timeout + 5.0            # replicas, once the trainers are done
+        self._dtype = dtype_name(config.dtype) if config.dtype is not None else None
+        self.colocated, self.sleep_level = bool(colocated), sleep_level
+        self.keep_group, self.offload_trainer = bool(keep_group), bool(offload_trainer)
+        self.isolate_failures = bool(isolate_failures)
+        self.version: Any = None                  # last version a sync completed
+        self._lock = threading.RLock()
+        self._lora: Any = False                  # False: not asked yet; None: no LoRA
+        self._warned: set[str] = set()
+        self._init_replicas(replicas)
+
+    # -- membership -------------------------------------------------------------------
+    def add_replica(self, replica: Any) -> str:
+        """Manage one more replica (or take back a failed one, under its old name); it is
+        not routed to until the next sync, which rebuilds the group and sends it all."""
+        with self._lock:
+            name = next((n for n, (h, _) in self._failed.items() if h is replica), None)
+            if name is not None:
+                del self._failed[name]
+            name = self._register(replica, name)
+            self._invalidate()
+            return name
+
+    def remove_replica(self, replica: Any) -> Any:
+        """Stop managing ``replica`` (a handle, its index, or a failed replica's handle);
+        its engine is finalized."""
+        with self._lock:
+            failed = next((n for n, (h, _) in self._failed.items() if h is replica), None)
+            if failed is not None:
+                return self._failed.pop(failed)[0]
+            if isinstance(replica, int):
+                replica = self.replicas[replica]
+            if not any(r is replica for r in self.replicas):
+                raise ValueError("this replica is not managed by this manager")
+            self.replicas = [r for r in self.replicas if r is not replica]
+            self._health.pop(id(replica), None)
+            self._invalidate()
+            outcome = call_all([Call(self.name_of(replica), replica, "ws_finalize")],
+                               timeout=self.timeout, phase="remove_replica")[0]
+            if not outcome.ok:
+                logger.warning("weightsync: finalizing removed %s failed: %s",
+                               self.name_of(replica), outcome.error)
+            return replica
+
+    def set_trainers(self, trainer: Any) -> None:
+        """Replace the trainer workers (e.g. restarted after a failure); the next sync
+        builds a new group and sends everything."""
+        with self._lock:
+            self.trainers = _trainer_list(trainer)
+            self._lora = False
+            self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._group_ready = False
+        self._weights = {}
+
+    def _finalize_all(self) -> None:
+        outcomes = call_all(self._trainer_calls("ws_finalize") + self._replica_calls("ws_finalize"),
+                            timeout=self.timeout, phase="finalize")
+        for o in outcomes:
+            if not o.ok:
+                logger.warning("weightsync: finalize on %s failed: %s", o.label, o.error)
+
+    def shutdown(self) -> None:
+        """Finalize every worker's engine (bounded, best effort)."""
+        self._finalize_all()
+        self._invalidate()
+
+    def __enter__(self) -> "CheckpointEngineManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # -- syncs ------------------------------------------------------------------------
+    def lora_config(self) -> Optional[dict]:
+        """The trainer's PEFT config (asked once from trainer rank 0), None without LoRA."""
+        if self._lora is False:
+            self._lora = self._run(self._trainer_calls("ws_lora_config")[:1], "lora_config")[0]
+        return self._lora
+
+    @property
+    def base_sync_done(self) -> bool:
+        return bool(self.replicas) and all(self._weights.get(id(r)) == "base"
+                                           for r in self.replicas)
+
+    def _rounds(self, merge_and_sync: bool) -> list[tuple[str, Optional[dict]]]:
+        cfg = self.lora_config()
+        if cfg is None or merge_and_sync:
+            return [("full", None)]
+        if self.base_sync_done:
+            return [("adapter", cfg)]
+        return [("base", None), ("adapter", cfg)]
+
+    def _level(self, rounds: list) -> int:
+        level = self.sleep_level
+        if level < 2:
+            return level
+        kinds = {k for k, _ in rounds}
+        reason = None
+        if not ("full" in kinds or {"base", "adapter"} <= kinds):
+            reason = "this sync sends only the LoRA adapter, so the base weights would be lost"
+        else:
+            bad = [self.name_of(r) for r in self.replicas
+                   if not self._caps.get(id(r), {}).get("full_sync_restores_discarded", False)]
+            if bad:
+                reason = f"{bad} cannot restore everything that level 2 discards"
+        if reason is None:
+            return level
+        msg = f"weightsync: sleep_level={level} capped at 1: {reason}"
+        if reason not in self._warned:       # once per reason and manager
+            self._warned.add(reason)
+            warnings.warn(msg, RuntimeWarning, stacklevel=5)
+        else:
+            logger.info(msg)
+        return 1
+
+    def update_weights(self, version: Any, merge_and_sync: bool = True) -> SyncReport:
+        """One sync of the trainer's current weights as ``version`` (see the module doc)."""
+        if isinstance(version, bool) or not isinstance(version, (int, str)):
+            raise ValueError(f"version must be an int or a str, got {version!r}")
+        with self._lock:
+            start = time.perf_counter()
+            report = SyncReport(version=version)
+            self._statuses, self._fenced_now = {}, []
+            for r in self.replicas:
+                self._status(report, r)
+            try:
+                self._sync(report, version, merge_and_sync)
+            except BaseException as exc:
+                self._after_failure(report, exc)
+                raise
+            finally:
+                self._resume(report)
+                report.total_seconds = time.perf_counter() - start
+            logger.info("weightsync: %s", report.summary())
+            return report
+
+    def _sync(self, report: SyncReport, version: Any, merge_and_sync: bool) -> None:
+        if not self.replicas:
+            raise ValueError("no rollout replicas to sync to; add_replica first")
+        rounds = self._rounds(merge_and_sync)
+        report.kinds = [k for k, _ in rounds]
+        self._ensure_group(report)
+        self._check_kinds(report.kinds)
+        run_validate(self, report, rounds)
+        self._replica_step(report, "pause", "ws_pause", kwargs={"abort": True})
+        self._fenced_now = list(self.replicas)
+        self._replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+                           record=False)
+        if self.colocated:
+            self._sleep_and_wake_weights(report, rounds)
+        self._ensure_group(report)       # rebuilt without a replica isolated meanwhile
+        todo = self._transfer(report, version, rounds)
+        while todo:                    # isolated someone: re-run for who did not complete
+            report.retries += 1
+            members = self._build(report, todo)
+            if not members:
+                break
+            self._replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+                               targets=members, record=False)
+            todo = self._transfer(report, version, rounds)
+        if self.colocated:
+            if self.offload_trainer:
+                self._step(report, "trainer_reload", self._trainer_calls("ws_reload"))
+            self._replica_step(report, "wake_up:kv_cache", "ws_wake_up", (["kv_cache"],))
+        if not self.keep_group:
+            self._step(report, "finalize", self._trainer_calls("ws_finalize")
+                       + self._replica_calls("ws_finalize"))
+            self._group_ready = False
+        self._replica_step(report, "reset_caches", "ws_reset_caches")
+        kind = "full" if "full" in report.kinds else "base"
+        for r in self.replicas:
+            self._weights[id(r)] = kind
+            self._health[id(r)] = "healthy"
+            self._held[id(r)] = version
+            self._status(report, r).version = version
+        self.version = version
+
+    def _check_kinds(self, kinds: list[str]) -> None:
+        """Refuse before anything moves when a replica cannot apply a weight set (e.g. a
+        vLLM replica without LoRA support and an adapter-only sync)."""
+        for r in self.replicas:
+            caps = self._caps.get(id(r), {})
+            bad = [k for k in kinds if k not in caps.get("kinds", kinds)]
+            if bad:
+                why = caps.get("reasons", {}).get("lora", "")
+                raise ValueError(f"{self.name_of(r)} cannot apply {bad} syncs"
+                                 f"{': ' + why if why else ''}")
+
+    def _step(self, report: SyncReport, phase: str, calls: list[Call]) -> list[Any]:
+        report.phases.append(phase)
+        return self._run(calls, phase, report.version)
+
+    def _sleep_and_wake_weights(self, report: SyncReport, rounds: list) -> None:
+        level = self._level(rounds)
+        report.sleep_level = level
+        self._replica_step(report, f"sleep:{level}", "ws_sleep", (level,))
+        if self.offload_trainer:
+            self._step(report, "trainer_offload", self._trainer_calls("ws_offload"))
+        self._replica_step(report, "wake_up:weights", "ws_wake_up", (["weights"],))
+
+    def _transfer(self, report: SyncReport, version: Any, rounds: list) -> list:
+        """Every round on the current group; the survivors that must re-run (if any)."""
+        members, n = list(self._members), len(self.trainers)
+        for i, (kind, cfg) in enumerate(rounds):
+            report.phases.append(f"sync:{kind}")
+            calls = self._trainer_calls("ws_send", version, kind=kind) + self._replica_calls(
+                "ws_receive", version, kind=kind, adapter_config=cfg, targets=members)
+            t0 = time.perf_counter()
+            outs = call_all(calls, timeout=self.call_timeout, settle=self.settle,
+                            phase=f"sync:{kind}", version=version)
+            report.seconds += time.perf_counter() - t0
+            for o in outs[:n]:
+                if o.ok:
+                    report.trainer.append(o.value)
+                    report.bytes += int(o.value.get("bytes", 0))
+            for r, o in zip(members, outs[n:]):
+                st = self._status(report, r)
+                st.attempts += int(i == 0)
+                if o.ok:
+                    st.seconds += float(o.value.get("seconds", 0.0))
+                    st.bytes += int(o.value.get("bytes", 0))
+            verdict = self._judge(report, outs[:n], outs[n:], f"sync:{kind}")
+            if verdict.failed:
+                alive = [m for m in members if any(m is r for r in self.replicas)]
+                if i < len(rounds) - 1:
+                    return alive
+                failed = {o.label for o in outs[n:] if not o.ok}
+                return [m for m in alive if self.name_of(m) in failed]
+        return []
+
+    def _after_failure(self, report: SyncReport, exc: BaseException) -> None:
+        self._invalidate()       # the next sync rebuilds the group and resends everything
+        for r in self._fenced_now:
+            if any(r is x for x in self.replicas):
+                self._health[id(r)] = "stale"      # fenced until a sync completes
+        for st in self._statuses.values():
+            if st.ok and isinstance(exc, WeightSyncError) and st.error is None:
+                st.ok, st.error = False, f"sync aborted: {type(exc).__name__}: {exc}"
+        if isinstance(exc, WeightSyncError):
+            exc.report = report  # type: ignore[attr-defined]
+        if self.colocated:
+            outcomes = call_all(self._replica_calls("ws_wake_up", None), timeout=self.timeout,
+                                phase="wake_up", version=report.version)
+            for o in outcomes:
+                if not o.ok:
+                    logger.warning("weightsync: wake_up after a failed sync: %s", o.error)
+
+    def _resume(self, report: SyncReport) -> None:
+        report.phases.append("resume")
+        for o in call_all(self._replica_calls("ws_resume"), timeout=self.timeout,
+                          phase="resume", version=report.version):
+            if not o.ok:
+                logger.warning("weightsync: resume on %s failed: %s", o.label, o.error)
+
+    # -- integrity and generation -----------------------------------------------------
+    def verify(self, *, fence: bool = True) -> VerifyReport:
+        """Compare a digest of every replica's weights with the trainer's (xxh3 per tensor,
+        the trainer's cast to each replica's dtypes; FSDP2 shards gathered as in a sync).
+        ``fence``: a replica that differs is fenced and marked stale until the next sync."""
+        with self._lock:
+            return run_verify(self, fence=fence)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, replica: Optional[int] = None,
+                 **kwargs: Any) -> list:
+        """Generate on one replica: the next healthy one (round robin, see ``route``)
+        unless ``replica`` (an index into ``replicas``) is given."""
+        handle = self.route() if replica is None else self.replicas[replica]
+        return self._run([Call(self.name_of(handle), handle, "generate", (prompts,), kwargs)],
+                         "generate")[0]

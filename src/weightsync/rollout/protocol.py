@@ -1,0 +1,329 @@
+"""The rollout adapter protocol the manager talks to, and a base for in-process engines.
+
+A *rollout adapter* wraps one inference replica (HF transformers, vLLM, ...). The manager
+(:mod:`weightsync.orchestration.manager`) drives it through these calls only:
+
+* engine lifecycle: ``engine_prepare(backend, engine_kwargs) -> [meta, ...]`` (one entry
+  per receiving rank the replica hosts), ``engine_init([kwargs, ...])``,
+  ``engine_receive(version, kind=..., adapter_config=...) -> stats``, ``engine_finalize()``
+  and ``execute_checkpoint_engine(method, *args, **kwargs)``;
+* generation control: ``pause(abort=True)``, ``resume()``, ``sleep(level)``,
+  ``wake_up(tags)`` (tags ``"weights"`` and ``"kv_cache"``), ``reset_caches()``;
+* state: ``current_version()``, ``capabilities()``, ``call_log()``;
+* optional (used when present): ``begin_sync(version, kinds)`` (fence generation until
+  every round of ``version`` is applied), ``check_weights(offered, kind=...,
+  adapter_config=...) -> [[name, why], ...]`` (validation before any byte moves),
+  ``weight_digests(kind) -> {"digests": {...}, "dtypes": {...}}`` (for
+  ``CheckpointEngineManager.verify``), ``fence(reason)``, ``sync_state()``.
+
+**No mixed versions** (:class:`SyncFence`): a replica generates only with a complete
+version. Generation is fenced from ``begin_sync`` (the manager calls it right after
+``pause``) until every tensor of every round of that version has been applied and checked
+(all of the model's tensors written, shapes equal, checksums if enabled); a round that
+fails leaves the replica fenced until a later sync completes. ``generate`` refuses while
+fenced, and every :class:`Generation` carries the version that produced it.
+
+``kind`` of a sync: ``"full"`` (every weight, merged if LoRA), ``"base"`` (base weights of a
+LoRA model, unmerged), ``"adapter"`` (LoRA tensors plus ``adapter_config``, PEFT's JSON).
+
+Sleep levels follow vLLM: level 1 moves weights off the device (kept) and drops the KV
+cache; level 2 discards both, so the weights must be restored by a sync before use.
+``capabilities()["full_sync_restores_discarded"]`` says whether a full sync restores
+everything level 2 discarded (the manager caps the level at 1 otherwise).
+
+:class:`LocalEngineRollout` hosts one receiving engine in the adapter's own process and
+leaves ``load_weights`` (consume the stream into the model) to subclasses. An adapter
+whose model lives in other processes (vLLM workers) implements the ``engine_*`` calls by
+hosting engines there instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from weightsync.core.aio import AsyncRunner
+from weightsync.transport.registry import CheckpointEngineRegistry
+from weightsync.core.config import SLEEP_LEVELS, WAKE_TAGS, WEIGHT_KINDS
+from weightsync.core.errors import SyncTimeout, WeightSyncError
+
+__all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate", "SyncFence",
+           "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "check_tags"]
+
+
+
+def check_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
+    if tags is None:
+        return WAKE_TAGS
+    if isinstance(tags, str):
+        tags = [tags]
+    bad = [t for t in tags if t not in WAKE_TAGS]
+    if bad or not tags:
+        raise ValueError(f"wake_up tags must be a non-empty subset of {WAKE_TAGS}, got {tags!r}")
+    return tuple(tags)
+
+
+@dataclass
+class Generation:
+    """One generated sequence and the weight version that produced it."""
+
+    prompt: list
+    tokens: list
+    version: Any
+    aborted: bool = False
+    logits: Optional[torch.Tensor] = None   # [new tokens, vocab] raw logits when asked
+
+
+@runtime_checkable
+class RolloutAdapter(Protocol):
+    def engine_prepare(self, backend: str, engine_kwargs: dict) -> list: ...
+    def engine_init(self, kwargs_list: list) -> None: ...
+    def engine_receive(self, version: Any, *, kind: str = "full",
+                       adapter_config: Optional[dict] = None) -> dict: ...
+    def engine_finalize(self) -> None: ...
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+    def pause(self, *, abort: bool = True) -> None: ...
+    def resume(self) -> None: ...
+    def sleep(self, level: int = 1) -> None: ...
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None: ...
+    def reset_caches(self) -> None: ...
+    def current_version(self) -> Any: ...
+    def capabilities(self) -> dict: ...
+    def call_log(self) -> list: ...
+
+
+class GenerationGate:
+    """Pause/abort/resume for generation calls running in other threads."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._paused = False
+        self._active = 0
+        self.abort = threading.Event()
+
+    def enter(self, timeout: Optional[float] = None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._paused, timeout or self.timeout):
+                raise SyncTimeout("the replica stayed paused (a weight sync is in progress)",
+                                  phase="generate")
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def pause(self, *, abort: bool = True, timeout: Optional[float] = None) -> None:
+        with self._cond:
+            self._paused = True
+            if abort:
+                self.abort.set()
+            try:
+                if not self._cond.wait_for(lambda: self._active == 0, timeout or self.timeout):
+                    raise SyncTimeout(f"{self._active} generation(s) did not stop in time",
+                                      phase="pause")
+            finally:
+                self.abort.clear()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+
+class SyncFence:
+    """When a replica may generate (the no-mixed-versions rule of the module doc).
+
+    ``reason`` is None when the replica holds one complete version, else why it does not.
+    Without ``begin`` (a caller that syncs one round at a time) each successful round
+    completes a version on its own.
+    """
+
+    def __init__(self) -> None:
+        self.reason: Optional[str] = None
+        self._pending: Optional[tuple[Any, set]] = None     # (version, kinds still to apply)
+        self._lock = threading.Lock()
+
+    def begin(self, version: Any, kinds: Sequence[str]) -> None:
+        bad = [k for k in kinds if k not in WEIGHT_KINDS]
+        if bad or not kinds:
+            raise ValueError(f"kinds must be a non-empty list of {WEIGHT_KINDS}, got {kinds!r}")
+        with self._lock:
+            self._pending = (version, set(kinds))
+            self.reason = f"the sync of version {version!r} is in progress"
+
+    def start_round(self, version: Any, kind: str) -> None:
+        with self._lock:
+            if self._pending is None or self._pending[0] != version:
+                self._pending = None
+            self.reason = f"the sync of version {version!r} did not complete"
+
+    def round_done(self, version: Any, kind: str) -> bool:
+        """Record a fully applied round; True when ``version`` is now complete."""
+        with self._lock:
+            if self._pending is not None and self._pending[0] == version:
+                self._pending[1].discard(kind)
+                if self._pending[1]:
+                    self.reason = (f"the sync of version {version!r} still lacks "
+                                   f"{sorted(self._pending[1])}")
+                    return False
+            self._pending, self.reason = None, None
+            return True
+
+    def fence(self, reason: str) -> None:
+        with self._lock:
+            self._pending, self.reason = None, str(reason)
+
+
+class ReplicaControls:
+    """What every replica adapter shares: its call log (``_log``, a deque) and pause/resume
+    through its ``gate`` (a :class:`GenerationGate`)."""
+
+    _log: collections.deque
+    gate: GenerationGate
+
+    def _record(self, what: str) -> None:
+        self._log.append(what)
+
+    def call_log(self) -> list:
+        return list(self._log)
+
+    def clear_call_log(self) -> None:
+        self._log.clear()
+
+    def pause(self, *, abort: bool = True, timeout: Optional[float] = None) -> None:
+        self._record("pause")
+        self.gate.pause(abort=abort, timeout=timeout)
+
+    def resume(self) -> None:
+        self._record("resume")
+        self.gate.resume()
+
+
+class LocalEngineRollout(ReplicaControls, abc.ABC):
+    """Base for adapters that receive in their own process with one checkpoint engine."""
+
+    def __init__(self, *, name: str = "rollout", device: str = "cpu") -> None:
+        self.name = name
+        self.device = device
+        self._engine: Any = None
+        self._runner = AsyncRunner(f"weightsync-{name}")
+        self._log: collections.deque = collections.deque(maxlen=2000)
+        self._fence = SyncFence()
+        self._in_flight = 0      # receives still running (maybe past a caller's timeout)
+
+    def _check_idle(self, what: str) -> None:
+        """Never release an engine whose buffers a running receive still reads from."""
+        if self._in_flight:
+            raise WeightSyncError(f"{self.name}: a receive is still running (hung past its "
+                                  f"timeout?); cannot {what} its engine", phase=what)
+
+    # -- no mixed versions ------------------------------------------------------------------
+    @property
+    def _fenced(self) -> Optional[str]:
+        """Why this replica must not generate now (None: it holds one complete version)."""
+        return self._fence.reason
+
+    def begin_sync(self, version: Any, kinds: Sequence[str]) -> None:
+        """Fence generation until every round in ``kinds`` of ``version`` is applied."""
+        self._fence.begin(version, list(kinds))
+
+    def fence(self, reason: str) -> None:
+        """Refuse to generate until a sync completes (e.g. a digest did not match)."""
+        self._fence.fence(reason)
+
+    def sync_state(self) -> dict:
+        return {"version": self.current_version(), "fenced": self._fence.reason}
+
+    # -- engine lifecycle -----------------------------------------------------------------
+    def engine_prepare(self, backend: str, engine_kwargs: dict) -> list:
+        self._record("engine_prepare")
+        if self._engine is not None:
+            self._check_idle("replace")
+            self._engine.finalize()
+        kwargs = dict(engine_kwargs)
+        kwargs.setdefault("device", self.device)
+        self._engine = CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
+        return [self._engine.prepare()]
+
+    def engine_init(self, kwargs_list: list) -> None:
+        self._record("engine_init")
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: engine_init before engine_prepare")
+        if len(kwargs_list) != 1:
+            raise ValueError(f"{self.name} hosts 1 receiving rank, got {len(kwargs_list)} entries")
+        self._engine.init_process_group(**kwargs_list[0])
+
+    def engine_receive(self, version: Any, *, kind: str = "full",
+                       adapter_config: Optional[dict] = None) -> dict:
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: engine_receive before engine_init")
+        if kind not in WEIGHT_KINDS:
+            raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
+        self._record(f"load:{kind}:{version}")
+        start = time.perf_counter()
+        self._fence.start_round(version, kind)     # fenced until the round is applied
+        stats = self._runner.run(self._receive(version, kind, adapter_config),
+                                 timeout=2 * self._engine.config.timeout + 30, phase="receive",
+                                 version=version, peer=self.name)
+        self._fence.round_done(version, kind)
+        stats = dict(stats or {})
+        stats.setdefault("seconds", time.perf_counter() - start)
+        return stats
+
+    async def _receive(self, version: Any, kind: str, adapter_config: Optional[dict]) -> dict:
+        stream = self._engine.receive_weights(version)
+        self._in_flight += 1
+        try:
+            return await self.load_weights(stream, version=version, kind=kind,
+                                           adapter_config=adapter_config)
+        finally:
+            # If loading stopped early, closing the stream now makes the engine tell its
+            # peers at once (instead of whenever the generator is collected).
+            try:
+                await stream.aclose()
+            finally:
+                self._in_flight -= 1
+
+    def engine_finalize(self) -> None:
+        self._record("engine_finalize")
+        if self._engine is not None:
+            self._check_idle("finalize")
+            self._engine.finalize()
+            self._engine = None
+
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of the hosted engine (coroutines run to completion, bounded)."""
+        if self._engine is None:
+            raise RuntimeError(f"{self.name}: no checkpoint engine (engine_prepare first)")
+        if method.startswith("_") or not callable(getattr(self._engine, method, None)):
+            raise ValueError(f"{type(self._engine).__name__} has no public method {method!r}")
+        result = getattr(self._engine, method)(*args, **kwargs)
+        if inspect.isasyncgen(result):
+            raise ValueError(f"{method} is an async iterator; use engine_receive")
+        if inspect.isawaitable(result):
+            result = self._runner.run(result, timeout=2 * self._engine.config.timeout + 30,
+                                      phase=method, peer=self.name)
+        return result
+
+    def close(self) -> None:
+        self.engine_finalize()
+        self._runner.close()
+
+    # -- subclass hooks -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def load_weights(self, weights: AsyncIterator, *, version: Any, kind: str,
+                           adapter_config: Optional[dict]) -> dict:
+        """Consume ``(name, tensor)`` pairs (views: copy before the next item)."""

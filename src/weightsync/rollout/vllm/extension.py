@@ -1,0 +1,339 @@
+"""The worker extension that hosts a receiving checkpoint engine inside each vLLM worker.
+
+Pass ``worker_extension_cls="weightsync.rollout.vllm.extension.WeightSyncWorkerExtension"`` to
+``vllm.LLM`` (:class:`~weightsync.rollout.vllm.VLLMRolloutReplica` does). vLLM mixes this
+class into its worker class, so the methods below run in the worker process with
+``self`` being the vLLM worker; the driver calls them with ``collective_rpc(name,
+args=...)``. Arguments and results are JSON-able (names, versions, options, metas,
+stats): weight bytes never travel through the RPC; they go from the transport straight
+into vLLM's loader (:mod:`._vllm_apply`).
+
+Every call returns ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": {...}}``
+(type, message, peer, phase, version), which the driver turns back into the matching
+:class:`~weightsync.core.errors.WeightSyncError`; a failure never kills the engine core.
+
+Apply modes of a sync (``apply``): ``"stream"`` feeds tensors to the loader as they
+arrive (peak memory: the model plus the layers in flight); a failure half way leaves
+some layers new and some old, so the worker is *fenced* (the driver refuses generation
+and zeroes the KV cache) until a complete version lands. ``"staged"`` receives and
+checks the whole version first, then loads it: a transport failure leaves the old
+version intact and serving, at the cost of one extra copy of the weights in memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from typing import Any, Callable, Optional
+
+__all__ = ["WeightSyncWorkerExtension"]
+
+logger = logging.getLogger(__name__)
+_APPLY = ("stream", "staged")
+
+
+class _State:
+    def __init__(self) -> None:
+        from weightsync.core.aio import AsyncRunner
+
+        self.engine: Any = None
+        self.runner = AsyncRunner("weightsync-vllm-worker")
+        self.version: Any = None
+        self.fenced: Optional[str] = None
+        self.manifest: Any = False      # False: not read yet; None: no manifest
+        self.header: Optional[dict] = None  # {name: (shape, safetensors dtype)}
+        self.digests: Optional[dict] = None  # of the last complete version (see _vllm_checks)
+        self.dtypes: dict = {}
+        self.live: list = []            # names whose live parameters are hashed at verify
+
+
+def _error(exc: BaseException) -> dict:
+    from weightsync.core.errors import WeightSyncError
+
+    err = {"type": type(exc).__name__, "message": str(exc)[:4000]}
+    if isinstance(exc, WeightSyncError):
+        err.update(message=exc.detail[:4000], peer=exc.peer, phase=exc.phase, origin=exc.origin,
+                   version=exc.version if exc.version is None or
+                   isinstance(exc.version, (int, str)) else str(exc.version))
+    return err
+
+
+def _guard(fn: Callable) -> Callable:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict:
+        try:
+            return {"ok": True, "value": fn(self, *args, **kwargs)}
+        except Exception as exc:  # the driver re-raises it; the engine core lives on
+            logger.warning("weightsync: %s failed in vLLM worker %s: %s", fn.__name__,
+                           getattr(self, "rank", "?"), exc)
+            return {"ok": False, "error": _error(exc)}
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class WeightSyncWorkerExtension:
+    """Methods mixed into vLLM's worker (names start with ``weightsync_``, which no vLLM
+    worker attribute does: vLLM refuses extensions that shadow worker attributes)."""
+
+    def _weightsync(self) -> _State:
+        state = self.__dict__.get("_weightsync_state")
+        if state is None:
+            state = self.__dict__["_weightsync_state"] = _State()
+        return state
+
+    def _weightsync_manifest(self, state: _State) -> Optional[dict]:
+        if state.manifest is False:
+            from weightsync.rollout.vllm.apply import checkpoint_header
+
+            state.header = checkpoint_header(self.model_config.model)
+            state.manifest = None if state.header is None else {
+                n: shape for n, (shape, _) in state.header.items()}
+        return state.manifest
+
+    def _weightsync_peer(self) -> str:
+        return f"vllm worker {getattr(self, 'rank', 0)} (pid {os.getpid()})"
+
+    # -- engine lifecycle ---------------------------------------------------------------
+    @_guard
+    def weightsync_prepare(self, backend: str, engine_kwargs: dict) -> dict:
+        """Create the receiving engine here; returns its ``prepare()`` meta."""
+        from weightsync.transport.registry import CheckpointEngineRegistry
+
+        state = self._weightsync()
+        if state.engine is not None:
+            state.engine.finalize()
+            state.engine = None
+        kwargs = dict(engine_kwargs)
+        kwargs.setdefault("device", str(self.device))
+        state.engine = CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
+        return state.engine.prepare()
+
+    @_guard
+    def weightsync_init(self, kwargs_list: list) -> None:
+        """Join the group with this worker's entry (``kwargs_list[rank]``)."""
+        state = self._weightsync()
+        if state.engine is None:
+            raise RuntimeError("weightsync_init before weightsync_prepare")
+        rank = int(getattr(self, "rank", 0))
+        if not isinstance(kwargs_list, list) or not 0 <= rank < len(kwargs_list):
+            raise ValueError(f"init needs one kwargs entry per vLLM worker; worker {rank} "
+                             f"got {kwargs_list!r:.200}")
+        state.engine.init_process_group(**kwargs_list[rank])
+
+    @_guard
+    def weightsync_finalize(self) -> None:
+        state = self._weightsync()
+        if state.engine is not None:
+            state.engine.finalize()
+            state.engine = None
+
+    @_guard
+    def weightsync_execute(self, method: str, args: list, kwargs: dict) -> Any:
+        """``execute_checkpoint_engine``: a public method of the hosted engine."""
+        import inspect
+
+        state = self._weightsync()
+        if state.engine is None:
+            raise RuntimeError("no checkpoint engine in this vLLM worker (prepare first)")
+        if not isinstance(method, str) or method.startswith("_") or \
+                not callable(getattr(state.engine, method, None)):
+            raise ValueError(f"{type(state.engine).__name__} has no public method {method!r}")
+        result = getattr(state.engine, method)(*args, **kwargs)
+        if inspect.isasyncgen(result):
+            raise ValueError(f"{method} is an async iterator; use a sync")
+        if inspect.isawaitable(result):
+            result = state.runner.run(result, timeout=2 * state.engine.config.timeout + 30,
+                                      phase=method)
+        return result
+
+    @_guard
+    def weightsync_state(self) -> dict:
+        """Identity and state; the first call also reads the checkpoint's manifest (the
+        names and shapes every full sync must cover), so the folder may go afterwards."""
+        state = self._weightsync()
+        self._weightsync_manifest(state)
+        return {"version": state.version, "fenced": state.fenced, "pid": os.getpid(),
+                "rank": int(getattr(self, "rank", 0)), "engine": state.engine is not None,
+                "manifest": None if state.manifest is None else len(state.manifest)}
+
+    @_guard
+    def weightsync_zero_kv_cache(self) -> int:
+        from weightsync.rollout.vllm.apply import zero_kv_cache
+
+        return zero_kv_cache(self)
+
+    # -- checks (see _vllm_checks) ---------------------------------------------------------
+    @_guard
+    def weightsync_check(self, offered: list, kind: str) -> Optional[list]:
+        """Problems (``[name, why]``) of loading ``offered`` as ``kind``; nothing changes.
+        ``[]`` when the model was not started from a local safetensors folder."""
+        from weightsync.rollout.vllm.checks import check_offered
+
+        state = self._weightsync()
+        if self._weightsync_manifest(state) is None:
+            logger.warning("weightsync: no checkpoint headers to check a weight set against")
+            return []
+        lora = self.vllm_config.lora_config
+        return check_offered(state.header, offered, kind, self.model_config.dtype,
+                             None if lora is None else int(lora.max_lora_rank))
+
+    @_guard
+    def weightsync_digests(self) -> dict:
+        """Digests of the last complete version as the loader received it, and of the live
+        parameters that can be read back exactly (``live``)."""
+        from weightsync.rollout.vllm.checks import live_digests
+        from weightsync.core.errors import WeightSyncError
+
+        state = self._weightsync()
+        if state.digests is None:
+            raise WeightSyncError("no digests: no sync completed in this vLLM worker since "
+                                  "it started or since the last failed one (or "
+                                  "WEIGHTSYNC_VLLM_DIGESTS=0)", peer=self._weightsync_peer(),
+                                  phase="verify", version=state.version)
+        live = live_digests(self.model_runner.get_model(), state.live, state.manifest,
+                            state.dtypes)
+        return {"version": state.version, "digests": state.digests, "dtypes": state.dtypes,
+                "live": live}
+
+    # -- a sync -------------------------------------------------------------------------
+    @_guard
+    def weightsync_receive(self, version: Any, kind: str, options: dict) -> dict:
+        """Receive one version from the hosted engine and apply it completely or fence.
+
+        ``options``: ``apply`` (``"stream"``/``"staged"``), ``loader``
+        (``"auto"``/``"layerwise"``/``"direct"``), for ``kind="adapter"``: ``adapter_dir``
+        (where rank 0 writes the PEFT folder) and ``adapter_config``.
+        """
+        from weightsync.core.errors import PlanMismatch
+
+        state = self._weightsync()
+        if state.engine is None:
+            raise RuntimeError("weightsync_receive before weightsync_init")
+        apply = options.get("apply", "stream")
+        if apply not in _APPLY:
+            raise ValueError(f"apply must be one of {_APPLY}, got {apply!r}")
+        if kind not in ("full", "base", "adapter"):
+            raise ValueError(f"kind must be 'full', 'base' or 'adapter', got {kind!r}")
+        start = time.perf_counter()
+        pull = _Pull(state, version, self._weightsync_peer())
+        try:
+            if options.get("reject"):         # refuse, but through the stream: the
+                next(pull, None)              # senders learn it at once, not at timeout
+                raise PlanMismatch(str(options["reject"]), peer=self._weightsync_peer(),
+                                   phase="receive", version=version)
+            if kind == "adapter":
+                stats = self._weightsync_adapter(pull, version, options)
+            else:
+                stats = self._weightsync_full(state, pull, version, apply,
+                                              options.get("loader", "auto"),
+                                              bool(options.get("digests", True)))
+        except BaseException as exc:
+            pull.close(exc)
+            raise
+        pull.close(None)
+        stats.update(version=version, kind=kind, apply=apply, pid=os.getpid(),
+                     seconds=time.perf_counter() - start)
+        stats["load_seconds"] = max(0.0, stats["seconds"] - stats["transport_seconds"])
+        return stats
+
+    def _weightsync_full(self, state: _State, pull: "_Pull", version: Any, apply: str,
+                         loader: str, digests: bool) -> dict:
+        from weightsync.rollout.vllm.apply import (CheckedStream, apply_weights, heal_after_failure,
+                                  pick_loader, zero_kv_cache)
+        from weightsync.rollout.vllm.checks import calibrate_live
+        from weightsync.core.errors import PlanMismatch
+
+        self._weightsync_manifest(state)
+        loader = pick_loader(loader)
+        peer = self._weightsync_peer()
+        checked = CheckedStream(pull, state.manifest, version=version, peer=peer,
+                                digest_dtype=self.model_config.dtype if digests else None)
+        items: Any = checked
+        if apply == "staged":
+            staged = collections.deque(checked)   # the whole version, owned and checked
+            missing = checked.missing()
+            if missing:
+                raise PlanMismatch(f"the sync left {len(missing)} tensors of the model "
+                                   f"unwritten: {missing[:8]}", peer=peer, phase="receive",
+                                   version=version)
+            items = _drain(staged)            # each tensor freed once its layer is loaded
+        state.fenced = f"the sync of version {version!r} did not complete"
+        state.digests, state.dtypes, state.live = None, {}, []
+        try:
+            info = apply_weights(self, items, loader=loader, version=version, peer=peer)
+        except BaseException:
+            if loader == "layerwise":
+                heal_after_failure(self)
+            zero_kv_cache(self)
+            raise
+        state.version, state.fenced = version, None
+        if digests:
+            state.digests, state.dtypes = checked.digests, checked.dtypes
+            state.live = calibrate_live(self.model_runner.get_model(), checked.digests,
+                                        state.manifest, checked.dtypes)
+        return {"tensors": checked.count, "bytes": checked.nbytes, "loader": loader,
+                "transport_seconds": checked.transport_seconds, **info}
+
+    def _weightsync_adapter(self, pull: "_Pull", version: Any, options: dict) -> dict:
+        from weightsync.rollout.vllm.apply import write_adapter
+
+        folder, config = options.get("adapter_dir"), options.get("adapter_config")
+        if not isinstance(folder, str) or not isinstance(config, dict):
+            raise ValueError("an adapter sync needs options adapter_dir (str) and "
+                             "adapter_config (PEFT's JSON)")
+        tensors, nbytes, start = {}, 0, time.perf_counter()
+        for name, t in pull:
+            tensors[name] = t.clone()
+            nbytes += t.numel() * t.element_size()
+        transport = time.perf_counter() - start
+        if int(getattr(self, "rank", 0)) == 0:
+            write_adapter(folder, tensors, config)
+        return {"tensors": len(tensors), "bytes": nbytes, "transport_seconds": transport,
+                "adapter_dir": folder}
+
+
+def _drain(queue: "collections.deque") -> Any:
+    while queue:
+        yield queue.popleft()
+
+
+class _Pull:
+    """Sync iterator over the hosted engine's async ``receive_weights`` stream."""
+
+    _END = object()
+
+    def __init__(self, state: _State, version: Any, peer: str) -> None:
+        self.state, self.version, self.peer = state, version, peer
+        self.stream = state.engine.receive_weights(version)
+        self.timeout = 2 * state.engine.config.timeout + 30
+
+    def __iter__(self) -> "_Pull":
+        return self
+
+    def __next__(self) -> Any:
+        async def step() -> Any:
+            try:
+                return await self.stream.__anext__()
+            except StopAsyncIteration:
+                return self._END
+
+        item = self.state.runner.run(step(), timeout=self.timeout, phase="receive",
+                                     version=self.version, peer=self.peer)
+        if item is self._END:
+            raise StopIteration
+        return item
+
+    def close(self, exc: Optional[BaseException]) -> None:
+        """End the stream; on a failure this tells the senders at once."""
+        async def close() -> None:
+            await self.stream.aclose()
+
+        try:
+            self.state.runner.run(close(), timeout=30.0, phase="receive",
+                                  version=self.version, peer=self.peer)
+        except Exception:
+            if exc is None:
+                raise
+            logger.debug("weightsync: closing the receive stream failed", exc_info=True)

@@ -1,0 +1,253 @@
+"""Helpers to run real multi-process syncs (used by the conformance suite and the bench).
+
+:func:`make_tensors` builds a deterministic tensor set that exercises every supported
+dtype, 0-d, empty, non-contiguous, larger-than-a-bucket and many tiny tensors.
+:func:`run_group` runs trainer and rollout workers as separate processes (or, for
+backends with the ``same_process`` capability, as coroutines of one event loop), drives
+them through the engine lifecycle, and returns what each rollout rank received, checked
+byte for byte against the expected tensors. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from weightsync.transport import CheckpointEngineRegistry
+from weightsync.transport.base import worker_kwargs
+from weightsync.transport.tensors import CASTABLE
+from weightsync.core.plan import DTYPES
+
+__all__ = ["make_tensors", "expected_tensors", "run_group", "GroupSpec", "same_bytes"]
+
+
+def _random(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        base = torch.randn(shape, generator=g)
+        if dtype.itemsize == 1:  # float8 kinds: keep inside their range
+            base = base.clamp(-4, 4).abs() if "e8m0" in str(dtype) else base.clamp(-4, 4)
+        return base.to(dtype)
+    info_hi = 100 if dtype == torch.uint8 else 1000
+    return torch.randint(0, info_hi, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def make_tensors(seed: int, *, bucket_size: int, tiny: int = 200) -> list[tuple[str, torch.Tensor]]:
+    """A deterministic, varied tensor set; the same ``seed`` gives the same bytes anywhere."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, (dname, dtype) in enumerate(sorted(DTYPES.items())):
+        out.append((f"dtype.{dname}.mat", _random(g, (3 + i % 5, 17), dtype)))
+        out.append((f"dtype.{dname}.scalar", _random(g, (), dtype)))
+    out.append(("empty.f32", torch.empty(0, 7)))
+    out.append(("empty.i64", torch.empty(0, dtype=torch.int64)))
+    out.append(("noncontig.t", _random(g, (64, 33), torch.float32).t()))
+    out.append(("noncontig.step", _random(g, (200,), torch.bfloat16)[::3]))
+    big = (5 * bucket_size // 2) // 4 + 3  # > 2 buckets, not a multiple of anything
+    out.append(("big.f32", _random(g, (big,), torch.float32)))
+    out.append(("layer.0.weight", _random(g, (96, 64), torch.bfloat16)))
+    for k in range(tiny):
+        out.append((f"tiny.{k}", _random(g, (3,), torch.float32)))
+    out.append(("big.noncontig", _random(g, (bucket_size // 8 + 5, 3), torch.float16).t()))
+    return out
+
+
+def expected_tensors(seed: int, *, bucket_size: int, tiny: int = 200,
+                     dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """What a receiver must get for :func:`make_tensors` (after the optional cast)."""
+    out = {}
+    for name, t in make_tensors(seed, bucket_size=bucket_size, tiny=tiny):
+        out[name] = t.to(dtype) if dtype is not None and t.dtype in CASTABLE else t
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (dtype, shape and every byte)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+
+
+@dataclass(kw_only=True)
+class GroupSpec:
+    """One multi-process sync scenario."""
+
+    backend: str
+    trainers: int = 1
+    receivers: int = 1
+    steps: int = 3
+    pattern: str = "full"               # "full": every trainer yields all; "disjoint"
+    engine_kwargs: dict = field(default_factory=dict)
+    tiny: int = 200
+    expect_version_offset: int = 0      # receivers expect step + offset (to provoke mismatch)
+    timeout: float = 120.0
+    hook: Optional[str] = None          # "module:function" called as f(engine, role, rank)
+                                        # in each worker before init (fault injection)
+    device: str = "cpu"                 # where trainers create their tensors ("cuda": GPU)
+    hold: bool = False                  # workers stay up after their run until every
+                                        # worker reported (as long-lived workers do)
+
+    def __post_init__(self) -> None:
+        if self.pattern not in ("full", "disjoint"):
+            raise ValueError(f"pattern must be 'full' or 'disjoint', got {self.pattern!r}")
+
+
+def _trainer_items(spec: GroupSpec, step: int, rank: int):
+    bs = spec.engine_kwargs["bucket_size"]
+    items = make_tensors(step, bucket_size=bs, tiny=spec.tiny)
+    for i, (name, tensor) in enumerate(items):
+        if spec.pattern == "full" or i % spec.trainers == rank:
+            yield name, (tensor if spec.device == "cpu" else tensor.to(spec.device))
+
+
+async def _receive_step(engine, spec: GroupSpec, step: int) -> dict[str, Any]:
+    bs = spec.engine_kwargs["bucket_size"]
+    expected = expected_tensors(step, bucket_size=bs, tiny=spec.tiny,
+                                dtype=spec.engine_kwargs.get("dtype"))
+    counts: dict[str, int] = {}
+    bad = []
+    async for name, tensor in engine.receive_weights(version=step + spec.expect_version_offset):
+        counts[name] = counts.get(name, 0) + 1
+        if name not in expected or not same_bytes(tensor, expected[name]):
+            bad.append(name)
+    return {"step": step, "missing": sorted(set(expected) - set(counts)),
+            "dupes": sorted(n for n, c in counts.items() if c > 1), "bad": bad,
+            "count": len(counts)}
+
+
+async def _run_role(engine, spec: GroupSpec, role: str, rank: int) -> dict[str, Any]:
+    steps, errors, origins, failed_after = [], [], [], None
+    for step in range(spec.steps):
+        started = time.monotonic()
+        try:
+            if role == "trainer":
+                steps.append(await engine.send_weights(_trainer_items(spec, step, rank),
+                                                       version=step))
+            else:
+                steps.append(await _receive_step(engine, spec, step))
+        except Exception as exc:  # reported to the parent, which asserts on it
+            errors.append(f"{type(exc).__name__}: {exc}")
+            origins.append(getattr(exc, "origin", None) or getattr(exc, "peer", None))
+            failed_after = time.monotonic() - started
+            break
+    return {"role": role, "rank": rank, "steps": steps, "errors": errors,
+            "origins": origins, "failed_after_s": failed_after}
+
+
+def _worker(spec: GroupSpec, role: str, rank: int, conn) -> None:
+    try:
+        engine = CheckpointEngineRegistry.new(spec.backend, role=role, **spec.engine_kwargs)
+        if spec.hook:
+            module, _, func = spec.hook.partition(":")
+            getattr(importlib.import_module(module), func)(engine, role, rank)
+        conn.send(engine.prepare())
+        if not conn.poll(spec.timeout):
+            raise TimeoutError("no topology from the parent")
+        engine.init_process_group(**conn.recv())
+        result = asyncio.run(_run_role(engine, spec, role, rank))
+        if spec.hold:  # report now; finalize and exit once the parent has every report
+            conn.send(result)
+            conn.poll(spec.timeout)
+            engine.finalize()
+            return
+        engine.finalize()
+        result["threads"] = [t.name for t in threading.enumerate() if "weightsync" in t.name]
+        result["pid"] = os.getpid()
+        conn.send(result)
+    except BaseException:
+        conn.send({"role": role, "rank": rank, "fatal": traceback.format_exc()})
+
+
+def _run_inproc(spec: GroupSpec) -> list[dict[str, Any]]:
+    cls = CheckpointEngineRegistry.get(spec.backend)
+    trainers = [cls(role="trainer", **spec.engine_kwargs) for _ in range(spec.trainers)]
+    rollouts = [cls(role="rollout", **spec.engine_kwargs) for _ in range(spec.receivers)]
+    tk, rk = cls.build_topology(spec.trainers, spec.receivers,
+                                [e.prepare() for e in trainers + rollouts])
+    for i, e in enumerate(trainers):
+        e.init_process_group(**worker_kwargs(tk, i))
+    for j, e in enumerate(rollouts):
+        e.init_process_group(**worker_kwargs(rk, j))
+
+    async def main():
+        jobs = [_run_role(e, spec, "trainer", i) for i, e in enumerate(trainers)]
+        jobs += [_run_role(e, spec, "rollout", j) for j, e in enumerate(rollouts)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), spec.timeout)
+
+    results = list(asyncio.run(main()))
+    for e in trainers + rollouts:
+        e.finalize()
+    return results
+
+
+def run_group(spec: GroupSpec) -> list[dict[str, Any]]:
+    """Run the scenario; returns one result dict per worker (trainers first)."""
+    cls = CheckpointEngineRegistry.get(spec.backend)
+    if "same_process" in cls.capabilities:
+        return _run_inproc(spec)
+    ctx = mp.get_context("spawn")
+    roles = [("trainer", i) for i in range(spec.trainers)] + \
+            [("rollout", j) for j in range(spec.receivers)]
+    pipes, procs = [], []
+    for role, rank in roles:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(spec, role, rank, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    try:
+        deadline = time.monotonic() + spec.timeout
+        metas = [_recv(c, p, deadline, what="prepare") for c, p in zip(pipes, procs)]
+        for m in metas:
+            if "fatal" in m or "died" in m or "hung" in m:
+                raise RuntimeError(f"a worker failed before the topology: {m}")
+        tk, rk = cls.build_topology(spec.trainers, spec.receivers, metas)
+        kws = [worker_kwargs(tk, i) for i in range(spec.trainers)] + \
+              [worker_kwargs(rk, j) for j in range(spec.receivers)]
+        for c, kw in zip(pipes, kws):
+            c.send(kw)
+        deadline = time.monotonic() + spec.timeout
+        results = [_recv(c, p, deadline, what="result") for c, p in zip(pipes, procs)]
+        if spec.hold:
+            for c in pipes:
+                try:
+                    c.send("release")
+                except OSError:  # that worker is gone
+                    pass
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _recv(conn, proc, deadline: float, *, what: str) -> Any:
+    """A worker's next report; ``{"died": exitcode}`` for a worker that died and
+    ``{"hung": what}`` for one that sent nothing before ``deadline`` (it is killed)."""
+    while not conn.poll(0.2):
+        if not proc.is_alive() and not conn.poll(0.2):
+            return {"died": proc.exitcode}
+        if time.monotonic() > deadline:
+            proc.kill()
+            return {"hung": what}
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        return {"died": proc.exitcode}

@@ -1,0 +1,213 @@
+"""What the bench times: weightsync backends and the physical limits.
+
+Every method runs in the trainer process (rank 0) and the receiver processes (ranks
+1..R) at once. ``setup`` may exchange small objects through ``ctx.gather``; ``step`` is one
+timed sync from the trainer's tensors (``ctx.params`` on rank 0) into every receiver's
+own, preallocated tensors (``ctx.params`` on ranks >= 1). Baselines live in
+:mod:`weightsync.tools.bench.baselines`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.tools.bench.common import Method, gloo_group, shutdown_group
+from weightsync.tools.bench.workloads import GiB
+
+__all__ = ["Method", "method_table", "gloo_group"]
+
+#: flat buffers of the limits are capped (and reused) so that 4 GiB runs fit in memory
+FLAT_CAP = GiB
+
+
+class _FlatBytes:
+    """Same byte count as the workload, as repeated passes over one capped flat buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.size = min(nbytes, FLAT_CAP)
+        self.passes = [(min(self.size, nbytes - off)) for off in range(0, nbytes, self.size)]
+
+
+class Memcpy(Method):
+    """Limit: one memcpy of the same bytes in one process (flat buffer -> flat buffer)."""
+
+    trainer_only = True
+    verify = False
+
+    def setup(self) -> None:
+        if self.ctx.is_trainer:
+            self.flat = _FlatBytes(self.ctx.workload.nbytes)
+            self.src = torch.ones(self.flat.size, dtype=torch.uint8)
+            self.dst = torch.zeros(self.flat.size, dtype=torch.uint8)
+
+    def step(self, version: int) -> None:
+        if self.ctx.is_trainer:
+            for n in self.flat.passes:
+                self.dst[:n].copy_(self.src[:n])
+
+    def teardown(self) -> None:
+        self.src = self.dst = None
+
+    def info(self) -> dict:
+        return {"threads": torch.get_num_threads()} if self.ctx.is_trainer else {}
+
+
+class MemcpyParallel(Method):
+    """Reference: every receiver copies the same bytes at once (the machine's copy ceiling
+    for R receivers that each must write a full model)."""
+
+    verify = False
+
+    def participates(self) -> bool:
+        return not self.ctx.is_trainer
+
+    def setup(self) -> None:
+        if not self.ctx.is_trainer:
+            self.flat = _FlatBytes(self.ctx.workload.nbytes)
+            self.src = torch.ones(self.flat.size, dtype=torch.uint8)
+            self.dst = torch.zeros(self.flat.size, dtype=torch.uint8)
+
+    def step(self, version: int) -> None:
+        if not self.ctx.is_trainer:
+            for n in self.flat.passes:
+                self.dst[:n].copy_(self.src[:n])
+
+    def teardown(self) -> None:
+        self.src = self.dst = None
+
+
+class GlooFlat(Method):
+    """Limit: one raw gloo broadcast of one flat buffer of the same size."""
+
+    verify = False
+
+    def setup(self) -> None:
+        self.pg, self.store = gloo_group(self.ctx, "flat")
+        self.flat = _FlatBytes(self.ctx.workload.nbytes)
+        fill = torch.ones if self.ctx.is_trainer else torch.zeros
+        self.buf = fill(self.flat.size, dtype=torch.uint8)
+        self.pg.broadcast(self.buf[:4096], 0).wait()  # connect before timing
+
+    def step(self, version: int) -> None:
+        for n in self.flat.passes:
+            self.pg.broadcast(self.buf[:n], 0).wait()
+
+    def teardown(self) -> None:
+        shutdown_group(getattr(self, "pg", None))
+        self.pg = self.store = self.buf = None
+
+
+class WeightSync(Method):
+    """A weightsync backend: trainer ``send_weights``, receivers ``receive_weights``."""
+
+    kind = "weightsync"
+    backend = ""
+
+    def setup(self) -> None:
+        from weightsync.transport import CheckpointEngineRegistry
+        ctx = self.ctx
+        self.cls = CheckpointEngineRegistry.get(self.backend)
+        role = "trainer" if ctx.is_trainer else "rollout"
+        self.engine = self.cls(role=role, bucket_size=int(self.opts["bucket_size"]),
+                               timeout=ctx.timeout)
+        metas = ctx.gather(self.engine.prepare())
+        topo = None
+        if ctx.is_trainer:  # one build_topology for all: it draws the group's token
+            from weightsync.transport.base import worker_kwargs
+            tk, rk = self.cls.build_topology(1, ctx.receivers, metas)
+            topo = [worker_kwargs(tk, 0)] + [worker_kwargs(rk, j) for j in range(ctx.receivers)]
+        self.engine.init_process_group(**ctx.gather(topo)[0][ctx.rank])
+        self.loop = asyncio.new_event_loop()
+        self.metrics: list[dict] = []
+
+    def step(self, version: int) -> None:
+        if self.ctx.is_trainer:
+            self.metrics.append(self.loop.run_until_complete(
+                self.engine.send_weights(self.ctx.params.items(), version=version)))
+        else:
+            self.loop.run_until_complete(self._receive(version))
+
+    async def _receive(self, version: int) -> None:
+        params = self.ctx.params
+        recv = getattr(self.engine, "receive_into", None)
+        stream = None
+        if recv is not None and self.opts.get("into", True):
+            try:
+                stream = recv(params, version=version)
+            except TypeError:  # a subclass whose receive_weights takes no ``into``
+                stream = None
+        if stream is not None:
+            async for _ in stream:
+                pass
+            return
+        async for name, tensor in self.engine.receive_weights(version=version):
+            params[name].copy_(tensor)
+
+    def teardown(self) -> None:
+        try:
+            if getattr(self, "engine", None) is not None:
+                self.engine.finalize()
+        finally:
+            if getattr(self, "loop", None) is not None:
+                self.loop.close()
+
+    def info(self) -> dict:
+        if not self.metrics:
+            return {}
+        last = self.metrics[-1]
+        return {k: last.get(k) for k in ("buckets", "buckets_with_layout", "tensors")}
+
+
+class Shm(WeightSync):
+    backend = "shm"
+
+
+class ShmBuckets(WeightSync):
+    """``shm`` with direct (cross-memory-attach) reads turned off: every byte goes
+    through the shared-memory bucket ring (two copies, pipelined). For analysis."""
+
+    direct = "0"
+
+    backend = "shm"
+
+    def setup(self) -> None:
+        old = os.environ.get("WEIGHTSYNC_SHM_DIRECT")
+        os.environ["WEIGHTSYNC_SHM_DIRECT"] = self.direct
+        try:
+            super().setup()
+        finally:
+            if old is None:
+                os.environ.pop("WEIGHTSYNC_SHM_DIRECT", None)
+            else:
+                os.environ["WEIGHTSYNC_SHM_DIRECT"] = old
+
+
+class ShmDirect(ShmBuckets):
+    """``shm`` with direct reads forced on whatever the receiver count. For analysis."""
+
+    direct = "1"
+
+
+class Collective(WeightSync):
+    backend = "collective"
+
+
+_TABLE: dict[str, type[Method]] = {}
+
+
+def method_table() -> dict[str, type[Method]]:
+    """Every method by name (baselines imported on first use)."""
+    if not _TABLE:
+        from weightsync.tools.bench.baselines import BASELINES
+        _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
+                       "shm-direct": ShmDirect})
+        _TABLE.update(BASELINES)
+        _TABLE.update({"memcpy": Memcpy, "gloo-flat": GlooFlat,
+                       "memcpy-parallel": MemcpyParallel})
+    return _TABLE

@@ -1,0 +1,48 @@
+"""The trainer's side of the weight-set checks: what an export will yield, and its digests.
+
+:func:`describe_export` tells, from metadata only, what ``export_weights`` yields over all
+ranks (checked by each replica before any byte moves); :func:`export_digests` hashes what
+the export yields, each tensor cast as the replica holds it, for ``verify()``. The hashing
+itself lives in :mod:`weightsync.core.digests`. Called by the Ray trainer mixin.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from weightsync.core.digests import tensor_digest
+from weightsync.core.plan import dtype_from_name, dtype_name
+from weightsync.trainer.export import export_weights, plan_export
+
+__all__ = ["describe_export", "export_digests"]
+
+
+def describe_export(model: torch.nn.Module, kind: str = "full",
+                    dtype: Optional[torch.dtype] = None) -> list[list]:
+    """What ``export_weights(model, kind=kind, dtype=dtype)`` yields over all ranks, from
+    metadata only: no tensor is gathered, merged or cast."""
+    out = []
+    for item in plan_export(model, kind):
+        src = item.sources[0]
+        wire = dtype if dtype is not None and src.is_floating_point() else src.dtype
+        out.append([item.name, [int(d) for d in src.shape], dtype_name(wire)])
+    return out
+
+
+def export_digests(model: torch.nn.Module, *, kind: str = "full",
+                   dtype: Optional[torch.dtype] = None, group: Any = None,
+                   cast_to: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """Digests of the tensors this rank exports (every rank of the export group must call
+    it: FSDP2 shards move to their owners as in a sync), each cast to ``cast_to[name]``
+    first when given (the dtype the replica holds it in)."""
+    out = {}
+    for name, t in export_weights(model, kind=kind, dtype=dtype, group=group):
+        want = (cast_to or {}).get(name)
+        if want is not None:
+            held = dtype_from_name(want)
+            if t.dtype != held:
+                t = t.to(held)
+        out[name] = tensor_digest(t)
+    return out

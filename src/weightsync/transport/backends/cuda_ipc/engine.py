@@ -1,0 +1,388 @@
+"""``cuda_ipc``: trainer and rollout processes that share a GPU (colocated RL).
+
+Each trainer rank allocates a ring of ``num_slots`` device buckets once, in
+``init_process_group``, and hands every rollout rank CUDA IPC descriptors for them (one
+reference each: PyTorch's cross-process reference counting keeps the memory alive until
+every importer let go). Every later sync reuses the same mappings. The trainer copies
+tensors into a free slot on its current CUDA stream and publishes the bucket header; a
+rollout rank hands out views straight into the shared bucket (the consumer's copy into
+its model is the only copy on its side). The trainer fills bucket k+1 while rollout ranks
+drain bucket k; an acknowledgement is only awaited when a slot comes round again.
+
+Ordering (``sync``): with ``"event"`` (default) the trainer records an interprocess CUDA
+event behind a bucket's copies and publishes at once; the receiver's pump thread polls
+that event before the consumer sees the bucket; the consumer's release records the
+receiver's own event on its stream, and the trainer polls it before it refills the slot.
+With ``"host"`` the trainer synchronizes its stream before publishing and the receiver
+its consumer's stream before acknowledging. Either way no stream ever waits on another
+process's event: a dead peer times a sync out (``SyncTimeout``) but cannot wedge a GPU
+stream. Before the final acknowledgement a receiver synchronizes its consumer's stream.
+
+Zero-copy option (``zero_copy=True``, see :mod:`._cudaipc_refs`): eligible tensors are
+read straight from the trainer's memory, one copy per sync instead of two.
+
+Streams: the trainer's tensors must be ready on the stream that is current when
+``send_weights`` is called; a consumer must read yielded views on the stream that is
+current while it iterates ``receive_weights`` (the default stream, normally).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+
+from weightsync.core.config import env_value, parse_bool
+from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
+from weightsync.core.plan import TensorMeta
+from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
+from weightsync.transport.protocol.sender import BucketedEngine
+from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
+from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
+from weightsync.transport.control.group import StoreGroupMixin
+from weightsync.transport.protocol.receiver import ReceiverMixin
+from weightsync.transport.registry import CheckpointEngineRegistry
+
+__all__ = ["CudaIpcEngine", "CudaIpcOptions"]
+
+
+@dataclass(kw_only=True)
+class CudaIpcOptions:
+    """Options of ``cuda_ipc`` beyond :class:`~weightsync.core.config.EngineConfig`.
+
+    ``zero_copy`` (env ``WEIGHTSYNC_CUDA_IPC_ZERO_COPY``): receivers read eligible tensors
+    straight from the trainer's memory. ``min_ref_bytes`` (env
+    ``WEIGHTSYNC_CUDA_IPC_MIN_REF_BYTES``): smaller tensors are packed into buckets even
+    then (default 0: every eligible tensor). ``ref_batch_bytes``: bytes of zero-copy
+    tensors announced per message (default: the bucket size for the first message,
+    doubling with each next one). ``sync`` (env ``WEIGHTSYNC_CUDA_IPC_SYNC``,
+    the trainer's setting wins): ``"event"`` orders bucket
+    handoffs with interprocess CUDA events that the other side polls (no thread blocks on a
+    stream per bucket); ``"host"`` synchronizes the producing / consuming stream instead.
+    """
+
+    zero_copy: bool = field(default_factory=lambda: env_value("CUDA_IPC_ZERO_COPY", parse_bool, False))
+    min_ref_bytes: int = field(
+        default_factory=lambda: env_value("CUDA_IPC_MIN_REF_BYTES", int, 0))
+    ref_batch_bytes: Optional[int] = None
+    sync: str = field(default_factory=lambda: env_value("CUDA_IPC_SYNC", str, "event"))
+
+    def __post_init__(self) -> None:
+        if self.sync not in ("event", "host"):
+            raise ValueError(f"sync must be 'event' or 'host', got {self.sync!r}")
+        if not isinstance(self.zero_copy, bool):
+            raise ValueError(f"zero_copy must be a bool, got {self.zero_copy!r}")
+        for name in ("min_ref_bytes", "ref_batch_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "ref_batch_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+class _AckPusher:
+    """A receiver's messages to one trainer, sent in order by a background thread.
+
+    The consumer only queues per-bucket acknowledgements, so it never waits for the control
+    server between buckets; acknowledgements of zero-copy batches are dropped (nothing
+    waits for them). Final acknowledgements and errors drain the queue first, then go out
+    from the caller's thread.
+    """
+
+    def __init__(self, inbox: Any, name: str, timeout: float) -> None:
+        self._inbox, self._timeout = inbox, timeout
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def push(self, box: str, msg: Any) -> None:
+        if isinstance(msg, AckMsg) and not msg.final:
+            if msg.index >= REF_INDEX_BASE:
+                return
+            self._raise()
+            with self._cv:
+                self._pending += 1
+            self._q.put((box, msg))
+            return
+        self.flush(self._timeout if isinstance(msg, AckMsg) else min(1.0, self._timeout))
+        self._inbox.push(box, msg)
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._pending and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cv.wait(left):
+                    raise SyncTimeout("acknowledgements could not be sent in time",
+                                      peer="control server", phase="receive")
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            try:
+                self._inbox.push(*item)
+            except BaseException as exc:  # raised to the consumer at its next push
+                self._error = exc
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+
+@CheckpointEngineRegistry.register("cuda_ipc")
+class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngine):
+    """Same-GPU (or same-host) multi-process transport over CUDA IPC."""
+
+    capabilities = frozenset({"cuda", "same_host"})
+    #: Builds the device operations for a device string (tests swap in a CPU stand-in).
+    ops_factory: ClassVar[Callable[[str], IpcOps]] = CudaIpcOps
+
+    def __init__(self, *, zero_copy: Optional[bool] = None, min_ref_bytes: Optional[int] = None,
+                 ref_batch_bytes: Optional[int] = None, sync: Optional[str] = None,
+                 **kwargs: Any) -> None:
+        if kwargs.get("device") is None:
+            kwargs["device"] = "cuda"
+        super().__init__(**kwargs)
+        given = {"zero_copy": zero_copy, "min_ref_bytes": min_ref_bytes,
+                 "ref_batch_bytes": ref_batch_bytes, "sync": sync}
+        self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
+        self._ops = type(self).ops_factory(self.config.device)
+        self.config.device = str(self._ops.device)
+        self._bufs: list[torch.Tensor] = []
+        self._tx_stream: Any = None
+        self._events = False                       # ordering by events (the trainer decides)
+        self._filled: list[Any] = []               # sender: per slot (+1 for zero-copy)
+        self._drained: list[list[Any]] = []        # sender: per receiver, per slot (opened)
+        self._rx_filled: dict[int, list[Any]] = {}     # receiver: per stream (opened)
+        self._rx_drained: dict[int, list[Any]] = {}    # receiver: per stream, per slot
+        self._rx_bufs: dict[int, list[torch.Tensor]] = {}
+        self._ackers: dict[int, _AckPusher] = {}
+        self._dst_views: dict[tuple, torch.Tensor] = {}   # sender: views into slots
+        self._init_refs()
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _init_sender(self) -> None:
+        size, n = self.config.bucket_size, self.config.num_slots
+        self._bufs = [self._ops.alloc(size) for _ in range(n)]
+        self._region_store = self._server.clone()
+        self._clients.append(self._region_store)  # closed by _leave
+        per_slot = [self._ops.export(buf, self._num_receivers) for buf in self._bufs]
+        self._events = self.options.sync == "event"
+        self._filled = [self._ops.new_event() for _ in range(n + 1)] if self._events else []
+        events = tuple(self._ops.event_handle(e) for e in self._filled)
+        for r in range(self._num_receivers):
+            self._tx_inbox.push(f"r{r}", HelloMsg(
+                stream=self._rank, rank=r, bucket_size=size, num_slots=n,
+                handles=tuple(descs[r] for descs in per_slot) + events))
+        self._drained = [[] for _ in range(self._num_receivers)]
+        attached: set[int] = set()
+        deadline = time.monotonic() + self.config.timeout
+        while len(attached) < self._num_receivers:
+            left = deadline - time.monotonic()
+            missing = sorted(set(range(self._num_receivers)) - attached)
+            if left <= 0:
+                raise SyncTimeout(f"rollout ranks {missing} did not map the buffers",
+                                  peer=f"rollout rank {missing[0]}", phase="init")
+            msg = self._tx_inbox.pop(timeout=left, peer=f"rollout rank {missing[0]}",
+                                     phase="init")
+            if isinstance(msg, HelloMsg) and 0 <= msg.rank < self._num_receivers:
+                if self._events:
+                    self._drained[msg.rank] = [self._open_event(h, f"rollout rank {msg.rank}")
+                                               for h in msg.handles]
+                    if len(self._drained[msg.rank]) != n:
+                        raise TopologyError("a receiver sent the wrong number of events",
+                                            peer=f"rollout rank {msg.rank}", phase="init")
+                attached.add(msg.rank)
+
+    def _open_event(self, handle: str, peer: str) -> Any:
+        try:
+            return self._ops.open_event(handle)
+        except (ValueError, RuntimeError) as exc:
+            raise TopologyError(f"cannot open an event of {peer}: {exc}", peer=peer,
+                                phase="init") from None
+
+    def _init_receiver(self) -> None:
+        for s in range(self._world):
+            peer = f"trainer rank {s}"
+            msg = self._rx_pop[s].pop(peer=peer, phase="init")
+            if not isinstance(msg, HelloMsg) or msg.stream != s or msg.rank != self._rank:
+                raise TopologyError(f"expected the buffer descriptors, got {msg.kind!r}",
+                                    peer=peer, phase="init")
+            n = msg.num_slots
+            events = len(msg.handles) == 2 * n + 1  # the trainer orders by events
+            if msg.bucket_size != self.config.bucket_size or n < 1 \
+                    or len(msg.handles) not in (n, 2 * n + 1):
+                raise TopologyError(
+                    f"trainer uses bucket_size={msg.bucket_size} with {msg.num_slots} slots, "
+                    f"this rollout engine bucket_size={self.config.bucket_size}; configure "
+                    "both sides alike", peer=peer, phase="init")
+            self._rx_bufs[s] = [self._open(d, msg.bucket_size, peer) for d in msg.handles[:n]]
+            self._rx_region_store[s] = self._rx_pop[s]._store.clone()
+            self._clients.append(self._rx_region_store[s])  # closed by _leave
+            self._events = events
+            if events:
+                self._rx_filled[s] = [self._open_event(h, peer) for h in msg.handles[n:]]
+                self._rx_drained[s] = [self._ops.new_event() for _ in range(n)]
+            self._ackers[s] = _AckPusher(self._rx_push[s], f"weightsync-ack{self._rank}-s{s}",
+                                         self.config.timeout)
+            mine = tuple(self._ops.event_handle(e) for e in self._rx_drained.get(s, ()))
+            self._rx_push[s].push("t", HelloMsg(stream=s, rank=self._rank,
+                                                bucket_size=msg.bucket_size,
+                                                num_slots=n, handles=mine))
+
+    def _open(self, descriptor: str, min_size: int, peer: str) -> torch.Tensor:
+        try:
+            buf = self._ops.open(descriptor)
+        except (ValueError, RuntimeError) as exc:
+            raise TopologyError(f"cannot map a buffer of {peer}: {exc}", peer=peer,
+                                phase="init") from None
+        if buf.numel() < min_size:
+            raise TopologyError(f"buffer of {peer} has {buf.numel()} bytes, expected "
+                                f"{min_size}", peer=peer, phase="init")
+        return buf
+
+    # -- stream capture -------------------------------------------------------------------
+    async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
+        self._tx_stream = self._ops.current_stream()
+        self._clear_refs()
+        try:
+            return await super().send_weights(named_tensors, version)
+        finally:
+            self._clear_refs()
+
+    def _rx_control(self, stream: int) -> Any:
+        return self._ackers[stream]
+
+    def _sync(self, stream: Any, *, peer: str, phase: str, version: Any) -> None:
+        try:
+            self._ops.sync(stream)
+        except RuntimeError as exc:  # a CUDA error (e.g. a dead exporter's memory)
+            raise PeerFailed(f"CUDA error while waiting for copies: {exc}", peer=peer,
+                             phase=phase, version=version) from None
+
+    def _wait_event(self, event: Any, *, peer: str, phase: str, version: Any) -> None:
+        """Poll an event of the other process until its work is done (bounded)."""
+        deadline = time.monotonic() + self.config.timeout
+        delay = 10e-6
+        try:
+            while not self._ops.done(event):
+                if time.monotonic() > deadline:
+                    raise SyncTimeout(f"copies of {peer} did not finish in "
+                                      f"{self.config.timeout:.0f}s", peer=peer, phase=phase,
+                                      version=version)
+                time.sleep(delay)
+                delay = min(2 * delay, 100e-6)
+        except RuntimeError as exc:
+            if isinstance(exc, SyncTimeout):
+                raise
+            raise PeerFailed(f"CUDA error while waiting for {peer}: {exc}", peer=peer,
+                             phase=phase, version=version) from None
+
+    # -- ring buckets -----------------------------------------------------------------------
+    def _tx_buffer(self, slot: int) -> torch.Tensor:
+        return self._bufs[slot]
+
+    def _copy_piece(self, buf: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor,
+                    dtype: torch.dtype) -> None:
+        if tensor.device.type == "cpu" and buf.device.type != "cpu":
+            tensor = tensor.to(buf.device)  # blocking: the caller may reuse its CPU tensor
+        if meta.is_chunk or not meta.nbytes:
+            BucketedEngine._copy_piece(buf, meta, tensor, dtype)
+            return
+        # Replayed layouts put the same tensors at the same places: keep the slot views.
+        key = (id(buf), meta.offset, dtype, tensor.shape)
+        dst = self._dst_views.get(key)
+        if dst is None:
+            if len(self._dst_views) > 16384:
+                self._dst_views.clear()
+            dst = buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(tensor.shape)
+            self._dst_views[key] = dst
+        dst.copy_(tensor, non_blocking=True)
+
+    def _tx_ready(self, slot: int, buf: torch.Tensor) -> None:
+        if self.config.checksum:  # the checksum reads the bucket on the host right away
+            self._sync(self._tx_stream, peer="trainer stream", phase="send", version=None)
+
+    def _tx_done(self, slot: int, version: Any) -> None:
+        """The bytes queued for ``slot`` (or the zero-copy tensors) are, or will be, ready."""
+        if self._events:
+            self._ops.record(self._filled[slot], self._tx_stream)
+        else:
+            self._sync(self._tx_stream, peer="trainer stream", phase="send", version=version)
+
+    def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
+        self._tx_done(slot, msg.version)
+        self._tx_inbox.push_many(self._receiver_boxes(), msg)
+
+    def _tx_wait_free(self, slot: int, state: Any) -> None:
+        prev = self._slot_bucket.get(slot)
+        if prev is None:
+            return
+        self._await_acks(state, final=False, index=prev)
+        for r, events in enumerate(self._drained if self._events else ()):
+            self._wait_event(events[slot], peer=f"rollout rank {r}", phase="send",
+                             version=state.version)
+
+    def _rx_fetch(self, stream: int, msg: BucketMsg) -> Any:
+        bufs = self._rx_bufs[stream]
+        ring = msg.slot < len(bufs) and msg.index < REF_INDEX_BASE
+        if not ring and not (msg.slot == len(bufs) and msg.index >= REF_INDEX_BASE):
+            raise TopologyError(f"slot {msg.slot} / bucket {msg.index} does not exist",
+                                peer=f"trainer rank {stream}", phase="receive",
+                                version=msg.version)
+        if self._events:
+            self._wait_event(self._rx_filled[stream][msg.slot], peer=f"trainer rank {stream}",
+                             phase="receive", version=msg.version)
+        return bufs[msg.slot] if ring else self._fetch_regions(stream, msg)
+
+    def _rx_release(self, stream: int, msg: BucketMsg) -> None:
+        if msg.index >= REF_INDEX_BASE:
+            return  # zero-copy reads finish before the final acknowledgement
+        # The consumer reads on its current stream; the ack that follows frees the slot.
+        if self._events:
+            self._ops.record(self._rx_drained[stream][msg.slot], self._ops.current_stream())
+        else:
+            self._sync(self._ops.current_stream(), peer="consumer stream", phase="receive",
+                       version=msg.version)
+
+    def _rx_finish_stream(self, state: Any, stream: int, msg: Any) -> None:
+        # Every read (zero-copy ones too) is done before the final acknowledgement.
+        self._sync(self._ops.current_stream(), peer="consumer stream", phase="receive",
+                   version=msg.version)
+        super()._rx_finish_stream(state, stream, msg)
+
+    # -- teardown ---------------------------------------------------------------------------
+    def _release(self) -> None:
+        for acker in self._ackers.values():
+            acker.close()
+        self._ackers = {}
+        self._dst_views = {}
+        self._bufs, self._rx_bufs = [], {}
+        self._filled, self._drained, self._rx_filled, self._rx_drained = [], [], {}, {}
+        self._rx_regions, self._rx_used, self._rx_region_store = {}, {}, {}
+        self._regions = {}
+        self._region_store = None
+        self._clear_refs()
+        self._ops.collect()
+        self._leave()
+
+    def finalize(self) -> None:
+        self._release()
+        self.close_server()

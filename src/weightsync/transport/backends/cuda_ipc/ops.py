@@ -1,0 +1,211 @@
+"""Device operations of the ``cuda_ipc`` engine: buffers, IPC descriptors, stream waits.
+
+The engine's protocol logic only talks to an ``IpcOps`` object, so the same logic runs
+with CUDA IPC on a GPU and, in the CPU test suite, with an in-process stand-in.
+
+A *descriptor* is the text that lets another process map a CUDA allocation: the GPU's
+UUID, the size, the offset inside the cudaMalloc block, PyTorch's cross-process
+reference counter (so the exporting process keeps the memory until every importer let
+go), and the IPC handle, all as plain fields (hex for bytes). It travels inside JSON
+control messages; nothing is unpickled. Each ``export`` call hands out one reference per
+importer: give every receiver its own descriptor.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import string
+from typing import Any
+
+import torch
+
+from weightsync.core.errors import BackendUnavailable
+
+__all__ = ["IpcOps", "CudaIpcOps", "storage_bytes", "parse_descriptor", "format_descriptor"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "cudaipc1"
+_HEX = frozenset(string.hexdigits)
+_UUID_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+_MAX_HANDLE = 8192          # bytes of an IPC handle (expandable segments carry more)
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage behind ``tensor`` (no copy)."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
+
+
+def _hex(data: bytes) -> str:
+    return data.hex()
+
+
+def _unhex(text: str, what: str) -> bytes:
+    if len(text) % 2 or len(text) > 2 * _MAX_HANDLE or not set(text) <= _HEX:
+        raise ValueError(f"descriptor field {what} is not hex")
+    return bytes.fromhex(text)
+
+
+def format_descriptor(uuid: str, share: tuple) -> str:
+    """Descriptor text from ``UntypedStorage._share_cuda_()``'s 8-tuple."""
+    _device, handle, size, offset, ref_handle, ref_offset, _ev, _ev_required = share
+    if handle is None or ref_handle is None:
+        raise ValueError("cannot export an empty storage")
+    return "|".join([_PREFIX, uuid, str(int(size)), str(int(offset)), str(int(ref_offset)),
+                     _hex(bytes(handle)), _hex(bytes(ref_handle))])
+
+
+def parse_descriptor(text: str) -> dict[str, Any]:
+    """Strict inverse of :func:`format_descriptor`; ``ValueError`` for anything off."""
+    if not isinstance(text, str) or len(text) > 4 * _MAX_HANDLE:
+        raise ValueError("descriptor must be a str of bounded length")
+    parts = text.split("|")
+    if len(parts) != 7 or parts[0] != _PREFIX:
+        raise ValueError(f"not a {_PREFIX} descriptor")
+    _, uuid, size, offset, ref_offset, handle, ref_handle = parts
+    if not _UUID_RE.match(uuid):
+        raise ValueError("bad GPU uuid in descriptor")
+    nums = []
+    for name, value in (("size", size), ("offset", offset), ("ref_offset", ref_offset)):
+        if not value.isdigit() or len(value) > 19:
+            raise ValueError(f"descriptor field {name} is not a non-negative int")
+        nums.append(int(value))
+    if nums[0] == 0:
+        raise ValueError("descriptor of an empty buffer")
+    ref = _unhex(ref_handle, "ref_handle")
+    if not ref or b"\0" in ref:
+        raise ValueError("bad reference-counter name in descriptor")
+    return {"uuid": uuid, "size": nums[0], "offset": nums[1], "ref_offset": nums[2],
+            "handle": _unhex(handle, "handle"), "ref_handle": ref}
+
+
+class IpcOps:
+    """Interface (and documentation) of the device operations the engine uses."""
+
+    device: torch.device
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer, allocated once."""
+        raise NotImplementedError
+
+    def export(self, tensor: torch.Tensor, count: int) -> list[str]:
+        """``count`` descriptors of the storage behind ``tensor`` (one per importer)."""
+        raise NotImplementedError
+
+    def open(self, descriptor: str) -> torch.Tensor:
+        """Map a descriptor: a flat uint8 tensor over the exported storage."""
+        raise NotImplementedError
+
+    def current_stream(self) -> Any:
+        return None
+
+    def sync(self, stream: Any) -> None:
+        """Block until the work queued on ``stream`` is done."""
+
+    def new_event(self) -> Any:
+        """An event other processes can open (``event_handle``) and query."""
+        return None
+
+    def event_handle(self, event: Any) -> str:
+        return ""
+
+    def open_event(self, handle: str) -> Any:
+        return None
+
+    def record(self, event: Any, stream: Any) -> None:
+        """Mark the work queued on ``stream`` so far; ``done`` turns true when it is."""
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def collect(self) -> None:
+        """Free exported memory that importers released (best effort)."""
+
+
+class CudaIpcOps(IpcOps):
+    """CUDA IPC through PyTorch's own sharing machinery (reference counted)."""
+
+    def __init__(self, device: str) -> None:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"cuda_ipc moves CUDA tensors; device {device!r} is not a CUDA "
+                             "device (use shm for CPU tensors)")
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("cuda_ipc needs CUDA, and torch.cuda.is_available() "
+                                     "is False here")
+        torch.cuda.init()
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"device {device!r} does not exist here")
+        self.device = torch.device("cuda", index)
+        self.uuid = self._uuid(index)
+        self._index_of: dict[str, int] = {}
+
+    @staticmethod
+    def _uuid(index: int) -> str:
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        text = str(uuid) if uuid is not None else f"index-{index}"
+        return text if _UUID_RE.match(text) else f"index-{index}"
+
+    def _local_index(self, uuid: str) -> int:
+        if not self._index_of:
+            self._index_of = {self._uuid(i): i for i in range(torch.cuda.device_count())}
+        try:
+            return self._index_of[uuid]
+        except KeyError:
+            raise ValueError(f"GPU {uuid} of the exporting process is not visible here "
+                             "(CUDA_VISIBLE_DEVICES?)") from None
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def export(self, tensor: torch.Tensor, count: int) -> list[str]:
+        storage = tensor.untyped_storage()
+        with torch.cuda.device(tensor.device):
+            return [format_descriptor(self._uuid(tensor.device.index), storage._share_cuda_())
+                    for _ in range(count)]
+
+    def open(self, descriptor: str) -> torch.Tensor:
+        d = parse_descriptor(descriptor)
+        index = self._local_index(d["uuid"])
+        # No event wait: the exporter synchronizes before it publishes anything to read.
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, d["handle"], d["size"], d["offset"], d["ref_handle"], d["ref_offset"],
+            b"", False)
+        return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(
+            storage, 0, (d["size"],), (1,))
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def sync(self, stream: Any) -> None:
+        stream.synchronize()
+
+    def new_event(self) -> Any:
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event(interprocess=True)
+            event.ipc_handle()  # creates it on this device
+        return event
+
+    def event_handle(self, event: Any) -> str:
+        return bytes(event.ipc_handle()).hex()
+
+    def open_event(self, handle: str) -> Any:
+        if len(handle) != 128:
+            raise ValueError("an event handle has 64 bytes")
+        return torch.cuda.Event.from_ipc_handle(self.device, _unhex(handle, "event"))
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def done(self, event: Any) -> bool:
+        return event.query()
+
+    def collect(self) -> None:
+        try:
+            torch.cuda.ipc_collect()
+        except RuntimeError:
+            logger.debug("ipc_collect failed", exc_info=True)

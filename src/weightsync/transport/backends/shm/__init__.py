@@ -1,0 +1,2 @@
+"""``shm``: one-host sync through POSIX shared-memory segments (:mod:`.engine`,
+:mod:`.segments`)."""

@@ -1,0 +1,232 @@
+"""``shm``: trainer and rollout processes on one host, through shared memory.
+
+Each trainer rank owns a ring of ``num_slots`` shared-memory buckets, allocated and
+pre-faulted once in ``init_process_group`` and reused by every sync. The trainer fills
+bucket k+1 while the rollout ranks copy out of bucket k; a slot is refilled only after
+every rollout rank acknowledged the bucket it held, so a buffer is never overwritten
+while someone reads it. Rollout ranks get views straight into the shared buckets (the
+consumer's copy into its model is the only copy on their side). Waiting is blocking on a
+socket, never spinning. Segments are unlinked as soon as all readers mapped them.
+
+Speed (see BENCHMARKS.md): per-bucket headers and acks travel on one Unix socket per
+receiver (:mod:`._direct`), not through the control store. Where the kernel lets rollout
+ranks read the trainer's memory (``process_vm_readv``, probed in ``init_process_group``),
+every contiguous tensor of at least ``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (8 MiB) skips the
+ring: the trainer sends its address and waits until every receiver has read it (the
+tensor is valid only until the next item), so one copy remains instead of two; with
+``receive_into`` that copy lands straight in the receiver's own tensor. Copies use
+``memmove`` rather than torch's thread pool (:mod:`._fastcopy`).
+``WEIGHTSYNC_SHM_DIRECT``: ``auto`` (default: only while every receiver has two cores, or
+there is one receiver), ``1`` always, ``0`` never.
+
+Lifecycle (per worker): ``prepare`` (trainers start their control store) ->
+``build_topology`` -> ``init_process_group`` (trainers create the ring, rollout ranks map
+it) -> any number of ``send_weights``/``receive_weights`` -> ``finalize``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+
+from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
+from weightsync.core.wire import BucketMsg, HelloMsg
+from weightsync.transport.protocol.sender import BucketedEngine, plain_cpu, direct_header
+from weightsync.transport.control.links import Link, LinkHub, unix_address
+from weightsync.transport.fastcopy import cma_available, cma_read, copy_threads
+from weightsync.transport.control.group import StoreGroupMixin
+from weightsync.transport.protocol.receiver import ReceiverMixin
+from weightsync.transport.backends.shm.segments import Segment, sweep_stale
+from weightsync.transport.registry import CheckpointEngineRegistry
+
+__all__ = ["ShmEngine"]
+
+
+@CheckpointEngineRegistry.register("shm")
+class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
+    """Same-host, multi-process transport over shared memory."""
+
+    capabilities = frozenset({"cpu", "same_host"})
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if torch.device(self.config.device).type != "cpu":
+            raise ValueError("shm moves CPU tensors; use cuda_ipc or collective for GPUs")
+        self._segments: list[Segment] = []
+        self._rx_segments: dict[int, list[Segment]] = {}
+        self._hub: Optional[LinkHub] = None
+        self._links: dict[int, Link] = {}
+        self._peer_pid: dict[int, int] = {}
+        self._direct = False
+        self._direct_seq = (0, 0)
+        self._copy_threads = copy_threads()
+        self._copy_pool: Optional[ThreadPoolExecutor] = None
+        env = os.environ.get("WEIGHTSYNC_SHM_DIRECT", "auto").strip().lower()
+        if env not in ("auto", "0", "1", "false", "true", "no", "yes", "off", "on"):
+            raise ValueError(f"WEIGHTSYNC_SHM_DIRECT must be auto, 1 or 0, got {env!r}")
+        self._direct_mode = "auto" if env == "auto" else \
+            ("off" if env in ("0", "false", "no", "off") else "on")
+        try:
+            self._direct_min = int(os.environ.get("WEIGHTSYNC_SHM_DIRECT_MIN", str(8 << 20)))
+        except ValueError:
+            raise ValueError("WEIGHTSYNC_SHM_DIRECT_MIN must be a number of bytes") from None
+
+    def _init_sender(self) -> None:
+        sweep_stale()
+        size, n = self.config.bucket_size, self.config.num_slots
+        self._segments = [Segment(Segment.make_name(self._token, self._rank, i), size,
+                                  create=True) for i in range(n)]
+        hello = HelloMsg(stream=self._rank, rank=0, bucket_size=size, num_slots=n,
+                         segments=tuple(s.name for s in self._segments))
+        self._hub = LinkHub(socket.AF_UNIX, unix_address(self._token, self._rank),
+                            self._token, self.config.timeout)
+        try:
+            self._tx_inbox.push_many(self._receiver_boxes(), hello)
+            attached = set()
+            deadline = time.monotonic() + self.config.timeout
+            while len(attached) < self._num_receivers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self._num_receivers)) - attached)
+                    raise SyncTimeout(f"rollout ranks {missing} did not map the buffers",
+                                      peer=f"rollout rank {missing[0]}", phase="init")
+                msg = self._tx_inbox.pop(timeout=left, peer="rollout ranks", phase="init")
+                if isinstance(msg, HelloMsg):
+                    attached.add(msg.rank)
+            self._hub.accept(self._num_receivers, deadline)
+            self._direct = self._probe_direct(deadline)
+        finally:
+            for seg in self._segments:
+                seg.unlink()
+
+    def _probe_direct(self, deadline: float) -> bool:
+        """Can every receiver read this process's memory (cross-memory attach)? Each one
+        reads random bytes at an address sent on its link and reports what it saw."""
+        probe = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
+        want = probe.numpy().tobytes().hex()
+        hello = HelloMsg(stream=self._rank, rank=0, bucket_size=self.config.bucket_size,
+                         num_slots=self.config.num_slots, segments=(want,))
+        self._hub.push_many(self._receiver_boxes(), hello, aux=probe.data_ptr())
+        ok = set()
+        for _ in range(self._num_receivers):
+            msg = self._hub.pop(timeout=max(0.1, deadline - time.monotonic()),
+                                peer="rollout ranks", phase="init")
+            if isinstance(msg, HelloMsg) and msg.segments == ("cma",):
+                ok.add(msg.rank)
+        return self._direct_mode != "off" and len(ok) == self._num_receivers \
+            and not self.config.checksum and (self._direct_mode == "on" or self._direct_pays())
+
+    def _direct_pays(self) -> bool:
+        """``auto``: direct reads win while every receiver has cores to read with; with
+        more receivers than that, their concurrent reads and the per-tensor wait for the
+        slowest one cost more than the ring's extra copy (measured: BENCHMARKS.md)."""
+        return self._num_receivers == 1 or 2 * self._num_receivers <= (os.cpu_count() or 1)
+
+    def _init_receiver(self) -> None:
+        for s in range(self._world):
+            msg = self._rx_pop[s].pop(peer=f"trainer rank {s}", phase="init")
+            if not isinstance(msg, HelloMsg) or msg.stream != s:
+                raise TopologyError(f"expected the buffer layout, got {msg.kind!r}",
+                                    peer=f"trainer rank {s}", phase="init")
+            if msg.bucket_size != self.config.bucket_size or msg.num_slots != len(msg.segments):
+                raise TopologyError(
+                    f"trainer uses bucket_size={msg.bucket_size}, this rollout engine "
+                    f"{self.config.bucket_size}; configure both sides alike",
+                    peer=f"trainer rank {s}", phase="init")
+            self._rx_segments[s] = [Segment(name, msg.bucket_size, create=False)
+                                    for name in msg.segments]
+            peer = f"trainer rank {s}"
+            link = Link(socket.AF_UNIX, unix_address(self._token, s), self._token, self._rank,
+                        self.config.timeout, peer=peer)
+            self._links[s] = link
+            self._rx_push[s].push("t", HelloMsg(stream=s, rank=self._rank,
+                                                bucket_size=msg.bucket_size,
+                                                num_slots=msg.num_slots))
+            self._peer_pid[s] = link.peer_pid()
+            probe = link.pop(peer=peer, phase="init")
+            ok = False
+            if isinstance(probe, HelloMsg) and len(probe.segments) == 1:
+                try:
+                    want = bytes.fromhex(probe.segments[0])
+                    ok = cma_available(self._peer_pid[s], link.last_aux, want)
+                except ValueError:
+                    ok = False
+            link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
+                                    num_slots=msg.num_slots, segments=("cma",) if ok else ()))
+            if ok and self._copy_pool is None and self._copy_threads > 1:
+                self._copy_pool = ThreadPoolExecutor(self._copy_threads - 1,
+                                                     thread_name_prefix="weightsync-copy")
+
+    # -- data path ------------------------------------------------------------------------
+    def _tx_buffer(self, slot: int) -> torch.Tensor:
+        return self._segments[slot].tensor
+
+    def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
+        self._tx_control().push_many(self._receiver_boxes(), msg)
+
+    def _tx_wait_free(self, slot: int, state: Any) -> None:
+        prev = self._slot_bucket.get(slot)
+        if prev is not None:
+            self._await_acks(state, final=False, index=prev)
+
+    def _rx_fetch(self, stream: int, msg: BucketMsg) -> torch.Tensor:
+        segs = self._rx_segments[stream]
+        if msg.slot >= len(segs):
+            raise TopologyError(f"slot {msg.slot} does not exist", peer=f"trainer rank {stream}",
+                                phase="receive", version=msg.version)
+        return segs[msg.slot].tensor
+
+    def _rx_release(self, stream: int, msg: BucketMsg) -> None:
+        pass  # the acknowledgement the protocol sends frees the slot
+
+    # -- control links (per-bucket messages bypass the store) ---------------------------
+    # -- direct tensors: receivers read the trainer's memory (one copy in all) ------------
+    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (self._direct and tensor.dtype == dtype and plain_cpu(tensor)
+                and tensor.numel() * tensor.element_size() >= self._direct_min)
+
+    def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+        msg = direct_header(self, state, name, tensor, dtype)
+        nbytes = msg.nbytes
+        self._hub.push_many(self._receiver_boxes(), msg, aux=tensor.data_ptr())
+        self._await_acks(state, final=False, index=msg.index)
+        state.tensors += 1
+        state.nbytes += nbytes
+
+    def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
+        try:
+            cma_read(self._peer_pid[stream], aux, dest, self._copy_pool, self._copy_threads)
+        except (OSError, KeyError) as exc:
+            raise PeerFailed(f"could not read tensor {msg.entries[0].name!r} from the trainer "
+                             f"({exc})", peer=f"trainer rank {stream}", phase="receive",
+                             version=msg.version) from None
+
+    # -- teardown -------------------------------------------------------------------------
+    def _release(self) -> None:
+        for seg in self._segments:
+            seg.close()
+        for segs in self._rx_segments.values():
+            for seg in segs:
+                seg.close()
+        self._segments, self._rx_segments = [], {}
+        if self._hub is not None:
+            self._hub.close()
+        for link in self._links.values():
+            link.close()
+        self._hub, self._links, self._peer_pid, self._direct = None, {}, {}, False
+        self.__dict__.pop("_staging_pool", None)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
+        self._leave()
+
+    def finalize(self) -> None:
+        self._release()
+        self.close_server()

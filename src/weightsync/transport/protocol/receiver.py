@@ -1,0 +1,332 @@
+"""Receiver half of the bucketed protocol (see :mod:`weightsync.transport.protocol.sender`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping, Optional
+
+import torch
+
+from weightsync.core.errors import (IntegrityError, PlanMismatch, SyncTimeout, VersionMismatch,
+                      WeightSyncError)
+from weightsync.core.plan import Bucket, TensorMeta, bucket_digest, dtype_from_name, plan_signature
+from weightsync.core.remote import error_msg, raise_remote
+from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from weightsync.transport.fastcopy import copy_into
+from weightsync.transport.tensors import checksum
+
+__all__ = ["ReceiverMixin"]
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+@dataclass
+class _RecvState:
+    seq: int
+    version: Any
+    q: "queue.Queue[tuple]"
+    remaining: set
+    seen: set = field(default_factory=set)
+    partial: dict = field(default_factory=dict)      # name -> (stream, staging tensor)
+    tensors: int = 0
+    nbytes: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    into: Optional[Mapping[str, torch.Tensor]] = None
+
+
+
+
+def _fits(dest: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> bool:
+    return (dest is not None and dest.dtype == dtype and tuple(dest.shape) == tuple(shape)
+            and dest.device == device and dest.is_contiguous())
+
+
+def patience(timeout: float) -> float:
+    """How long a receiver waits for a sender: longer than the sender waits for receivers
+    (``timeout``), so that when one receiver stalls the sender reports it first and the
+    others hear who failed instead of timing out on a healthy sender themselves."""
+    return timeout + max(1.0, 0.1 * timeout)
+
+
+class ReceiverMixin:
+    """``receive_weights`` for :class:`BucketedEngine` subclasses."""
+
+    def receive_into(self, params: Mapping[str, torch.Tensor], version: Any = None
+                     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Receive one version straight into preallocated tensors.
+
+        ``params`` maps names to the receiver's own tensors (e.g. its model's). Each
+        received tensor whose name is there with the same dtype, shape and device (and
+        contiguous) is written into it by the engine, then yielded as ``(name, params[name])``
+        -- no copy is left to the caller, and tensors bigger than a bucket are assembled in
+        place. Other names are yielded as by :meth:`receive_weights`.
+        """
+        return self.receive_weights(version, into=params)
+
+    async def receive_weights(self, version: Any = None, *,
+                              into: Optional[Mapping[str, torch.Tensor]] = None
+                              ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        if self.config.role != "rollout" or self._rank < 0:
+            raise RuntimeError(f"{self.backend_name}: receive_weights needs a rollout engine "
+                               "after init_process_group")
+        if into is not None and not isinstance(into, Mapping):
+            raise ValueError(f"into must be a mapping of name -> tensor, got {type(into).__name__}")
+        self._seq += 1
+        state = _RecvState(self._seq, version, queue.Queue(), set(range(self._world)),
+                           into=into)
+        pumps = [threading.Thread(target=self._pump, args=(s, state), daemon=True,
+                                  name=f"weightsync-rx{self._rank}-s{s}")
+                 for s in range(self._world)]
+        for t in pumps:
+            t.start()
+        start = time.perf_counter()
+        try:
+            while state.remaining:
+                item = await self._next_item(state)
+                async for pair in self._handle(state, item):
+                    yield pair
+        except BaseException as exc:
+            self._abort_receive(state, exc)
+            raise
+        finally:
+            state.stop.set()
+            for t in pumps:
+                t.join(timeout=5.0)
+        seconds = time.perf_counter() - start
+        logger.info("weightsync %s: rollout rank %d received version %s: %d tensors, %d bytes "
+                    "in %.4f s (%.2f GB/s)", self.backend_name, self._rank, version,
+                    state.tensors, state.nbytes, seconds,
+                    state.nbytes / seconds / 1e9 if seconds > 0 else 0.0)
+
+    async def _next_item(self, state: _RecvState) -> tuple:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, state.q.get, True,
+                                              patience(self.config.timeout) + 5)
+        except queue.Empty:
+            raise SyncTimeout("receive pump stalled", peer=f"trainer ranks {sorted(state.remaining)}",
+                              phase="receive", version=state.version) from None
+
+    def _pump(self, stream: int, state: _RecvState) -> None:
+        """Thread: pop this stream's messages, fetch bucket bytes, hand them to the consumer."""
+        inbox = self._rx_pump_inbox(stream)
+        peer = f"trainer rank {stream}"
+        try:
+            while not state.stop.is_set():
+                msg = inbox.pop(timeout=patience(self.config.timeout), peer=peer,
+                                phase="receive", version=state.version)
+                seq = getattr(msg, "seq", state.seq)
+                if seq < state.seq:
+                    continue  # left over from an earlier, failed sync
+                if seq > state.seq:
+                    raise PlanMismatch(f"out of step: this receiver is at sync {state.seq}, "
+                                       f"the sender at sync {seq}; re-initialize the group",
+                                       peer=peer, phase="receive", version=state.version)
+                if isinstance(msg, BucketMsg):
+                    self._check_version(state, msg.version, peer)
+                    if msg.slot == DIRECT_SLOT:
+                        state.q.put(("direct", stream, msg,
+                                     self._rx_direct_pump(stream, msg, state, inbox)))
+                        continue
+                    state.q.put(("bucket", stream, msg, self._rx_fetch(stream, msg)))
+                    continue
+                state.q.put(("msg", stream, msg, None))
+                if isinstance(msg, (DoneMsg, ErrorMsg)):
+                    return
+        except BaseException as exc:  # handed to the consumer, which raises it
+            state.q.put(("exc", stream, exc, None))
+
+    def _rx_direct_pump(self, stream: int, msg: BucketMsg, state: _RecvState,
+                        inbox: Any) -> torch.Tensor:
+        """Pump thread: fetch a tensor sent outside the buckets, then acknowledge it (the
+        sender waits for that before it moves on). Into the caller's tensor if it fits."""
+        peer = f"trainer rank {stream}"
+        if not msg.entries or len(msg.entries) != 1:
+            raise PlanMismatch("a direct tensor needs exactly one entry", peer=peer,
+                               phase="receive", version=msg.version)
+        meta = msg.entries[0]
+        dtype = dtype_from_name(meta.dtype)
+        if meta.is_chunk or meta.offset or meta.nbytes != math.prod(meta.shape) * \
+                torch.empty((), dtype=dtype).element_size():
+            raise PlanMismatch(f"direct tensor {meta.name!r} has an inconsistent size",
+                               peer=peer, phase="receive", version=msg.version)
+        dest = state.into.get(meta.name) if state.into is not None else None
+        device = torch.device(self.config.device)
+        if not _fits(dest, meta.shape, dtype, device):
+            dest = self._staging(meta.nbytes, device).view(dtype).view(meta.shape)
+        self._rx_direct(stream, msg, getattr(inbox, "last_aux", 0), dest)
+        self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
+                                                  rank=self._rank, index=msg.index))
+        return dest
+
+    def _staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A byte buffer for a direct tensor that has no destination: reused across
+        tensors and syncs (fresh pages cost more than the copy), at most a bucket kept."""
+        pool = self.__dict__.setdefault("_staging_pool", {})
+        with self.__dict__.setdefault("_staging_lock", threading.Lock()):
+            free = pool.get((nbytes, device))
+            if free:
+                return free.pop()
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)[:nbytes]
+
+    def _unstage(self, buf: torch.Tensor) -> None:
+        """The consumer moved past a direct tensor in a staging buffer: keep it for reuse."""
+        flat = buf.reshape(-1).view(torch.uint8) if buf.dim() else buf.reshape(1).view(torch.uint8)
+        pool = self.__dict__.setdefault("_staging_pool", {})
+        with self.__dict__.setdefault("_staging_lock", threading.Lock()):
+            kept = sum(t.numel() for ts in pool.values() for t in ts)
+            if kept + flat.numel() <= self.config.bucket_size:
+                pool.setdefault((flat.numel(), flat.device), []).append(flat)
+
+    def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
+        """Hook: fill ``dest`` with the direct tensor described by ``msg``."""
+        raise PlanMismatch("this backend does not take direct tensors",
+                           peer=f"trainer rank {stream}", phase="receive", version=msg.version)
+
+    def _check_version(self, state: _RecvState, got: Any, peer: str) -> None:
+        if state.version is not None and state.version != got:
+            raise VersionMismatch(f"expected weights of version {state.version!r}, "
+                                  f"{peer} sends version {got!r}", peer=peer,
+                                  phase="receive", version=got)
+
+    async def _handle(self, state: _RecvState, item: tuple) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        kind, stream, msg, buf = item
+        if kind == "exc":
+            raise msg
+        if isinstance(msg, ErrorMsg):
+            raise_remote(msg, phase="receive")
+        if isinstance(msg, DoneMsg):
+            self._rx_finish_stream(state, stream, msg)
+            return
+        if kind == "direct":
+            meta = msg.entries[0]
+            if meta.name not in state.seen and meta.name not in state.partial:
+                state.seen.add(meta.name)
+                state.tensors += 1
+                state.nbytes += meta.nbytes
+                yield meta.name, buf
+            if state.into is None or state.into.get(meta.name) is not buf:
+                self._unstage(buf)
+            return
+        entries = self._layout(stream, msg)
+        if self.config.checksum and msg.checksum is not None:
+            if checksum(buf[: msg.nbytes]) != msg.checksum:
+                raise IntegrityError(f"bucket {msg.index} failed its checksum",
+                                     peer=f"trainer rank {stream}", phase="receive",
+                                     version=msg.version)
+        for meta in entries:
+            out = self._take(state, stream, meta, buf)
+            if out is not None:
+                yield out
+        self._rx_release(stream, msg)
+        self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
+                                                  rank=self._rank, index=msg.index))
+
+    def _layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
+        plan = self._rx_plans.setdefault(stream, [])
+        if msg.entries is None:
+            if msg.index >= len(plan) or bucket_digest(plan[msg.index]) != msg.layout:
+                raise PlanMismatch(f"bucket {msg.index} replays a layout this receiver does "
+                                   "not hold (it joined late or missed a sync); re-initialize",
+                                   peer=f"trainer rank {stream}", phase="receive",
+                                   version=msg.version)
+            return plan[msg.index].entries
+        limit = self.config.bucket_size
+        for e in msg.entries:
+            if e.offset + e.nbytes > min(limit, msg.nbytes) or e.chunk_offset + e.nbytes > e.total_nbytes:
+                raise PlanMismatch(f"entry {e.name!r} lies outside bucket {msg.index}",
+                                   peer=f"trainer rank {stream}", phase="receive",
+                                   version=msg.version)
+        bucket = Bucket(msg.index, msg.nbytes, msg.entries)
+        if bucket_digest(bucket) != msg.layout:
+            raise PlanMismatch(f"layout of bucket {msg.index} does not match its digest",
+                               peer=f"trainer rank {stream}", phase="receive",
+                               version=msg.version)
+        if msg.index < len(plan):
+            plan[msg.index] = bucket
+        elif msg.index == len(plan):
+            plan.append(bucket)
+        else:
+            raise PlanMismatch(f"bucket {msg.index} arrived before bucket {len(plan)}",
+                               peer=f"trainer rank {stream}", phase="receive",
+                               version=msg.version)
+        return msg.entries
+
+    def _take(self, state: _RecvState, stream: int, meta: TensorMeta,
+              buf: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
+        """The tensor completed by this piece (a view for whole tensors), else None."""
+        dtype = dtype_from_name(meta.dtype)
+        if meta.chunk_offset == 0:
+            if meta.name in state.seen or meta.name in state.partial:
+                return None  # a duplicate from another trainer rank
+            dest = state.into.get(meta.name) if state.into is not None else None
+            if not _fits(dest, meta.shape, dtype, buf.device):
+                dest = None
+            if meta.total_nbytes == 0:
+                state.seen.add(meta.name)
+                if dest is not None:
+                    return meta.name, dest
+                return meta.name, torch.empty(meta.shape, dtype=dtype, device=buf.device)
+            if not meta.is_chunk:
+                state.seen.add(meta.name)
+                state.tensors += 1
+                state.nbytes += meta.nbytes
+                view = buf[meta.offset: meta.offset + meta.nbytes]
+                if dest is not None:
+                    copy_into(dest.view(-1).view(torch.uint8) if dest.dim() else
+                              dest.reshape(1).view(torch.uint8), view)
+                    return meta.name, dest
+                return meta.name, view.view(dtype).view(meta.shape)
+            staging = dest if dest is not None else torch.empty(meta.shape, dtype=dtype,
+                                                                device=buf.device)
+            state.partial[meta.name] = (stream, staging)
+        owner, staging = state.partial.get(meta.name, (None, None))
+        if owner != stream:
+            return None
+        flat = staging.view(-1).view(torch.uint8)
+        copy_into(flat[meta.chunk_offset: meta.chunk_offset + meta.nbytes],
+                  buf[meta.offset: meta.offset + meta.nbytes])
+        if not meta.is_last_chunk:
+            return None
+        del state.partial[meta.name]
+        state.seen.add(meta.name)
+        state.tensors += 1
+        state.nbytes += meta.total_nbytes
+        return meta.name, staging
+
+    def _rx_finish_stream(self, state: _RecvState, stream: int, msg: DoneMsg) -> None:
+        peer = f"trainer rank {stream}"
+        self._check_version(state, msg.version, peer)
+        plan = self._rx_plans.setdefault(stream, [])
+        del plan[msg.num_buckets:]
+        if len(plan) != msg.num_buckets or \
+                plan_signature(self.config.bucket_size, plan) != msg.signature:
+            self._rx_plans.pop(stream, None)
+            raise PlanMismatch("the replayed layout does not match the sender's plan "
+                               "signature", peer=peer, phase="receive", version=msg.version)
+        state.remaining.discard(stream)
+        if not state.remaining and state.partial:
+            raise PlanMismatch(f"tensors left incomplete: {sorted(state.partial)[:10]}",
+                               peer=peer, phase="receive", version=msg.version)
+        self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
+                                                  rank=self._rank, index=0, final=True))
+
+    def _abort_receive(self, state: _RecvState, exc: BaseException) -> None:
+        """Tell every sender (which relays to the other receivers) that this sync failed."""
+        if isinstance(exc, GeneratorExit):
+            exc = WeightSyncError("the consumer stopped iterating before the end")
+        msg = error_msg(exc, seq=state.seq, version=state.version,
+                        peer=f"rollout rank {self._rank}", phase="receive")
+        for stream in range(self._world):
+            try:
+                self._rx_control(stream).push("t", msg)
+                self._rx_control(stream).push(f"r{self._rank}", msg)  # wakes our own pump
+            except Exception:
+                logger.debug("could not report the failure to stream %d", stream, exc_info=True)

@@ -1,0 +1,288 @@
+"""The bucketed sync protocol shared by the ``shm`` and ``collective`` backends.
+
+Each trainer rank is one *stream*: it packs the tensors it owns into buckets (see
+:mod:`weightsync.core.plan`), cycling through ``num_slots`` buffers, and publishes each bucket
+with a small header (:class:`~weightsync.core.wire.BucketMsg`) through the control channel.
+The header carries the bucket's layout only when it differs from the layout cached from
+the previous sync, so a repeated sync sends no per-tensor metadata at all. Receivers pump
+every stream in a thread, expose each bucket's tensors as views, and release the bucket
+once the consumer has moved past it. A subclass supplies the data path: where slot
+buffers live and how bucket bytes reach receivers.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
+from weightsync.core.plan import Bucket, PlanBuilder, TensorMeta, bucket_digest, dtype_name, plan_signature
+from weightsync.core.remote import error_msg, raise_remote, wire_version
+from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from weightsync.transport.fastcopy import can_memmove, copy_into
+from weightsync.transport.tensors import aiter_items, as_bytes, checksum, wire_dtype
+from weightsync.transport.protocol.ownership import Ownership
+from weightsync.transport.base import CheckpointEngine
+
+__all__ = ["BucketedEngine", "direct_header", "plain_cpu"]
+
+logger = logging.getLogger(__name__)
+
+
+def _best_effort(tell: Any) -> None:
+    try:
+        tell()
+    except Exception:  # the control channel itself may be gone
+        logger.debug("could not tell peers about a failed sync", exc_info=True)
+
+
+@dataclass
+class _SendState:
+    seq: int
+    version: Any
+    builder: PlanBuilder
+    open_slot: Optional[int] = None
+    published: int = 0
+    tensors: int = 0
+    nbytes: int = 0
+    changed: int = 0
+    yielded: list = field(default_factory=list)
+
+
+def direct_header(engine: Any, state: Any, name: str, tensor: torch.Tensor,
+                  dtype: torch.dtype) -> BucketMsg:
+    """Header of a tensor that goes "direct" (outside the bucket ring): the k-th of sync
+    ``state.seq``, indexed from ``DIRECT_BASE`` so it never collides with bucket indices."""
+    seq, k = engine._direct_seq
+    k = k + 1 if seq == state.seq else 1
+    engine._direct_seq = (state.seq, k)
+    nbytes = tensor.numel() * tensor.element_size()
+    meta = TensorMeta(name, tuple(tensor.shape), dtype_name(dtype), 0, nbytes, 0, nbytes)
+    return BucketMsg(version=wire_version(state.version), seq=state.seq, stream=engine._rank,
+                     index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
+                     layout="direct", entries=(meta,))
+
+
+def plain_cpu(t: torch.Tensor) -> bool:
+    """A dense, contiguous CPU tensor whose bytes can be moved as they are."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+class BucketedEngine(CheckpointEngine, abc.ABC):
+    """Send/receive logic over slot buffers; subclasses provide the data path."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._seq = 0
+        self._rank = -1
+        self._world = 0              # trainer ranks (streams)
+        self._num_receivers = 0
+        self._tx_plan: list[Bucket] = []
+        self._rx_plans: dict[int, list[Bucket]] = {}
+        self._ownership: Optional[Ownership] = None
+        self._slot_bucket: dict[int, int] = {}   # slot -> bucket index last published there
+        self._acks: set[tuple[int, int, int]] = set()   # (seq, bucket index or -1, rank)
+
+    # -- data path supplied by subclasses ---------------------------------------------
+    @abc.abstractmethod
+    def _tx_buffer(self, slot: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _tx_publish(self, slot: int, msg: BucketMsg) -> None: ...
+
+    @abc.abstractmethod
+    def _tx_wait_free(self, slot: int, state: _SendState) -> None: ...
+
+    @abc.abstractmethod
+    def _tx_control(self) -> Any: ...        # Inbox of this stream's sender
+
+    @abc.abstractmethod
+    def _rx_control(self, stream: int) -> Any: ...   # Inbox of this receiver for a stream
+
+    @abc.abstractmethod
+    def _rx_fetch(self, stream: int, msg: BucketMsg) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _rx_release(self, stream: int, msg: BucketMsg) -> None: ...
+
+    # -- optional hooks ---------------------------------------------------------------------
+    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Hook: True if this tensor goes to receivers without a bucket (see ``shm``)."""
+        return False
+
+    def _tx_direct(self, state: _SendState, name: str, tensor: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+        """Hook: deliver one tensor outside the buckets; return once receivers have it."""
+        raise NotImplementedError
+
+    def _receiver_boxes(self) -> list[str]:
+        return [f"r{r}" for r in range(self._num_receivers)]
+
+    def reset_plan(self) -> None:
+        self._tx_plan = []
+        self._rx_plans = {}
+        if self._ownership is not None:
+            self._ownership.reset()
+
+    # -- sender ---------------------------------------------------------------------------
+    async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
+        if self.config.role != "trainer" or self._rank < 0:
+            raise RuntimeError(f"{self.backend_name}: send_weights needs a trainer engine "
+                               "after init_process_group")
+        self._seq += 1
+        state = _SendState(self._seq, version, PlanBuilder(self.config.bucket_size,
+                                                           self.config.alignment))
+        start = time.perf_counter()
+        try:
+            async for name, tensor in aiter_items(named_tensors):
+                if self._world > 1:
+                    state.yielded.append(name)
+                    if not self._ownership.should_send(name):
+                        continue
+                await self._pack(state, name, tensor)
+            state.builder.finish()
+            await self._flush(state)
+            if self._world > 1:
+                await asyncio.to_thread(self._ownership.agree, state.seq, state.yielded,
+                                        state.version)
+            await asyncio.to_thread(self._finish_stream, state)
+        except BaseException as exc:
+            self._abort_send(state, exc)
+            raise
+        return self._report(state, time.perf_counter() - start)
+
+    async def _pack(self, state: _SendState, name: str, tensor: torch.Tensor) -> None:
+        dtype = wire_dtype(tensor, self.config.dtype)
+        if self._tx_direct_ok(tensor, dtype):
+            # on the loop's thread: one hand-off less per tensor (it blocks no longer than
+            # the receivers' read of this tensor, like a bucket copy does)
+            self._tx_direct(state, name, tensor, dtype)
+            return
+        pieces = state.builder.add(name, tensor.shape, dtype_name(dtype))
+        state.tensors += 1
+        for index, meta in pieces:
+            await self._flush(state, upto=index)
+            if state.open_slot is None:
+                state.open_slot = index % self.config.num_slots
+                await asyncio.to_thread(self._tx_wait_free, state.open_slot, state)
+            self._copy_piece(self._tx_buffer(state.open_slot), meta, tensor, dtype)
+            state.nbytes += meta.nbytes
+
+    @staticmethod
+    def _copy_piece(buf: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor,
+                    dtype: torch.dtype) -> None:
+        if meta.nbytes == 0:
+            return
+        dst = buf[meta.offset: meta.offset + meta.nbytes]
+        if not meta.is_chunk:
+            if tensor.dtype == dtype and plain_cpu(tensor) and dst.device.type == "cpu":
+                copy_into(dst, as_bytes(tensor))  # no torch thread pool (see _fastcopy)
+                return
+            dst.view(dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
+            return
+        src = tensor if tensor.dtype == dtype else tensor.to(dtype)
+        src = as_bytes(src.contiguous())
+        piece = src[meta.chunk_offset: meta.chunk_offset + meta.nbytes]
+        if plain_cpu(tensor) and can_memmove(dst, piece):
+            copy_into(dst, piece)
+            return
+        dst.copy_(piece, non_blocking=True)
+
+    async def _flush(self, state: _SendState, upto: Optional[int] = None) -> None:
+        """Publish every closed bucket with an index below ``upto`` (all if None)."""
+        closed = state.builder.closed
+        while state.published < len(closed) and (upto is None or state.published < upto):
+            bucket = closed[state.published]
+            slot = state.open_slot
+            if slot is None:  # a bucket of only empty tensors
+                slot = bucket.index % self.config.num_slots
+                await asyncio.to_thread(self._tx_wait_free, slot, state)
+            await asyncio.to_thread(self._publish, state, bucket, slot)
+            state.published += 1
+            state.open_slot = None
+
+    def _publish(self, state: _SendState, bucket: Bucket, slot: int) -> None:
+        cached = self._tx_plan[bucket.index] if bucket.index < len(self._tx_plan) else None
+        entries = None if cached == bucket else bucket.entries
+        if entries is not None:
+            state.changed += 1
+        buf = self._tx_buffer(slot)
+        self._tx_ready(slot, buf)
+        crc = checksum(buf[: bucket.nbytes]) if self.config.checksum else None
+        msg = BucketMsg(version=wire_version(state.version), seq=state.seq, stream=self._rank,
+                        index=bucket.index, slot=slot, nbytes=bucket.nbytes,
+                        layout=bucket_digest(bucket), entries=entries, checksum=crc)
+        self._slot_bucket[slot] = bucket.index
+        self._tx_publish(slot, msg)
+
+    def _tx_ready(self, slot: int, buf: torch.Tensor) -> None:
+        """Hook: the bucket's bytes are complete before the header goes out (default: wait
+        for this thread's CUDA stream; ``cuda_ipc`` orders by its own stream/events)."""
+        if buf.device.type == "cuda":
+            torch.cuda.current_stream(buf.device).synchronize()
+
+    def _finish_stream(self, state: _SendState) -> None:
+        plan = tuple(state.builder.closed)
+        self._tx_plan = list(plan)
+        done = DoneMsg(version=wire_version(state.version), seq=state.seq, stream=self._rank,
+                       num_buckets=len(plan), num_tensors=state.tensors, nbytes=state.nbytes,
+                       signature=plan_signature(self.config.bucket_size, plan))
+        inbox = self._tx_control()
+        inbox.push_many(self._receiver_boxes(), done)
+        self._await_acks(state, final=True)
+        self._slot_bucket.clear()
+
+    def _await_acks(self, state: _SendState, *, final: bool, index: int = -1) -> None:
+        """Pop the sender inbox until every receiver acked bucket ``index`` (or the end)."""
+        inbox = self._tx_control()
+        pending = set(range(self._num_receivers))
+        acks = self._acks
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            pending = {r for r in pending if (state.seq, -1 if final else index, r) not in acks}
+            if not pending:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeout(f"rollout ranks {sorted(pending)} did not acknowledge "
+                                  f"{'the sync' if final else f'bucket {index}'} in time",
+                                  peer=f"rollout rank {min(pending)}", phase="send",
+                                  version=state.version)
+            if hasattr(inbox, "expect"):  # a link of a finished receiver may close
+                inbox.expect(pending)
+            msg = inbox.pop(timeout=left, peer=f"rollout rank {min(pending)}", phase="send",
+                            version=state.version)
+            if isinstance(msg, ErrorMsg):
+                if msg.seq == state.seq or msg.seq == 0:
+                    raise_remote(msg, phase="send")
+            elif isinstance(msg, AckMsg) and msg.seq == state.seq:
+                acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
+
+    def _abort_send(self, state: _SendState, exc: BaseException) -> None:
+        """Tell every receiver that this sync is over (also relays a receiver's failure),
+        and the other trainer ranks, which may be waiting for this rank's names."""
+        self._acks.clear()
+        self._slot_bucket.clear()
+        msg = error_msg(exc, seq=state.seq, version=state.version,
+                        peer=f"trainer rank {self._rank}", phase="send")
+        _best_effort(lambda: self._tx_control().push_many(self._receiver_boxes(), msg))
+        if self._ownership is not None:
+            _best_effort(lambda: self._ownership.fail(state.seq, msg))
+
+    def _report(self, state: _SendState, seconds: float) -> dict[str, Any]:
+        self._acks.clear()
+        gbps = state.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        logger.info("weightsync %s: sent version %s: %d tensors, %d bytes in %.4f s "
+                    "(%.2f GB/s) to %d receivers, %d/%d buckets with new layout",
+                    self.backend_name, state.version, state.tensors, state.nbytes, seconds,
+                    gbps, self._num_receivers, state.changed, state.published)
+        return {"version": state.version, "bytes": state.nbytes, "seconds": seconds,
+                "gbps": gbps, "tensors": state.tensors, "buckets": state.published,
+                "buckets_with_layout": state.changed, "backend": self.backend_name}
