@@ -27,6 +27,9 @@ __all__ = [
     "NamesMsg",
     "AckMsg",
     "HelloMsg",
+    "SourceMsg",
+    "PullMsg",
+    "PulledMsg",
     "encode",
     "decode",
 ]
@@ -140,8 +143,53 @@ class HelloMsg(Message):
     handles: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class SourceMsg(Message):
+    """What trainer rank ``stream`` serves to point-to-point pulls (``nixl``), sent when it
+    changes: its agent (``metadata``: base64 of the NIXL agent metadata), the memory it
+    registered (``regions``: ``[name, address, nbytes, device]``), and where each tensor's
+    held elements live (``held``: ``[name, shape, dtype, start, stop, region, offset]``,
+    elements ``[start, stop)`` of the row-major flattened tensor at byte ``offset``)."""
+
+    kind: ClassVar[str] = "source"
+    seq: int
+    stream: int
+    agent: str
+    metadata: str
+    mem: str
+    digest: str
+    regions: tuple[tuple[str, int, int, int], ...] = ()
+    held: tuple[tuple, ...] = ()
+
+
+@dataclass(frozen=True)
+class PullMsg(Message):
+    """Trainer rank ``stream`` serves ``version`` (sync ``seq``) from the layout ``digest``:
+    receivers pull it now (the one message per sync once the plan is compiled)."""
+
+    kind: ClassVar[str] = "pull"
+    version: Version
+    seq: int
+    stream: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class PulledMsg(Message):
+    """Receiver ``rank`` has read every byte of sync ``seq`` it needs from ``stream``
+    (``nbytes``), on the plan whose digest is ``plan``: the trainer may reuse its memory."""
+
+    kind: ClassVar[str] = "pulled"
+    seq: int
+    stream: int
+    rank: int
+    nbytes: int
+    plan: str
+
+
 _KINDS: dict[str, type[Message]] = {
-    c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg)}
+    c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg, SourceMsg,
+                        PullMsg, PulledMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
              "segments": (), "handles": (), "origin": None}
 _ERROR_NAMES = {
@@ -209,6 +257,39 @@ def _meta(item: Any) -> TensorMeta:
     return TensorMeta(name, tuple(shape), dtype, offset, nbytes, chunk_offset, total)
 
 
+def _regions(v: Any) -> tuple:
+    if type(v) is not list or len(v) > 65536:
+        _fail("regions must be a list of at most 65536 entries")
+    out = []
+    for item in v:
+        if type(item) is not list or len(item) != 4:
+            _fail("a region must be [name, address, nbytes, device]")
+        out.append((_str(item[0], "region name", 255), _int(item[1], "region address"),
+                    _int(item[2], "region nbytes"), _int(item[3], "region device")))
+    return tuple(out)
+
+
+def _held(v: Any) -> tuple:
+    if type(v) is not list or len(v) > 1 << 20:
+        _fail("held must be a list of at most 2**20 entries")
+    out = []
+    for item in v:
+        if type(item) is not list or len(item) != 7:
+            _fail("a held entry must be [name, shape, dtype, start, stop, region, offset]")
+        name, shape, dtype, start, stop, region, offset = item
+        _str(name, "tensor name")
+        if type(shape) is not list or len(shape) > _MAX_DIMS:
+            _fail(f"shape of {name!r} must be a list of at most {_MAX_DIMS} ints")
+        dims = tuple(_int(d, "shape dim") for d in shape)
+        if dtype not in DTYPES:
+            _fail(f"dtype {dtype!r} of {name!r} is not on the whitelist")
+        if not _int(start, "start") <= _int(stop, "stop") <= math.prod(dims):
+            _fail(f"held elements of {name!r} run outside its shape")
+        out.append((name, dims, dtype, start, stop, _str(region, "region", 255),
+                    _int(offset, "offset")))
+    return tuple(out)
+
+
 def _check_field(cls: type[Message], name: str, v: Any) -> Any:
     if name == "version":
         return _version(v)
@@ -235,6 +316,16 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         if type(v) is not list or len(v) > 1024:
             _fail("handles must be a list of at most 1024 descriptors")
         return tuple(_str(n, "handle", 32768) for n in v)
+    if name == "metadata":
+        return _str(v, name, 1 << 20)
+    if name == "mem":
+        if v not in ("DRAM", "VRAM"):
+            _fail(f"mem must be DRAM or VRAM, got {v!r}")
+        return v
+    if name == "regions":
+        return _regions(v)
+    if name == "held":
+        return _held(v)
     if name == "names":
         if v is None:
             return None

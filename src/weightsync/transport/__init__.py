@@ -17,5 +17,6 @@ for _name, _module in (
     ("shm", "weightsync.transport.backends.shm.engine"),
     ("collective", "weightsync.transport.backends.collective"),
     ("cuda_ipc", "weightsync.transport.backends.cuda_ipc.engine"),
+    ("nixl", "weightsync.transport.backends.nixl.engine"),
 ):
     CheckpointEngineRegistry.register_lazy(_name, _module)

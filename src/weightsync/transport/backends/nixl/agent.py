@@ -1,0 +1,195 @@
+"""A NIXL agent as the ``nixl`` backend uses it: register memory once, read remote memory
+with prepared, replayable transfers, every wait bounded.
+
+NIXL (``pip install nixl``) is imported on first use; without it the backend is
+:class:`~weightsync.core.errors.BackendUnavailable` with the install line. One agent per
+engine; its metadata (the connection info peers need to read from it) travels base64 in a
+:class:`~weightsync.core.wire.SourceMsg`, never pickled. A :class:`Reads` object is the
+compiled plan's reads from one remote agent, turned into one NIXL transfer handle that
+every sync re-posts (``transfer`` on a finished handle starts it again), so a warm sync
+costs one call per source rank, not one per tensor.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from weightsync.core.errors import BackendUnavailable, PeerFailed, SyncTimeout
+
+__all__ = ["NixlAgent", "Reads", "mem_type", "wait_all", "ucx_transports", "require_nixl"]
+
+logger = logging.getLogger(__name__)
+
+
+def mem_type(device: torch.device) -> str:
+    """NIXL's name for where a tensor lives."""
+    return "VRAM" if torch.device(device).type == "cuda" else "DRAM"
+
+
+def require_nixl() -> None:
+    """``BackendUnavailable`` (with the install line) when NIXL cannot be imported."""
+    _import_nixl()
+
+
+def _import_nixl() -> Any:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the nixl backend needs NIXL: pip install 'weightsync[nixl]' ({exc})") from None
+    return nixl_agent, nixl_agent_config
+
+
+class NixlAgent:
+    """One NIXL agent (UCX backend) of one engine."""
+
+    def __init__(self, name: str) -> None:
+        nixl_agent, nixl_agent_config = _import_nixl()
+        # NIXL logs every agent start at INFO through its own logger: keep ours readable
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        self.name = name
+        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._regs: list[Any] = []
+        self._remotes: dict[str, str] = {}     # agent name -> NIXL's handle name
+
+    # -- memory ---------------------------------------------------------------------------
+    def register(self, tensor: torch.Tensor) -> Any:
+        """Register a contiguous tensor's bytes until :meth:`deregister` (or :meth:`close`);
+        returns the registration (``None`` for an empty tensor)."""
+        if not tensor.is_contiguous():
+            raise ValueError("only contiguous memory can be registered")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return None
+        dev = (tensor.device.index or 0) if tensor.device.type == "cuda" else 0
+        reg = self._agent.register_memory([(tensor.data_ptr(), nbytes, dev, "")],
+                                          mem_type(tensor.device))
+        self._regs.append(reg)
+        return reg
+
+    def deregister(self, reg: Any) -> None:
+        if reg is None or self._agent is None:
+            return
+        self._regs = [r for r in self._regs if r is not reg]
+        try:
+            self._agent.deregister_memory(reg)
+        except Exception:  # pragma: no cover - teardown is best effort
+            logger.debug("nixl: deregister failed", exc_info=True)
+
+    def deregister_all(self) -> None:
+        for reg in list(self._regs):
+            self.deregister(reg)
+
+    # -- peers ----------------------------------------------------------------------------
+    def metadata(self) -> str:
+        return base64.b64encode(self._agent.get_agent_metadata()).decode("ascii")
+
+    def add_remote(self, name: str, metadata: str, *, peer: str) -> None:
+        if name in self._remotes:
+            return
+        try:
+            raw = base64.b64decode(metadata.encode("ascii"), validate=True)
+            got = self._agent.add_remote_agent(raw)
+        except Exception as exc:
+            raise PeerFailed(f"could not load the NIXL agent of {peer}: {exc}", peer=peer,
+                             phase="init") from None
+        self._remotes[name] = got.decode() if isinstance(got, bytes) else str(got)
+
+    def remove_remote(self, name: str) -> None:
+        got = self._remotes.pop(name, None)
+        if got is not None:
+            try:
+                self._agent.remove_remote_agent(got)
+            except Exception:  # pragma: no cover - best effort
+                logger.debug("nixl: remove_remote_agent failed", exc_info=True)
+
+    def reads(self, remote: str, local: Sequence[tuple[int, int]],
+              remote_ranges: Sequence[tuple[int, int]], *, mem: str, remote_mem: str,
+              device: int = 0, remote_device: int = 0, peer: str) -> "Reads":
+        """A replayable READ of ``remote_ranges`` (address, nbytes) of agent ``remote`` into
+        ``local`` (address, nbytes; pairwise the same sizes)."""
+        if len(local) != len(remote_ranges):
+            raise ValueError("local and remote descriptor lists differ in length")
+        return Reads(self, remote, local, remote_ranges, mem, remote_mem, device,
+                     remote_device, peer)
+
+    def close(self) -> None:
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        self.deregister_all()
+        self._agent = None
+
+
+class Reads:
+    """A prepared NIXL READ from one remote agent; :meth:`post` then :meth:`wait`."""
+
+    def __init__(self, agent: NixlAgent, remote: str, local, remote_ranges, mem: str,
+                 remote_mem: str, device: int, remote_device: int, peer: str) -> None:
+        self.peer = peer
+        self.nbytes = sum(n for _, n in local)
+        self._agent = agent
+        self._handle = None
+        if not local:
+            return
+        a = agent._agent
+        ldesc = a.get_xfer_descs([(addr, n, device) for addr, n in local], mem)
+        rdesc = a.get_xfer_descs([(addr, n, remote_device) for addr, n in remote_ranges],
+                                 remote_mem)
+        try:
+            self._handle = a.initialize_xfer("READ", ldesc, rdesc, agent._remotes[remote], b"")
+        except Exception as exc:
+            raise PeerFailed(f"could not prepare reads from {peer}: {exc}", peer=peer,
+                             phase="receive") from None
+
+    def post(self, *, version: Any) -> None:
+        if self._handle is None:
+            return
+        state = self._agent._agent.transfer(self._handle)
+        if state == "ERR":
+            raise PeerFailed(f"NIXL could not start the reads from {self.peer}", peer=self.peer,
+                             phase="receive", version=version)
+
+    def done(self, *, version: Any) -> bool:
+        if self._handle is None:
+            return True
+        state = self._agent._agent.check_xfer_state(self._handle)
+        if state == "ERR":
+            raise PeerFailed(f"reads from {self.peer} failed (the peer went away or its "
+                             "memory was released)", peer=self.peer, phase="receive",
+                             version=version)
+        return state == "DONE"
+
+    def release(self) -> None:
+        if self._handle is not None and self._agent._agent is not None:
+            try:
+                self._agent._agent.release_xfer_handle(self._handle)
+            except Exception:  # pragma: no cover - a handle still in flight at teardown
+                logger.debug("nixl: release_xfer_handle failed", exc_info=True)
+        self._handle = None
+
+
+def wait_all(reads: Sequence[Reads], deadline: float, *, version: Any) -> None:
+    """Poll every posted read until done; ``SyncTimeout`` naming the slowest source at the
+    deadline. Polls back off from 20 us to 1 ms: no core is spun for long."""
+    pending = [r for r in reads]
+    pause = 20e-6
+    while pending:
+        pending = [r for r in pending if not r.done(version=version)]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise SyncTimeout(f"reads from {pending[0].peer} did not finish in time",
+                              peer=pending[0].peer, phase="receive", version=version)
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def ucx_transports() -> str:
+    """What UCX may use here (``UCX_TLS``; unset: UCX picks, e.g. cma/sysv for one host)."""
+    return os.environ.get("UCX_TLS", "auto")

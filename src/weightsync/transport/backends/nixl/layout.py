@@ -1,0 +1,220 @@
+"""What a ``nixl`` trainer rank serves, and where it lives.
+
+:func:`held_part` turns one yielded tensor into the part this rank holds: a plain tensor
+is the whole of it; an FSDP2 DTensor sharded ``Shard(0)`` on a 1-D mesh is its local rows,
+elements ``[start, stop)`` of the full tensor (no gather); a replicated DTensor is whole;
+any other placement is gathered (``full_tensor``) and logged once.
+
+:class:`Arena` keeps those parts in memory registered with the rank's NIXL agent: blocks
+of at least ``bucket_size`` bytes, allocated and registered once, reused by every sync
+whose layout (names, shapes, dtypes, held ranges, in order) is the one of the sync
+before. A changed layout is re-placed into fresh blocks, so the blocks always hold exactly
+the current layout. With ``zero_copy`` a contiguous tensor already in the wire dtype is
+served from its own storage (registered once per storage; no copy). Used by
+:mod:`weightsync.transport.backends.nixl.engine` on trainer ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from typing import Any, Optional
+
+import torch
+
+from weightsync.core.plan import dtype_name
+from weightsync.core.xferplan import HeldRange
+from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
+
+__all__ = ["Arena", "held_part", "held_of"]
+
+logger = logging.getLogger(__name__)
+_ALIGN = 256
+_warned: set[str] = set()
+
+
+def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...]]:
+    """``(local tensor, start, stop, full shape)`` of what this rank holds of ``t``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = None
+    shape = tuple(int(d) for d in t.shape)
+    numel = math.prod(shape)
+    if DTensor is None or not isinstance(t, DTensor):
+        return t, 0, numel, shape
+    placements = tuple(t.placements)
+    local = t.to_local()
+    if all(p.is_replicate() for p in placements):
+        return local, 0, numel, shape
+    if len(placements) == 1 and placements[0].is_shard() and placements[0].dim == 0 and shape:
+        coord = t.device_mesh.get_coordinate()
+        world = t.device_mesh.size(0)
+        rows = shape[0]
+        chunk = -(-rows // world) if rows else 0
+        row0 = min(coord[0] * chunk, rows) if coord else 0
+        per_row = numel // rows if rows else 0
+        local = local.contiguous()
+        return local, row0 * per_row, (row0 + int(local.shape[0])) * per_row, shape
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("weightsync nixl: %s has placements %s: gathered in full to serve it",
+                       name, placements)
+    return t.full_tensor(), 0, numel, shape
+
+
+def held_of(msg: Any) -> tuple[HeldRange, ...]:
+    """The :class:`HeldRange` entries of a :class:`~weightsync.core.wire.SourceMsg`."""
+    return tuple(HeldRange(name=n, shape=tuple(s), dtype=d, start=a, stop=b, region=r, offset=o)
+                 for n, s, d, a, b, r, o in msg.held)
+
+
+class Arena:
+    """The registered memory a trainer rank serves from (see the module doc)."""
+
+    def __init__(self, agent: NixlAgent, block_size: int, *, zero_copy: bool = False) -> None:
+        self._agent = agent
+        self._block_size = max(int(block_size), _ALIGN)
+        self._zero_copy = zero_copy
+        self._blocks: dict[str, tuple[torch.Tensor, Any]] = {}   # name -> (tensor, reg)
+        self._own: dict[tuple[int, int], tuple[str, torch.Tensor, Any]] = {}
+        self._prev: list[tuple] = []
+        self._entries: list[tuple] = []
+        self._cursor: Optional[tuple[str, int]] = None
+        self._counter = 0
+        self._device: Optional[torch.device] = None
+        self.changed = False
+        self.digest = ""
+
+    @property
+    def mem(self) -> str:
+        return mem_type(self._device or torch.device("cpu"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of staging memory this arena holds (what serving costs in memory)."""
+        return sum(b.numel() for b, _ in self._blocks.values())
+
+    # -- one sync -------------------------------------------------------------------------
+    def begin(self) -> None:
+        self._entries, self.changed = [], False
+
+    def put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        local, start, stop, shape = held_part(name, tensor)
+        if self._device is None:
+            self._device = local.device
+        elif local.device != self._device:
+            raise ValueError(f"nixl: {name} is on {local.device}, earlier tensors on "
+                             f"{self._device}; one trainer rank serves from one device")
+        wire = dtype_name(dtype)
+        i = len(self._entries)
+        key = (name, shape, wire, start, stop)
+        if self._zero_copy and dtype == local.dtype and local.is_contiguous() and local.numel():
+            region = self._own_region(local)
+            self._entries.append(key + (region, 0))
+            self.changed = self.changed or i >= len(self._prev) or self._prev[i] != key + (region, 0)
+            return
+        nbytes = local.numel() * dtype.itemsize
+        if not self.changed and i < len(self._prev) and tuple(self._prev[i][:5]) == key \
+                and self._prev[i][5] in self._blocks:
+            region, offset = self._prev[i][5], self._prev[i][6]
+        else:
+            if not self.changed:
+                self._relocate()       # re-place what this sync already put, then go on
+            region, offset = self._alloc(nbytes)
+        self._entries.append(key + (region, offset))
+        if nbytes:
+            block = self._blocks[region][0]
+            block[offset:offset + nbytes].view(dtype).view(local.shape).copy_(local)
+
+    def finish(self) -> None:
+        if not self.changed and len(self._entries) != len(self._prev):
+            self._relocate()
+        if self.changed:
+            self._drop_unused()
+        self._prev = list(self._entries)
+        body = [list(e) for e in self._entries] + [list(r) for r in self.regions()]
+        self.digest = hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
+
+    def held(self) -> tuple[tuple, ...]:
+        return tuple((n, list(s), d, a, b, r, o) for n, s, d, a, b, r, o in self._entries)
+
+    def regions(self) -> tuple[tuple[str, int, int, int], ...]:
+        dev = (self._device.index or 0) if self._device is not None and \
+            self._device.type == "cuda" else 0
+        out = [(name, t.data_ptr(), t.numel(), dev) for name, (t, _) in self._blocks.items()]
+        out += [(name, t.data_ptr(), t.numel() * t.element_size(), dev)
+                for name, t, _ in self._own.values()]
+        return tuple(sorted(out))
+
+    # -- placement ------------------------------------------------------------------------
+    def _alloc(self, nbytes: int) -> tuple[str, int]:
+        if self._cursor is not None:
+            region, off = self._cursor
+            block = self._blocks[region][0]
+            if off + nbytes <= block.numel():
+                self._cursor = (region, -(-(off + nbytes) // _ALIGN) * _ALIGN)
+                return region, off
+        size = max(self._block_size, -(-nbytes // _ALIGN) * _ALIGN)
+        region = f"b{self._counter}"
+        self._counter += 1
+        block = torch.empty(size, dtype=torch.uint8, device=self._device)
+        self._blocks[region] = (block, self._agent.register(block))
+        self._cursor = (region, -(-nbytes // _ALIGN) * _ALIGN)
+        return region, 0
+
+    def _relocate(self) -> None:
+        """The layout changed: copy what this sync put so far into fresh blocks."""
+        self.changed = True
+        old, self._cursor = self._entries, None
+        self._entries = []
+        stale = dict(self._blocks)
+        for name, shape, wire, start, stop, region, offset in old:
+            if region not in stale:       # served from its own storage
+                self._entries.append((name, shape, wire, start, stop, region, offset))
+                continue
+            nbytes = (stop - start) * torch.empty((), dtype=_dtype(wire)).element_size()
+            new, off = self._alloc(nbytes)
+            if nbytes:
+                self._blocks[new][0][off:off + nbytes].copy_(stale[region][0][offset:offset + nbytes])
+            self._entries.append((name, shape, wire, start, stop, new, off))
+        for region in stale:
+            self._free(region)
+
+    def _drop_unused(self) -> None:
+        used = {e[5] for e in self._entries}
+        for region in [r for r in self._blocks if r not in used]:
+            self._free(region)
+        for key in [k for k, (r, _, _) in self._own.items() if r not in used]:
+            _, _, reg = self._own.pop(key)
+            self._agent.deregister(reg)
+
+    def _own_region(self, t: torch.Tensor) -> str:
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key not in self._own:
+            self._own[key] = (f"p{key[0]:x}", t, self._agent.register(t))
+        return self._own[key][0]
+
+    def _free(self, region: str) -> None:
+        block, reg = self._blocks.pop(region)
+        self._agent.deregister(reg)
+        if self._cursor is not None and self._cursor[0] == region:
+            self._cursor = None
+
+    def reset(self) -> None:
+        """Forget the layout (after a failed sync): the next one is published anew."""
+        self._prev, self.digest = [], ""
+
+    def close(self) -> None:
+        for region in list(self._blocks):
+            self._free(region)
+        for _, _, reg in self._own.values():
+            self._agent.deregister(reg)
+        self._own, self._prev, self._entries = {}, [], []
+
+
+def _dtype(name: str) -> torch.dtype:
+    from weightsync.core.plan import dtype_from_name
+    return dtype_from_name(name)
