@@ -5,6 +5,8 @@ Each runs inside a worker process before init_process_group and wraps the engine
 
 import os
 
+import torch
+
 KILL_AFTER = 40  # tensors into the second sync
 
 
@@ -93,3 +95,89 @@ def linger_rollouts_on_error(engine, role, rank):
             raise
 
     engine.receive_weights = wrapped
+
+
+# -- nixl: pulls are one-sided, so faults land inside the pull itself ----------------------
+
+def _on_second(counter, key):
+    counter[key] = counter.get(key, 0) + 1
+    return counter[key] == 2
+
+
+def nixl_kill_rollout_1_mid_pull(engine, role, rank):
+    """Rollout rank 1 dies in its second sync after the trainers offered the version and
+    before its reads finish (the trainers wait for its PulledMsg)."""
+    if role != "rollout" or rank != 1:
+        return
+    orig, seen = engine._ensure_plan, {}
+
+    def ensure():
+        orig()
+        if _on_second(seen, "n"):
+            os._exit(17)
+    engine._ensure_plan = ensure
+
+
+def nixl_kill_trainer_0_mid_pull(engine, role, rank):
+    """Trainer rank 0 dies right after offering its second version; receivers post their
+    reads of its memory after it is gone."""
+    if role == "rollout":
+        orig, seen = engine._ensure_plan, {}
+
+        def slow():
+            orig()
+            if _on_second(seen, "n"):
+                import time
+                time.sleep(1.0)
+        engine._ensure_plan = slow
+        return
+    if rank != 0:
+        return
+    push, seen = engine._hub_push, {}
+
+    def pushed(msg):
+        push(msg)
+        if type(msg).__name__ == "PullMsg" and _on_second(seen, "n"):
+            os._exit(17)
+    engine._hub_push = pushed
+
+
+def nixl_mutate_after_send(engine, role, rank):
+    """Serve from the tensors' own memory (no staging copy) and scribble over every tensor
+    the instant send_weights returns: a pull still reading would see the scribbles."""
+    if role != "trainer":
+        return
+    engine._serve_mode = "params"
+    orig = engine.send_weights
+
+    async def wrapped(named_tensors, version=None):
+        items = list(named_tensors)
+        out = await orig(iter(items), version)
+        for _, t in items:
+            if not t.numel():
+                continue
+            if t.dtype.is_floating_point or t.dtype.is_complex:
+                t.fill_(float("nan"))
+            elif t.dtype == torch.bool:
+                t.logical_not_()
+            elif t.is_contiguous():
+                t.unsqueeze(0).view(torch.uint8).bitwise_not_()
+        return out
+    engine.send_weights = wrapped
+
+
+def nixl_shape_disagrees_on_rank_1(engine, role, rank):
+    """Trainer rank 1 yields one tensor with another shape than rank 0 does."""
+    if role != "trainer" or rank != 1:
+        return
+    orig = engine.send_weights
+
+    async def wrapped(named_tensors, version=None):
+        def items():
+            done = False
+            for name, t in named_tensors:
+                if not done and t.numel() > 1:
+                    done, t = True, t.reshape(-1)[:-1].clone()
+                yield name, t
+        return await orig(items(), version)
+    engine.send_weights = wrapped

@@ -88,7 +88,8 @@ def test_rollout_process_killed_mid_sync(cluster, backend):
         report, ref, took = step(manager, trainers, 2)
         print(f"\n{backend}: killed replica isolated, others synced in {took:.1f}s")
         assert took < bound(manager), took
-        assert report.isolated == ["replica-2"] and report.retries == 1
+        # nixl: the survivors finish their one-sided pulls of this version, so no re-run
+        assert report.isolated == ["replica-2"] and report.retries == (0 if backend == "nixl" else 1)
         (failed,) = report.failed
         assert failed.name == "replica-2" and "died" in failed.error, failed.error
         assert report.completed == ["replica-0", "replica-1"]

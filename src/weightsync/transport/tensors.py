@@ -18,17 +18,18 @@ __all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes"]
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
-async def aiter_items(items: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    """Iterate a sync or async iterable of ``(name, tensor)`` with checks."""
+async def aiter_items(items: Any, *, shards: bool = False) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Iterate a sync or async iterable of ``(name, tensor)`` with checks; ``shards``: the
+    backend serves DTensor shards as they are (else a DTensor is refused)."""
     if hasattr(items, "__aiter__"):
         async for item in items:
-            yield _check_item(item)
+            yield _check_item(item, shards)
     else:
         for item in items:
-            yield _check_item(item)
+            yield _check_item(item, shards)
 
 
-def _check_item(item: Any) -> tuple[str, torch.Tensor]:
+def _check_item(item: Any, shards: bool = False) -> tuple[str, torch.Tensor]:
     if not isinstance(item, tuple) or len(item) != 2:
         raise ValueError(f"named_tensors must yield (name, tensor) pairs, got {type(item).__name__}")
     name, tensor = item
@@ -36,7 +37,7 @@ def _check_item(item: Any) -> tuple[str, torch.Tensor]:
         raise ValueError(f"tensor name must be a non-empty str, got {name!r}")
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if hasattr(tensor, "full_tensor") and type(tensor).__name__ == "DTensor":
+    if not shards and hasattr(tensor, "full_tensor") and type(tensor).__name__ == "DTensor":
         raise ValueError(f"{name!r}: pass DTensor.full_tensor() (or use weightsync.trainer)")
     return name, tensor
 

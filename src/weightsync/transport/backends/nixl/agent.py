@@ -147,10 +147,19 @@ class Reads:
             raise PeerFailed(f"could not prepare reads from {peer}: {exc}", peer=peer,
                              phase="receive") from None
 
+    def _call(self, fn: Any, version: Any) -> str:
+        """A NIXL call on the handle; NIXL's own exceptions (e.g. the remote agent
+        disconnected) become ``PeerFailed`` naming the source."""
+        try:
+            return fn(self._handle)
+        except Exception as exc:
+            raise PeerFailed(f"reads from {self.peer} failed: {type(exc).__name__}: {exc}",
+                             peer=self.peer, phase="receive", version=version) from None
+
     def post(self, *, version: Any) -> None:
         if self._handle is None:
             return
-        state = self._agent._agent.transfer(self._handle)
+        state = self._call(self._agent._agent.transfer, version)
         if state == "ERR":
             raise PeerFailed(f"NIXL could not start the reads from {self.peer}", peer=self.peer,
                              phase="receive", version=version)
@@ -158,7 +167,7 @@ class Reads:
     def done(self, *, version: Any) -> bool:
         if self._handle is None:
             return True
-        state = self._agent._agent.check_xfer_state(self._handle)
+        state = self._call(self._agent._agent.check_xfer_state, version)
         if state == "ERR":
             raise PeerFailed(f"reads from {self.peer} failed (the peer went away or its "
                              "memory was released)", peer=self.peer, phase="receive",

@@ -144,13 +144,13 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         try:
             self._arena.begin()
             count = 0
-            async for name, tensor in aiter_items(named_tensors):
+            async for name, tensor in aiter_items(named_tensors, shards=True):
                 dtype = wire_dtype(tensor, self.config.dtype)
                 await loop.run_in_executor(pool, self._arena.put, name, tensor, dtype)
                 count += 1
             served = await loop.run_in_executor(pool, self._serve, seq, version)
         except BaseException as exc:
-            self._abort(seq, version, exc, "send", self._hub_push)
+            self._abort(seq, version, exc, "send", self._hub_tell_all)
             raise
         seconds = time.perf_counter() - start
         nbytes = sum(served.values())
@@ -164,6 +164,15 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
 
     def _hub_push(self, msg: Any) -> None:
         self._hub.push_many(self._receiver_boxes(), msg)
+
+    def _hub_tell_all(self, msg: Any) -> None:
+        """Push to every receiver that is still there (one that is gone does not keep the
+        others from hearing about the failure)."""
+        for box in self._receiver_boxes():
+            try:
+                self._hub.push(box, msg)
+            except WeightSyncError:
+                continue
 
     def _serve(self, seq: int, version: Any) -> dict[int, int]:
         """Publish the layout if it changed, tell receivers to pull, wait until all have."""
@@ -210,7 +219,10 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
 
     def _links_push(self, msg: Any) -> None:
         for link in self._links.values():
-            link.push("t", msg)
+            try:
+                link.push("t", msg)
+            except WeightSyncError:
+                continue          # that trainer is gone; tell the others
 
     def _pull(self, version: Any) -> list[tuple[str, torch.Tensor]]:
         deadline = time.monotonic() + patience(self.config.timeout)

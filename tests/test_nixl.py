@@ -1,0 +1,223 @@
+"""The nixl backend beyond the conformance suite: its wire messages, faults inside a pull,
+consistent reads, bad layouts, FSDP2 shards served as they are, wrong tokens."""
+
+import json
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from weightsync import CheckpointEngineRegistry
+from weightsync.core.errors import AuthenticationError, WireError
+from weightsync.core.wire import PulledMsg, PullMsg, SourceMsg, decode, encode
+from weightsync.testing import GroupSpec, run_group
+from syncchecks import assert_clean
+
+pytest.importorskip("nixl")
+
+BUCKET = 64 * 1024
+
+
+def _spec(hook=None, **kw):
+    engine_kwargs = {"bucket_size": BUCKET, "timeout": 20, **kw.pop("engine_kwargs", {})}
+    kw.setdefault("timeout", 90)
+    kw.setdefault("steps", 3)
+    kw.setdefault("receivers", 2)
+    return GroupSpec(backend="nixl", hook=hook, tiny=100, engine_kwargs=engine_kwargs, **kw)
+
+
+# -- wire -------------------------------------------------------------------------------------
+
+def test_messages_round_trip_and_reject_bad_fields():
+    src = SourceMsg(seq=1, stream=0, agent="a", metadata="bWV0YQ==", mem="DRAM", digest="d",
+                    regions=(("b0", 4096, 1024, 0),),
+                    held=(("w", (4, 2), "bfloat16", 0, 8, "b0", 0),))
+    assert decode(encode(src)) == src
+    for msg in (PullMsg(version=3, seq=2, stream=1, digest="d"),
+                PulledMsg(seq=2, stream=1, rank=0, nbytes=10, plan="p")):
+        assert decode(encode(msg)) == msg
+    body = json.loads(encode(src))
+    for field, bad in (("held", [["w", [4, 2], "bfloat16", 0, 9, "b0", 0]]),   # past the shape
+                       ("held", [["w", [4, 2], "nope", 0, 8, "b0", 0]]),
+                       ("regions", [["b0", -1, 1024, 0]]),
+                       ("mem", "HBM")):
+        with pytest.raises(WireError):
+            decode(json.dumps({**body, field: bad}))
+
+
+# -- faults inside a pull -------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_rollout_killed_mid_pull_is_named_by_the_trainer():
+    start = time.monotonic()
+    trainer, r0, r1 = run_group(_spec("faults:nixl_kill_rollout_1_mid_pull"))
+    assert r1 == {"died": 17}
+    assert len(trainer["steps"]) == 1 and trainer["errors"], trainer
+    assert trainer["errors"][0].startswith("PeerFailed") and "rollout rank 1" in trainer["errors"][0]
+    # rollout rank 0 read all of that version before rank 1 died (one-sided reads do not
+    # wait for each other), so it holds it complete; its next sync fails, not hangs
+    assert len(r0["steps"]) == 2 and r0["errors"], r0
+    assert r0["errors"][0].startswith("PeerFailed"), r0["errors"]
+    # the trainer hears of the death on its link, well before its timeout (20 s)
+    assert trainer["failed_after_s"] < 10, trainer
+
+
+@pytest.mark.timeout(150)
+def test_trainer_killed_mid_pull_is_named_by_every_receiver():
+    trainer, r0, r1 = run_group(_spec("faults:nixl_kill_trainer_0_mid_pull"))
+    assert trainer == {"died": 17}
+    for r in (r0, r1):
+        assert len(r["steps"]) == 1 and r["errors"], r
+        assert "trainer rank 0" in r["errors"][0], r["errors"]
+        assert r["errors"][0].startswith(("PeerFailed", "SyncTimeout")), r["errors"]
+
+
+@pytest.mark.timeout(150)
+def test_trainer_that_scribbles_right_after_send_never_corrupts_a_pull():
+    """send_weights returns only when every pull of the version is done: served from the
+    trainer's own memory and overwritten the moment it returns, every receiver still has
+    exactly each version's bytes."""
+    spec = _spec("faults:nixl_mutate_after_send", steps=4, receivers=3)
+    results = run_group(spec)
+    assert_clean(results, spec)
+
+
+@pytest.mark.timeout(150)
+def test_ranks_that_disagree_on_a_shape_are_a_plan_mismatch_before_any_read():
+    spec = _spec("faults:nixl_shape_disagrees_on_rank_1", trainers=2, steps=1)
+    results = run_group(spec)
+    for r in results[2:]:
+        assert r["errors"] and r["errors"][0].startswith("PlanMismatch"), r
+        assert "rank 1 holds it as" in r["errors"][0], r["errors"]   # names what differs
+    for t in results[:2]:
+        assert t["errors"], t
+
+
+# -- FSDP2 shards, served without a gather ----------------------------------------------------
+
+def _fsdp_trainer(rank, port, conn):
+    import asyncio
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (2,))
+    engine = CheckpointEngineRegistry.new("nixl", role="trainer", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    out = []
+    for step in range(2):
+        full = _fsdp_tensors(step)
+        shards = [(n, distribute_tensor(t, mesh, [Shard(0)])) for n, t in full.items()]
+        out.append(asyncio.run(engine.send_weights(iter(shards), step)))
+    conn.send(out)
+    engine.finalize()
+    dist.destroy_process_group()
+
+
+def _fsdp_tensors(step):
+    g = torch.Generator().manual_seed(step)
+    shapes = {"embed": (1001, 64), "q": (64, 64), "odd": (7, 3), "bias": (64,), "big": (512, 256)}
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+def _receiver(rank, conn):
+    import asyncio
+
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    bad = []
+    for step in range(2):
+        want = _fsdp_tensors(step)
+
+        async def go():
+            return {n: t.clone() async for n, t in engine.receive_weights(step)}
+        got = asyncio.run(go())
+        bad += [n for n in want if n not in got or not torch.equal(got[n], want[n])]
+    conn.send({"bad": bad, "plan": engine.last_plan.bytes_per_source()})
+    engine.finalize()
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_shards_are_served_as_they_are():
+    from weightsync.transport.base import worker_kwargs
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes, procs = [], []
+    for i in range(2):
+        a, b = ctx.Pipe()
+        procs.append(ctx.Process(target=_fsdp_trainer, args=(i, port, b)))
+        pipes.append(a)
+    for j in range(2):
+        a, b = ctx.Pipe()
+        procs.append(ctx.Process(target=_receiver, args=(j, b)))
+        pipes.append(a)
+    for p in procs:
+        p.start()
+    try:
+        metas = [c.recv() for c in pipes]
+        cls = CheckpointEngineRegistry.get("nixl")
+        tk, rk = cls.build_topology(2, 2, metas)
+        for i, c in enumerate(pipes):
+            c.send(worker_kwargs(tk, i) if i < 2 else worker_kwargs(rk, i - 2))
+        results = [c.recv() for c in pipes]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    total = sum(t.numel() * 2 for t in _fsdp_tensors(0).values())
+    trainers, receivers = results[:2], results[2:]
+    for r in receivers:
+        assert r["bad"] == [], r
+        per_rank = r["plan"]
+        assert sum(per_rank.values()) == total          # each receiver keeps everything
+    for steps in trainers:
+        # each rank holds only its Shard(0) rows: about half the model, nothing gathered
+        assert steps[0]["held_bytes"] < 0.6 * total + 4 * BUCKET, steps[0]
+        assert steps[1]["layout_sent"] is False
+    served = [sum(s[1]["served"].values()) for s in trainers]
+    assert abs(served[0] - served[1]) <= 0.1 * max(served), served
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- tokens -------------------------------------------------------------------------------------
+
+def test_wrong_store_token_is_refused_before_anything_is_registered():
+    import threading
+
+    from weightsync.transport.base import worker_kwargs
+
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=3)
+    rollout = cls(role="rollout", bucket_size=BUCKET, timeout=3)
+    try:
+        tk, rk = cls.build_topology(1, 1, [trainer.prepare(), rollout.prepare()])
+        entry = worker_kwargs(rk, 0)
+        host, port, auth = entry["streams"][0]
+        entry["streams"] = [[host, port, "0" * len(auth)]]
+        t = threading.Thread(target=lambda: pytest.raises(Exception, trainer.init_process_group,
+                                                          **worker_kwargs(tk, 0)), daemon=True)
+        t.start()
+        with pytest.raises(AuthenticationError):
+            rollout.init_process_group(**entry)
+        assert rollout._agent is None                  # no NIXL agent, nothing registered
+        t.join(10)
+    finally:
+        rollout.finalize()
+        trainer.finalize()
