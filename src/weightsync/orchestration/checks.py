@@ -1,4 +1,9 @@
-"""The manager's checks: validation before bytes, and ``verify`` after.
+"""The manager's checks: validation before bytes (:func:`run_validate`), and ``verify``
+after (:func:`run_verify`). Called by
+:class:`~weightsync.orchestration.manager.CheckpointEngineManager` (``update_weights``,
+``verify``) with the :class:`~weightsync.orchestration.group.ReplicaGroup` that makes the
+calls and the :class:`~weightsync.orchestration.replicas.ReplicaSet` of the replicas;
+owns no state.
 
 **Validation** (every sync, before pause): every trainer rank describes what it will send
 for each round (``ws_describe``: names, full shapes, dtypes after the cast, from metadata
@@ -21,10 +26,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Optional
 
 from weightsync.orchestration.calls import Call, call_all
+from weightsync.orchestration.group import ReplicaGroup
 from weightsync.orchestration.isolation import describe_error
+from weightsync.orchestration.replicas import ReplicaRecord, ReplicaSet
 from weightsync.core.errors import PlanMismatch
 from weightsync.core.digests import MAX_LISTED, combine_digests, compare_digests
 from weightsync.orchestration.report import SyncReport, VerifyReport
@@ -32,20 +39,23 @@ from weightsync.orchestration.report import SyncReport, VerifyReport
 __all__ = ["run_validate", "run_verify"]
 
 
-def run_validate(manager: Any, report: SyncReport, rounds: list) -> None:
+def run_validate(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport, rounds: list,
+                 dtype: Optional[str]) -> None:
+    """Every round's weight set, described by the trainer ranks, checked by every managed
+    replica (``PlanMismatch`` before anything moves)."""
     for kind, cfg in rounds:
-        described = manager._run(manager._trainer_calls("ws_describe", kind, manager._dtype),
-                                 "validate", report.version)
+        described = group.run(group.trainer_calls("ws_describe", kind, dtype),
+                              "validate", report.version)
         offered, seen = [], set()
         for rank in described:
             for entry in rank:
                 if entry[0] not in seen:
                     seen.add(entry[0])
                     offered.append(entry)
-        targets = list(manager.replicas)
-        answers = manager._replica_step(report, "validate", "ws_check_weights",
-                                        (offered, kind, cfg), targets=targets, record=False)
-        bad = {manager.name_of(r): [list(p) for p in a] for r, a in zip(targets, answers) if a}
+        targets = replicas.managed()
+        answers = group.replica_step(report, "validate", "ws_check_weights",
+                                     (offered, kind, cfg), targets=targets, record=False)
+        bad = {r.name: [list(p) for p in a] for r, a in zip(targets, answers) if a}
         if bad:
             raise _mismatch(bad, kind, report.version)
 
@@ -61,35 +71,26 @@ def _mismatch(bad: dict, kind: str, version: Any) -> PlanMismatch:
     return err
 
 
-def _sets(manager: Any, replica: Any) -> list[str]:
-    return ["base", "adapter"] if manager._weights.get(id(replica)) == "base" else ["full"]
+def _sets(record: ReplicaRecord) -> list[str]:
+    return ["base", "adapter"] if record.weights == "base" else ["full"]
 
 
-def run_verify(manager: Any, *, fence: bool) -> VerifyReport:
+def run_verify(group: ReplicaGroup, replicas: ReplicaSet, version: Any, dtype: Optional[str],
+               *, fence: bool) -> VerifyReport:
+    """Every managed replica's digests against the trainer's; ``fence``: those that
+    differ are fenced and marked stale."""
     start = time.perf_counter()
-    report = VerifyReport(version=manager.version)
-    replicas = list(manager.replicas)
-    if not replicas:
+    report = VerifyReport(version=version)
+    records = replicas.managed()
+    if not records:
         raise ValueError("no rollout replicas to verify")
-    held: dict[tuple[str, str], dict] = {}
-    for kind in ("full", "base", "adapter"):
-        targets = [r for r in replicas if kind in _sets(manager, r)]
-        outs = call_all([Call(manager.name_of(r), r, "ws_digest", (kind,)) for r in targets],
-                        timeout=manager.call_timeout, phase="verify", version=manager.version)
-        for r, o in zip(targets, outs):
-            entry = report.replicas.setdefault(manager.name_of(r), {
-                "ok": True, "digest": {}, "mismatched": [], "error": None})
-            if o.ok:
-                held[(manager.name_of(r), kind)] = o.value
-            else:
-                entry["ok"], entry["error"] = False, describe_error(o.error)
+    held = _replica_digests(group, records, report, version)
     trainer: dict[tuple[str, str], dict] = {}
     for (name, kind), value in held.items():
         key = (kind, json.dumps(value["dtypes"], sort_keys=True))
         if key not in trainer:
-            parts = manager._run(manager._trainer_calls("ws_digest", kind, value["dtypes"],
-                                                        manager._dtype),
-                                 "verify", manager.version, timeout=manager.call_timeout)
+            parts = group.run(group.trainer_calls("ws_digest", kind, value["dtypes"], dtype),
+                              "verify", version, timeout=group.call_timeout)
             merged: dict[str, str] = {}
             for part in parts:
                 merged.update(part)
@@ -101,22 +102,41 @@ def run_verify(manager: Any, *, fence: bool) -> VerifyReport:
         entry["mismatched"] += bad
         entry["ok"] = entry["ok"] and not bad
     if fence:
-        _fence_bad(manager, report, replicas)
+        _fence_bad(group, replicas, report, records)
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _fence_bad(manager: Any, report: VerifyReport, replicas: list) -> None:
-    for r in replicas:
-        entry = report.replicas.get(manager.name_of(r))
+def _replica_digests(group: ReplicaGroup, records: list[ReplicaRecord], report: VerifyReport,
+                     version: Any) -> dict[tuple[str, str], dict]:
+    """``ws_digest`` of every weight set each replica holds: (name, set) -> its answer;
+    an entry per replica in ``report`` (with the error of one that did not answer)."""
+    held: dict[tuple[str, str], dict] = {}
+    for kind in ("full", "base", "adapter"):
+        targets = [r for r in records if kind in _sets(r)]
+        outs = call_all([Call(r.name, r.handle, "ws_digest", (kind,)) for r in targets],
+                        timeout=group.call_timeout, phase="verify", version=version)
+        for r, o in zip(targets, outs):
+            entry = report.replicas.setdefault(r.name, {
+                "ok": True, "digest": {}, "mismatched": [], "error": None})
+            if o.ok:
+                held[(r.name, kind)] = o.value
+            else:
+                entry["ok"], entry["error"] = False, describe_error(o.error)
+    return held
+
+
+def _fence_bad(group: ReplicaGroup, replicas: ReplicaSet, report: VerifyReport,
+               records: list[ReplicaRecord]) -> None:
+    for r in records:
+        entry = report.replicas.get(r.name)
         if entry is None or entry["ok"] or entry["error"]:
             continue
         names = entry["mismatched"]
         why = (f"verify: {len(names)} tensor(s) differ from the trainer's: "
                f"{names[:MAX_LISTED]}")
-        manager._health[id(r)] = "stale"
-        manager._weights.pop(id(r), None)
-        outcome = call_all([Call(manager.name_of(r), r, "ws_fence", (why,))],
-                           timeout=manager.timeout, phase="verify")[0]
+        replicas.mark_stale(r)
+        outcome = call_all([Call(r.name, r.handle, "ws_fence", (why,))],
+                           timeout=group.timeout, phase="verify")[0]
         if not outcome.ok:
             entry["error"] = describe_error(outcome.error)

@@ -1,5 +1,11 @@
 """``CheckpointEngineManager``: drive trainer workers and rollout replicas through syncs.
 
+Owns the public API and the steps of a sync; what it knows of each replica lives in a
+:class:`~weightsync.orchestration.replicas.ReplicaSet`, the group and its calls in a
+:class:`~weightsync.orchestration.group.ReplicaGroup`, the checks in
+:mod:`~weightsync.orchestration.checks`. Used by callers of the library (re-exported by
+``weightsync``), the verl integration and ``weightsync demo``.
+
 Workers are Ray actor handles (or plain objects in this process) whose classes use
 :class:`~weightsync.integrations.ray.mixins.TrainerWorkerMixin` / ``RolloutWorkerMixin``. The manager
 knows the transport only through :class:`~weightsync.transport.CheckpointEngineRegistry`:
@@ -52,8 +58,9 @@ import warnings
 from typing import Any, Optional, Sequence
 
 from weightsync.orchestration.calls import Call, call_all
-from weightsync.orchestration.group import GroupMixin
+from weightsync.orchestration.group import ReplicaGroup
 from weightsync.orchestration.checks import run_validate, run_verify
+from weightsync.orchestration.replicas import ReplicaSet
 from weightsync.core.config import EngineConfig
 from weightsync.transport.registry import CheckpointEngineRegistry
 from weightsync.core.errors import WeightSyncError
@@ -74,8 +81,22 @@ def _trainer_list(trainer: Any) -> list:
     return trainers
 
 
-class CheckpointEngineManager(GroupMixin):
+def _of_group(name: str) -> property:
+    """A setting the manager shares with its group: read and set through the manager."""
+    return property(lambda self: getattr(self._group, name),
+                    lambda self, value: setattr(self._group, name, value))
+
+
+class CheckpointEngineManager:
     """Weight syncs from ``trainer`` workers (one handle per rank) to ``replicas``."""
+
+    backend = _of_group("backend")
+    trainers = _of_group("trainers")
+    engine_kwargs = _of_group("engine_kwargs")
+    timeout = _of_group("timeout")
+    call_timeout = _of_group("call_timeout")      # above a worker's own bound
+    settle = _of_group("settle")                  # replicas, once the trainers are done
+    isolate_failures = _of_group("isolate_failures")
 
     def __init__(self, backend: str, trainer: Any, replicas: Sequence[Any], *,
                  colocated: bool = False, sleep_level: int = 1,
@@ -84,9 +105,8 @@ class CheckpointEngineManager(GroupMixin):
                  isolate_failures: bool = True, **engine_kwargs: Any) -> None:
         if not isinstance(backend, str):
             raise ValueError(f"backend must be a backend name (str), got {backend!r}")
-        self._engine_cls = CheckpointEngineRegistry.get(backend)  # unknown -> clear error
-        self.backend = backend
-        self.trainers = _trainer_list(trainer)
+        engine_cls = CheckpointEngineRegistry.get(backend)  # unknown -> clear error
+        trainers = _trainer_list(trainer)
         if isinstance(replicas, (str, bytes)) or not isinstance(replicas, (list, tuple)):
             raise ValueError("replicas must be a list of rollout worker handles")
         if sleep_level not in SLEEP_LEVELS:
@@ -98,30 +118,58 @@ class CheckpointEngineManager(GroupMixin):
         given = {k: v for k, v in (("bucket_size", bucket_size), ("timeout", timeout))
                  if v is not None}   # left out: WEIGHTSYNC_* or the defaults, as engines do
         config = EngineConfig(**given, **engine_kwargs)
-        self.engine_kwargs = {"bucket_size": config.bucket_size, "timeout": config.timeout,
-                              **engine_kwargs}
-        self.timeout = config.timeout
-        self.call_timeout = 2 * config.timeout + 60   # above a worker's own bound
-        self.settle = config.timeout + 5.0            # replicas, once the trainers are done
+        self._replicas = ReplicaSet()
+        self._group = ReplicaGroup(
+            backend, engine_cls, {"bucket_size": config.bucket_size, "timeout": config.timeout,
+                                  **engine_kwargs},
+            trainers, self._replicas, timeout=config.timeout,
+            call_timeout=2 * config.timeout + 60, settle=config.timeout + 5.0,
+            isolate_failures=bool(isolate_failures))
         self._dtype = dtype_name(config.dtype) if config.dtype is not None else None
         self.colocated, self.sleep_level = bool(colocated), sleep_level
         self.keep_group, self.offload_trainer = bool(keep_group), bool(offload_trainer)
-        self.isolate_failures = bool(isolate_failures)
         self.version: Any = None                  # last version a sync completed
         self._lock = threading.RLock()
         self._lora: Any = False                  # False: not asked yet; None: no LoRA
         self._warned: set[str] = set()
-        self._init_replicas(replicas)
+        for r in replicas:
+            self._replicas.add(r, healthy=True)
+
+    # -- replicas ---------------------------------------------------------------------
+    @property
+    def replicas(self) -> list:
+        """The managed replicas' handles (healthy or stale), in the order they joined."""
+        return self._replicas.handles()
+
+    def name_of(self, replica: Any) -> str:
+        """The name of a managed or failed replica (``KeyError`` for another handle)."""
+        record = self._replicas.lookup(replica)
+        if record is None:
+            raise KeyError(id(replica))
+        return record.name
+
+    def healthy_replicas(self) -> list:
+        """Replicas that hold a complete version and may serve generation."""
+        return [r.handle for r in self._replicas.healthy()]
+
+    def failed_replicas(self) -> dict[str, str]:
+        """Replicas removed by isolation: name -> why (``add_replica`` takes one back)."""
+        return self._replicas.failed()
+
+    def replica_health(self) -> list[dict]:
+        """Every replica the manager knows: name, state, last known version, error."""
+        return self._replicas.health()
+
+    def route(self) -> Any:
+        """The next healthy replica, round robin (``WeightSyncError`` if there is none)."""
+        return self._replicas.route()
 
     # -- membership -------------------------------------------------------------------
     def add_replica(self, replica: Any) -> str:
         """Manage one more replica (or take back a failed one, under its old name); it is
         not routed to until the next sync, which rebuilds the group and sends it all."""
         with self._lock:
-            name = next((n for n, (h, _) in self._failed.items() if h is replica), None)
-            if name is not None:
-                del self._failed[name]
-            name = self._register(replica, name)
+            name = self._replicas.add(replica, healthy=self.version is None).name
             self._invalidate()
             return name
 
@@ -129,21 +177,22 @@ class CheckpointEngineManager(GroupMixin):
         """Stop managing ``replica`` (a handle, its index, or a failed replica's handle);
         its engine is finalized."""
         with self._lock:
-            failed = next((n for n, (h, _) in self._failed.items() if h is replica), None)
-            if failed is not None:
-                return self._failed.pop(failed)[0]
+            record = self._replicas.failed_record(replica)
+            if record is not None:
+                self._replicas.remove(record)
+                return record.handle
             if isinstance(replica, int):
                 replica = self.replicas[replica]
-            if not any(r is replica for r in self.replicas):
+            record = self._replicas.get(replica)
+            if record is None:
                 raise ValueError("this replica is not managed by this manager")
-            self.replicas = [r for r in self.replicas if r is not replica]
-            self._health.pop(id(replica), None)
+            self._replicas.remove(record)
             self._invalidate()
-            outcome = call_all([Call(self.name_of(replica), replica, "ws_finalize")],
+            outcome = call_all([Call(record.name, replica, "ws_finalize")],
                                timeout=self.timeout, phase="remove_replica")[0]
             if not outcome.ok:
                 logger.warning("weightsync: finalizing removed %s failed: %s",
-                               self.name_of(replica), outcome.error)
+                               record.name, outcome.error)
             return replica
 
     def set_trainers(self, trainer: Any) -> None:
@@ -154,12 +203,17 @@ class CheckpointEngineManager(GroupMixin):
             self._lora = False
             self._invalidate()
 
+    def build_group(self) -> None:
+        """prepare -> build_topology -> validate -> init_process_group (see module doc)."""
+        self._group.build(None, self._replicas.managed())
+
     def _invalidate(self) -> None:
-        self._group_ready = False
-        self._weights = {}
+        self._group.invalidate()
+        self._replicas.forget_weights()
 
     def _finalize_all(self) -> None:
-        outcomes = call_all(self._trainer_calls("ws_finalize") + self._replica_calls("ws_finalize"),
+        g = self._group
+        outcomes = call_all(g.trainer_calls("ws_finalize") + g.replica_calls("ws_finalize"),
                             timeout=self.timeout, phase="finalize")
         for o in outcomes:
             if not o.ok:
@@ -180,13 +234,14 @@ class CheckpointEngineManager(GroupMixin):
     def lora_config(self) -> Optional[dict]:
         """The trainer's PEFT config (asked once from trainer rank 0), None without LoRA."""
         if self._lora is False:
-            self._lora = self._run(self._trainer_calls("ws_lora_config")[:1], "lora_config")[0]
+            self._lora = self._group.run(self._group.trainer_calls("ws_lora_config")[:1],
+                                         "lora_config")[0]
         return self._lora
 
     @property
     def base_sync_done(self) -> bool:
-        return bool(self.replicas) and all(self._weights.get(id(r)) == "base"
-                                           for r in self.replicas)
+        records = self._replicas.managed()
+        return bool(records) and all(r.weights == "base" for r in records)
 
     def _rounds(self, merge_and_sync: bool) -> list[tuple[str, Optional[dict]]]:
         cfg = self.lora_config()
@@ -205,8 +260,8 @@ class CheckpointEngineManager(GroupMixin):
         if not ("full" in kinds or {"base", "adapter"} <= kinds):
             reason = "this sync sends only the LoRA adapter, so the base weights would be lost"
         else:
-            bad = [self.name_of(r) for r in self.replicas
-                   if not self._caps.get(id(r), {}).get("full_sync_restores_discarded", False)]
+            bad = [r.name for r in self._replicas.managed()
+                   if not r.caps.get("full_sync_restores_discarded", False)]
             if bad:
                 reason = f"{bad} cannot restore everything that level 2 discards"
         if reason is None:
@@ -226,9 +281,7 @@ class CheckpointEngineManager(GroupMixin):
         with self._lock:
             start = time.perf_counter()
             report = SyncReport(version=version)
-            self._statuses, self._fenced_now = {}, []
-            for r in self.replicas:
-                self._status(report, r)
+            self._replicas.begin_sync(report)
             try:
                 self._sync(report, version, merge_and_sync)
             except BaseException as exc:
@@ -241,119 +294,72 @@ class CheckpointEngineManager(GroupMixin):
             return report
 
     def _sync(self, report: SyncReport, version: Any, merge_and_sync: bool) -> None:
-        if not self.replicas:
+        if not len(self._replicas):
             raise ValueError("no rollout replicas to sync to; add_replica first")
+        g = self._group
         rounds = self._rounds(merge_and_sync)
         report.kinds = [k for k, _ in rounds]
-        self._ensure_group(report)
-        self._check_kinds(report.kinds)
-        run_validate(self, report, rounds)
-        self._replica_step(report, "pause", "ws_pause", kwargs={"abort": True})
-        self._fenced_now = list(self.replicas)
-        self._replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
-                           record=False)
+        g.ensure(report)
+        self._replicas.check_kinds(report.kinds)
+        run_validate(g, self._replicas, report, rounds, self._dtype)
+        g.replica_step(report, "pause", "ws_pause", kwargs={"abort": True})
+        self._replicas.mark_fenced()
+        g.replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+                       record=False)
         if self.colocated:
             self._sleep_and_wake_weights(report, rounds)
-        self._ensure_group(report)       # rebuilt without a replica isolated meanwhile
-        todo = self._transfer(report, version, rounds)
+        g.ensure(report)               # rebuilt without a replica isolated meanwhile
+        todo = g.transfer(report, version, rounds)
         while todo:                    # isolated someone: re-run for who did not complete
             report.retries += 1
-            members = self._build(report, todo)
+            members = g.build(report, todo)
             if not members:
                 break
-            self._replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
-                               targets=members, record=False)
-            todo = self._transfer(report, version, rounds)
+            g.replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+                           targets=members, record=False)
+            todo = g.transfer(report, version, rounds)
         if self.colocated:
             if self.offload_trainer:
-                self._step(report, "trainer_reload", self._trainer_calls("ws_reload"))
-            self._replica_step(report, "wake_up:kv_cache", "ws_wake_up", (["kv_cache"],))
+                self._step(report, "trainer_reload", g.trainer_calls("ws_reload"))
+            g.replica_step(report, "wake_up:kv_cache", "ws_wake_up", (["kv_cache"],))
         if not self.keep_group:
-            self._step(report, "finalize", self._trainer_calls("ws_finalize")
-                       + self._replica_calls("ws_finalize"))
-            self._group_ready = False
-        self._replica_step(report, "reset_caches", "ws_reset_caches")
-        kind = "full" if "full" in report.kinds else "base"
-        for r in self.replicas:
-            self._weights[id(r)] = kind
-            self._health[id(r)] = "healthy"
-            self._held[id(r)] = version
-            self._status(report, r).version = version
+            self._step(report, "finalize", g.trainer_calls("ws_finalize")
+                       + g.replica_calls("ws_finalize"))
+            g.invalidate()
+        g.replica_step(report, "reset_caches", "ws_reset_caches")
+        self._replicas.synced(version, "full" if "full" in report.kinds else "base", report)
         self.version = version
-
-    def _check_kinds(self, kinds: list[str]) -> None:
-        """Refuse before anything moves when a replica cannot apply a weight set (e.g. a
-        vLLM replica without LoRA support and an adapter-only sync)."""
-        for r in self.replicas:
-            caps = self._caps.get(id(r), {})
-            bad = [k for k in kinds if k not in caps.get("kinds", kinds)]
-            if bad:
-                why = caps.get("reasons", {}).get("lora", "")
-                raise ValueError(f"{self.name_of(r)} cannot apply {bad} syncs"
-                                 f"{': ' + why if why else ''}")
 
     def _step(self, report: SyncReport, phase: str, calls: list[Call]) -> list[Any]:
         report.phases.append(phase)
-        return self._run(calls, phase, report.version)
+        return self._group.run(calls, phase, report.version)
 
     def _sleep_and_wake_weights(self, report: SyncReport, rounds: list) -> None:
         level = self._level(rounds)
         report.sleep_level = level
-        self._replica_step(report, f"sleep:{level}", "ws_sleep", (level,))
+        self._group.replica_step(report, f"sleep:{level}", "ws_sleep", (level,))
         if self.offload_trainer:
-            self._step(report, "trainer_offload", self._trainer_calls("ws_offload"))
-        self._replica_step(report, "wake_up:weights", "ws_wake_up", (["weights"],))
-
-    def _transfer(self, report: SyncReport, version: Any, rounds: list) -> list:
-        """Every round on the current group; the survivors that must re-run (if any)."""
-        members, n = list(self._members), len(self.trainers)
-        for i, (kind, cfg) in enumerate(rounds):
-            report.phases.append(f"sync:{kind}")
-            calls = self._trainer_calls("ws_send", version, kind=kind) + self._replica_calls(
-                "ws_receive", version, kind=kind, adapter_config=cfg, targets=members)
-            t0 = time.perf_counter()
-            outs = call_all(calls, timeout=self.call_timeout, settle=self.settle,
-                            phase=f"sync:{kind}", version=version)
-            report.seconds += time.perf_counter() - t0
-            for o in outs[:n]:
-                if o.ok:
-                    report.trainer.append(o.value)
-                    report.bytes += int(o.value.get("bytes", 0))
-            for r, o in zip(members, outs[n:]):
-                st = self._status(report, r)
-                st.attempts += int(i == 0)
-                if o.ok:
-                    st.seconds += float(o.value.get("seconds", 0.0))
-                    st.bytes += int(o.value.get("bytes", 0))
-            verdict = self._judge(report, outs[:n], outs[n:], f"sync:{kind}")
-            if verdict.failed:
-                alive = [m for m in members if any(m is r for r in self.replicas)]
-                if i < len(rounds) - 1:
-                    return alive
-                failed = {o.label for o in outs[n:] if not o.ok}
-                return [m for m in alive if self.name_of(m) in failed]
-        return []
+            self._step(report, "trainer_offload", self._group.trainer_calls("ws_offload"))
+        self._group.replica_step(report, "wake_up:weights", "ws_wake_up", (["weights"],))
 
     def _after_failure(self, report: SyncReport, exc: BaseException) -> None:
         self._invalidate()       # the next sync rebuilds the group and resends everything
-        for r in self._fenced_now:
-            if any(r is x for x in self.replicas):
-                self._health[id(r)] = "stale"      # fenced until a sync completes
-        for st in self._statuses.values():
+        self._replicas.stale_fenced()          # fenced until a sync completes
+        for st in report.replicas:
             if st.ok and isinstance(exc, WeightSyncError) and st.error is None:
                 st.ok, st.error = False, f"sync aborted: {type(exc).__name__}: {exc}"
         if isinstance(exc, WeightSyncError):
             exc.report = report  # type: ignore[attr-defined]
         if self.colocated:
-            outcomes = call_all(self._replica_calls("ws_wake_up", None), timeout=self.timeout,
-                                phase="wake_up", version=report.version)
+            outcomes = call_all(self._group.replica_calls("ws_wake_up", None),
+                                timeout=self.timeout, phase="wake_up", version=report.version)
             for o in outcomes:
                 if not o.ok:
                     logger.warning("weightsync: wake_up after a failed sync: %s", o.error)
 
     def _resume(self, report: SyncReport) -> None:
         report.phases.append("resume")
-        for o in call_all(self._replica_calls("ws_resume"), timeout=self.timeout,
+        for o in call_all(self._group.replica_calls("ws_resume"), timeout=self.timeout,
                           phase="resume", version=report.version):
             if not o.ok:
                 logger.warning("weightsync: resume on %s failed: %s", o.label, o.error)
@@ -364,12 +370,13 @@ class CheckpointEngineManager(GroupMixin):
         the trainer's cast to each replica's dtypes; FSDP2 shards gathered as in a sync).
         ``fence``: a replica that differs is fenced and marked stale until the next sync."""
         with self._lock:
-            return run_verify(self, fence=fence)
+            return run_verify(self._group, self._replicas, self.version, self._dtype,
+                              fence=fence)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, replica: Optional[int] = None,
                  **kwargs: Any) -> list:
         """Generate on one replica: the next healthy one (round robin, see ``route``)
         unless ``replica`` (an index into ``replicas``) is given."""
         handle = self.route() if replica is None else self.replicas[replica]
-        return self._run([Call(self.name_of(handle), handle, "generate", (prompts,), kwargs)],
-                         "generate")[0]
+        return self._group.run([Call(self.name_of(handle), handle, "generate", (prompts,),
+                                     kwargs)], "generate")[0]
