@@ -21,7 +21,10 @@ version. Generation is fenced from ``begin_sync`` (the manager calls it right af
 ``pause``) until every tensor of every round of that version has been applied and checked
 (all of the model's tensors written, shapes equal, checksums if enabled); a round that
 fails leaves the replica fenced until a later sync completes. ``generate`` refuses while
-fenced, and every :class:`Generation` carries the version that produced it.
+fenced, and every :class:`Generation` carries the version that produced it. Each adapter
+holds one :class:`SyncFence` (``_fence``), the only answer to "may it generate now"
+(``SyncFence.blocked``); :class:`ReplicaControls` gives it ``begin_sync``, ``fence`` and
+``sync_state`` on top of it.
 
 ``kind`` of a sync: ``"full"`` (every weight, merged if LoRA), ``"base"`` (base weights of a
 LoRA model, unmerged), ``"adapter"`` (LoRA tensors plus ``adapter_config``, PEFT's JSON).
@@ -34,7 +37,13 @@ everything level 2 discarded (the manager caps the level at 1 otherwise).
 :class:`LocalEngineRollout` hosts one receiving engine in the adapter's own process and
 leaves ``load_weights`` (consume the stream into the model) to subclasses. An adapter
 whose model lives in other processes (vLLM workers) implements the ``engine_*`` calls by
-hosting engines there instead.
+hosting engines there instead. :func:`execute_on_engine` is the one implementation of
+``execute_checkpoint_engine`` once an engine is at hand: :class:`LocalEngineRollout`, the
+vLLM worker extension (:mod:`weightsync.rollout.vllm.extension`) and the trainer mixin of
+:mod:`weightsync.integrations.ray.mixins` call it.
+
+Used by the rollout adapters (:mod:`.hf`, :mod:`.vllm`) and the Ray mixins of
+:mod:`weightsync.integrations`; the manager reaches adapters only through those mixins.
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ import inspect
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import (Any, AsyncIterator, Callable, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 import torch
 
@@ -55,8 +65,8 @@ from weightsync.core.config import SLEEP_LEVELS, WAKE_TAGS, WEIGHT_KINDS
 from weightsync.core.errors import SyncTimeout, WeightSyncError
 
 __all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate", "SyncFence",
-           "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "check_tags"]
-
+           "ReplicaControls", "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "check_tags",
+           "execute_on_engine"]
 
 
 def check_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
@@ -68,6 +78,23 @@ def check_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
     if bad or not tags:
         raise ValueError(f"wake_up tags must be a non-empty subset of {WAKE_TAGS}, got {tags!r}")
     return tuple(tags)
+
+
+def execute_on_engine(engine: Any, method: Any, args: Sequence, kwargs: dict,
+                      runner: AsyncRunner, *, peer: Optional[str] = None) -> Any:
+    """``execute_checkpoint_engine`` on a hosted ``engine``: call its public ``method``; an
+    awaitable result runs on ``runner`` to completion, bounded by twice the engine's timeout
+    plus 30 s; a weight stream (an async iterator) is refused: a sync consumes those."""
+    if not isinstance(method, str) or method.startswith("_") or \
+            not callable(getattr(engine, method, None)):
+        raise ValueError(f"{type(engine).__name__} has no public method {method!r}")
+    result = getattr(engine, method)(*args, **kwargs)
+    if inspect.isasyncgen(result):
+        raise ValueError(f"{method} is an async iterator; use a sync (engine_receive)")
+    if inspect.isawaitable(result):
+        result = runner.run(result, timeout=2 * engine.config.timeout + 30, phase=method,
+                            peer=peer)
+    return result
 
 
 @dataclass
@@ -144,17 +171,32 @@ class GenerationGate:
 
 
 class SyncFence:
-    """When a replica may generate (the no-mixed-versions rule of the module doc).
+    """When a replica may generate (the no-mixed-versions rule of the module doc): the one
+    authority of an adapter, read through :attr:`blocked` (None: it may generate).
 
-    ``reason`` is None when the replica holds one complete version, else why it does not.
-    Without ``begin`` (a caller that syncs one round at a time) each successful round
-    completes a version on its own.
+    Two things fence, and :attr:`blocked` gives the first that holds:
+
+    * ``torn``: the replica's own weights are not one complete version (a load that wrote
+      some of them failed). Set by an adapter that tells this apart from a failure that
+      left the old weights intact (:meth:`tear`; the vLLM replica, from what its workers
+      report); cleared by :meth:`applied`.
+    * ``reason``: the sync protocol: from :meth:`begin` until every round of that version
+      is done, from :meth:`start_round` until that round is done (adapters that fence on
+      any failed round: the HF replica), from :meth:`fence` until a round completes a
+      version. Without ``begin`` (a caller that syncs one round at a time) each successful
+      round completes a version on its own.
     """
 
     def __init__(self) -> None:
         self.reason: Optional[str] = None
+        self.torn: Optional[str] = None
         self._pending: Optional[tuple[Any, set]] = None     # (version, kinds still to apply)
         self._lock = threading.Lock()
+
+    @property
+    def blocked(self) -> Optional[str]:
+        """Why the replica must not generate now; None when it holds one complete version."""
+        return self.torn or self.reason
 
     def begin(self, version: Any, kinds: Sequence[str]) -> None:
         bad = [k for k in kinds if k not in WEIGHT_KINDS]
@@ -182,17 +224,30 @@ class SyncFence:
             self._pending, self.reason = None, None
             return True
 
+    def tear(self, reason: Optional[str]) -> None:
+        """The replica's weights are (``reason``) or are again not (None) torn."""
+        with self._lock:
+            self.torn = None if reason is None else str(reason)
+
+    def applied(self, version: Any, kind: str) -> bool:
+        """A round was applied and committed: the weights are whole again; see round_done."""
+        self.tear(None)
+        return self.round_done(version, kind)
+
     def fence(self, reason: str) -> None:
         with self._lock:
             self._pending, self.reason = None, str(reason)
 
 
 class ReplicaControls:
-    """What every replica adapter shares: its call log (``_log``, a deque) and pause/resume
-    through its ``gate`` (a :class:`GenerationGate`)."""
+    """What every replica adapter shares: its call log (``_log``, a deque), pause/resume
+    through its ``gate`` (a :class:`GenerationGate`), and the optional protocol calls on
+    its ``_fence`` (a :class:`SyncFence`): ``begin_sync``, ``fence``, ``sync_state``."""
 
     _log: collections.deque
     gate: GenerationGate
+    _fence: SyncFence
+    current_version: Callable[[], Any]
 
     def _record(self, what: str) -> None:
         self._log.append(what)
@@ -210,6 +265,18 @@ class ReplicaControls:
     def resume(self) -> None:
         self._record("resume")
         self.gate.resume()
+
+    # -- no mixed versions ------------------------------------------------------------------
+    def begin_sync(self, version: Any, kinds: Sequence[str]) -> None:
+        """Fence generation until every round in ``kinds`` of ``version`` is applied."""
+        self._fence.begin(version, list(kinds))
+
+    def fence(self, reason: str) -> None:
+        """Refuse to generate until a sync completes (e.g. a digest did not match)."""
+        self._fence.fence(reason)
+
+    def sync_state(self) -> dict:
+        return {"version": self.current_version(), "fenced": self._fence.blocked}
 
 
 class LocalEngineRollout(ReplicaControls, abc.ABC):
@@ -230,22 +297,10 @@ class LocalEngineRollout(ReplicaControls, abc.ABC):
             raise WeightSyncError(f"{self.name}: a receive is still running (hung past its "
                                   f"timeout?); cannot {what} its engine", phase=what)
 
-    # -- no mixed versions ------------------------------------------------------------------
     @property
     def _fenced(self) -> Optional[str]:
         """Why this replica must not generate now (None: it holds one complete version)."""
-        return self._fence.reason
-
-    def begin_sync(self, version: Any, kinds: Sequence[str]) -> None:
-        """Fence generation until every round in ``kinds`` of ``version`` is applied."""
-        self._fence.begin(version, list(kinds))
-
-    def fence(self, reason: str) -> None:
-        """Refuse to generate until a sync completes (e.g. a digest did not match)."""
-        self._fence.fence(reason)
-
-    def sync_state(self) -> dict:
-        return {"version": self.current_version(), "fenced": self._fence.reason}
+        return self._fence.blocked
 
     # -- engine lifecycle -----------------------------------------------------------------
     def engine_prepare(self, backend: str, engine_kwargs: dict) -> list:
@@ -308,15 +363,8 @@ class LocalEngineRollout(ReplicaControls, abc.ABC):
         """Call ``method`` of the hosted engine (coroutines run to completion, bounded)."""
         if self._engine is None:
             raise RuntimeError(f"{self.name}: no checkpoint engine (engine_prepare first)")
-        if method.startswith("_") or not callable(getattr(self._engine, method, None)):
-            raise ValueError(f"{type(self._engine).__name__} has no public method {method!r}")
-        result = getattr(self._engine, method)(*args, **kwargs)
-        if inspect.isasyncgen(result):
-            raise ValueError(f"{method} is an async iterator; use engine_receive")
-        if inspect.isawaitable(result):
-            result = self._runner.run(result, timeout=2 * self._engine.config.timeout + 30,
-                                      phase=method, peer=self.name)
-        return result
+        return execute_on_engine(self._engine, method, args, kwargs, self._runner,
+                                 peer=self.name)
 
     def close(self) -> None:
         self.engine_finalize()

@@ -6,6 +6,10 @@ the owner instead: each rank sends its (padded) shard, only the owner allocates 
 tensor, and the others get ``None``. Every rank must call it for the same tensors in the
 same order (it is a collective on the DTensor's mesh group). Layouts other than a 1-D
 mesh with one ``Shard`` placement fall back to ``full_tensor()`` on every rank.
+:func:`gather_many_to_owners` moves many such tensors in one ``all_to_all``; both send
+the same padded shards (``_padded_shard``).
+
+Called by :mod:`weightsync.trainer.export` only.
 """
 
 from __future__ import annotations
@@ -45,6 +49,27 @@ def _fallback(dt: torch.Tensor, owner: int, dtype: Optional[torch.dtype]) -> Opt
     return full if dtype is None or full.dtype == dtype else full.to(dtype)
 
 
+def _padded_shard(dt: torch.Tensor, world: int, index: int,
+                  dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, int, int, tuple]:
+    """This rank's (the ``index``-th of ``world``) shard of ``dt``, cast to ``dtype``, with
+    the sharded dim moved first and zero-padded to the chunk size every rank sends:
+    ``(contiguous shard, dim, chunk size, shape of the other dims)``."""
+    dim = dt.placements[0].dim % max(dt.dim(), 1)
+    size, sizes = _chunk_sizes(dt.shape[dim], world)
+    local = dt.to_local()
+    if dtype is not None and local.dtype != dtype:
+        local = local.to(dtype)
+    moved = local.movedim(dim, 0) if dim else local
+    if moved.shape[0] != sizes[index]:
+        raise RuntimeError(f"unexpected shard of {tuple(dt.shape)} on rank {dist.get_rank()}: "
+                           f"{tuple(local.shape)} (expected {sizes[index]} along dim {dim})")
+    rest = tuple(moved.shape[1:])
+    if moved.shape[0] < size:
+        pad = torch.zeros((size - moved.shape[0],) + rest, dtype=moved.dtype, device=moved.device)
+        moved = torch.cat([moved, pad]) if moved.shape[0] else pad
+    return moved.contiguous(), dim, size, rest
+
+
 def gather_to_owner(dt: torch.Tensor, owner: int,
                     dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
     """The full tensor of DTensor ``dt`` on global rank ``owner`` (cast to ``dtype``)."""
@@ -57,22 +82,8 @@ def gather_to_owner(dt: torch.Tensor, owner: int,
     ranks = dist.get_process_group_ranks(group)
     if owner not in ranks:
         return _fallback(dt, owner, dtype)
-    dim = placements[0].dim % max(dt.dim(), 1)
-    world = len(ranks)
-    size, sizes = _chunk_sizes(dt.shape[dim], world)
-    me = dist.get_rank()
-    local = dt.to_local()
-    if dtype is not None and local.dtype != dtype:
-        local = local.to(dtype)
-    moved = local.movedim(dim, 0) if dim else local
-    if moved.shape[0] != sizes[ranks.index(me)]:
-        raise RuntimeError(f"unexpected shard of {tuple(dt.shape)} on rank {me}: "
-                           f"{tuple(local.shape)} (expected {sizes[ranks.index(me)]} along dim {dim})")
-    rest = tuple(moved.shape[1:])
-    if moved.shape[0] < size:
-        pad = torch.zeros((size - moved.shape[0],) + rest, dtype=moved.dtype, device=moved.device)
-        moved = torch.cat([moved, pad]) if moved.shape[0] else pad
-    moved = moved.contiguous()
+    world, me = len(ranks), dist.get_rank()
+    moved, dim, size, rest = _padded_shard(dt, world, ranks.index(me), dtype)
     if me != owner:
         dist.gather(moved, None, dst=owner, group=group)
         return None
@@ -93,24 +104,6 @@ def coalescible(t: torch.Tensor) -> Optional[Any]:
     return t.device_mesh.get_group()
 
 
-def _padded_shard(dt: torch.Tensor, world: int, index: int,
-                  dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, int, int, tuple]:
-    dim = dt.placements[0].dim % dt.dim()
-    size, sizes = _chunk_sizes(dt.shape[dim], world)
-    local = dt.to_local()
-    if dtype is not None and local.dtype != dtype:
-        local = local.to(dtype)
-    moved = local.movedim(dim, 0) if dim else local
-    if moved.shape[0] != sizes[index]:
-        raise RuntimeError(f"unexpected shard of {tuple(dt.shape)}: {tuple(local.shape)} "
-                           f"(expected {sizes[index]} along dim {dim})")
-    rest = tuple(moved.shape[1:])
-    if moved.shape[0] < size:
-        pad = torch.zeros((size - moved.shape[0],) + rest, dtype=moved.dtype, device=moved.device)
-        moved = torch.cat([moved, pad]) if moved.shape[0] else pad
-    return moved.contiguous().reshape(-1).view(torch.uint8), dim, size, rest
-
-
 def gather_many_to_owners(dts: list, owners: list[int], dtypes: list,
                           group: dist.ProcessGroup) -> list[Optional[torch.Tensor]]:
     """Full tensors of several DTensors sharded over ``group``, each on its owner, in one
@@ -122,7 +115,8 @@ def gather_many_to_owners(dts: list, owners: list[int], dtypes: list,
     by_dest: list[list[torch.Tensor]] = [[] for _ in ranks]
     metas = []
     for dt, owner, dtype in zip(dts, owners, dtypes):
-        flat, dim, size, rest = _padded_shard(dt, world, index, dtype)
+        moved, dim, size, rest = _padded_shard(dt, world, index, dtype)
+        flat = moved.reshape(-1).view(torch.uint8)
         by_dest[ranks.index(owner)].append(flat)
         metas.append((owner, flat.numel(), dim, size, rest, dt.shape[dim],
                       dtype if dtype is not None else dt.dtype))

@@ -11,12 +11,15 @@ rollout adapter (:class:`~weightsync.rollout.protocol.RolloutAdapter`), or overr
 ``weightsync_rollout()``.
 
 Both expose ``execute_checkpoint_engine(method, *args, **kwargs)`` to reach the hosted
-engine directly. Every call is synchronous and bounded by the engine's timeout.
+engine directly (:func:`weightsync.rollout.protocol.execute_on_engine`, as the rollout
+adapters do). Every call is synchronous and bounded by the engine's timeout.
+
+Mixed into the workers of :mod:`weightsync.integrations.ray` (``workers``,
+``vllm_workers``) and users' own classes; the manager calls their ``ws_*`` methods.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from typing import Any, Optional, Sequence
@@ -27,6 +30,7 @@ from weightsync.trainer.digests import describe_export, export_digests
 from weightsync.core.plan import dtype_from_name
 from weightsync.trainer.export import KINDS, export_weights
 from weightsync.trainer.lora import is_peft_model, lora_config_dict
+from weightsync.rollout.protocol import execute_on_engine
 
 __all__ = ["TrainerWorkerMixin", "RolloutWorkerMixin"]
 
@@ -134,14 +138,8 @@ class TrainerWorkerMixin:
         self.weightsync_reload()
 
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        engine = self._engine_or_raise()
-        if method.startswith("_") or not callable(getattr(engine, method, None)):
-            raise ValueError(f"{type(engine).__name__} has no public method {method!r}")
-        result = getattr(engine, method)(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = self._ws().runner.run(result, timeout=2 * engine.config.timeout + 30,
-                                           phase=method)
-        return result
+        return execute_on_engine(self._engine_or_raise(), method, args, kwargs,
+                                 self._ws().runner)
 
     def _engine_or_raise(self) -> Any:
         engine = self._ws().engine

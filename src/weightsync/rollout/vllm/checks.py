@@ -20,6 +20,9 @@ modules that are not linear layers (embeddings, norms) whose live bytes equalled
 received ones right after the load are hashed again at every ``verify``, so a later
 change of those in memory is caught. Adapter tensors are hashed from the PEFT folder
 vLLM loaded them from.
+
+The functions run in the vLLM workers (called by :mod:`.extension`); :class:`VLLMChecks`
+runs in the driver (mixed into :class:`~weightsync.rollout.vllm.VLLMRolloutReplica`).
 """
 
 from __future__ import annotations
@@ -138,33 +141,19 @@ def calibrate_live(model: torch.nn.Module, digests: dict, manifest: Optional[dic
 
 # -- in the driver ----------------------------------------------------------------------------
 class VLLMChecks:
-    """The replica's optional hooks: ``begin_sync``, ``fence``, ``sync_state``,
-    ``check_weights``, ``weight_digests`` (mixed into ``VLLMRolloutReplica``)."""
+    """The replica's optional hooks ``check_weights`` and ``weight_digests`` (mixed into
+    ``VLLMRolloutReplica``; ``begin_sync``, ``fence``, ``sync_state`` come with
+    :class:`~weightsync.rollout.protocol.ReplicaControls`)."""
 
     # provided by VLLMDriver / VLLMRolloutReplica
     name: str
     sleep_mode: bool
     weights_asleep: bool
-    _fenced: Optional[str]
-    _sync_fence: SyncFence
+    _fence: SyncFence
     _base_version: Any
     _lora_request: Any
     _rpc: Callable[..., list]
     current_version: Callable[[], Any]
-
-    def _fence_reason(self) -> Optional[str]:
-        return self._fenced or self._sync_fence.reason
-
-    def begin_sync(self, version: Any, kinds: Sequence[str]) -> None:
-        """Fence generation until every round in ``kinds`` of ``version`` is applied."""
-        self._sync_fence.begin(version, list(kinds))
-
-    def fence(self, reason: str) -> None:
-        """Refuse to generate until a sync completes (e.g. a digest did not match)."""
-        self._sync_fence.fence(reason)
-
-    def sync_state(self) -> dict:
-        return {"version": self.current_version(), "fenced": self._fence_reason()}
 
     def check_weights(self, offered: list, *, kind: str = "full",
                       adapter_config: Optional[dict] = None) -> list[list[str]]:
@@ -197,9 +186,9 @@ class VLLMChecks:
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         version = self.current_version()
-        if self._fence_reason():
+        if self._fence.blocked:
             raise WeightSyncError(f"{self.name} holds no complete version: "
-                                  f"{self._fence_reason()}", phase="verify", version=version)
+                                  f"{self._fence.blocked}", phase="verify", version=version)
         if kind == "adapter":
             return self._adapter_digests(version)
         if self.sleep_mode and self.weights_asleep:

@@ -1,6 +1,10 @@
 """Driver side of the vLLM replica: starting ``vllm.LLM``, bounded calls into it, the
 JSON RPC to the worker extension, and greedy generation with versions read from vLLM's
 outputs. :class:`~weightsync.rollout.vllm.VLLMRolloutReplica` builds on :class:`VLLMDriver`.
+
+Whether the replica may generate is decided here, by one
+:class:`~weightsync.rollout.protocol.SyncFence` (``_fence``); the workers' own flag
+(:mod:`weightsync.rollout.vllm.extension`) only reports a torn model back to it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class VLLMDriver(ReplicaControls):
-    """Starts the LLM, talks to the worker extension, generates (see ``vllm.py``)."""
+    """Starts the LLM, talks to the worker extension, generates (see :mod:`.replica`)."""
 
     def __init__(self, model: Optional[str] = None, *, llm: Any = None, dtype: Any = "float32",
                  seed: int = 0, name: str = "vllm", options: Optional[VLLMOptions] = None,
@@ -47,8 +51,7 @@ class VLLMDriver(ReplicaControls):
         self._live: set[str] = set()
         self._version: Any = None
         self._versions: dict[str, Any] = {}
-        self._fenced: Optional[str] = None
-        self._sync_fence = SyncFence()          # begin_sync .. every round applied
+        self._fence = SyncFence()               # the one "may it generate" (see the doc)
         self._base_version: Any = None          # of the last full/base load
         self._asleep = {"weights": False, "kv_cache": False}
         self._discarded = False
@@ -188,7 +191,7 @@ class VLLMDriver(ReplicaControls):
         return self._version
 
     def _committed(self, version: Any) -> None:
-        self._version, self._fenced = version, None
+        self._version = version
         self._versions[str(version)] = version
         self._call(lambda: self.llm.llm_engine.set_weight_version(str(version)),
                    "set_weight_version", "load", version)

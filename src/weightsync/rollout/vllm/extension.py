@@ -6,7 +6,7 @@ class into its worker class, so the methods below run in the worker process with
 ``self`` being the vLLM worker; the driver calls them with ``collective_rpc(name,
 args=...)``. Arguments and results are JSON-able (names, versions, options, metas,
 stats): weight bytes never travel through the RPC; they go from the transport straight
-into vLLM's loader (:mod:`._vllm_apply`).
+into vLLM's loader (:mod:`weightsync.rollout.vllm.apply`).
 
 Every call returns ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": {...}}``
 (type, message, peer, phase, version), which the driver turns back into the matching
@@ -14,10 +14,15 @@ Every call returns ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": {.
 
 Apply modes of a sync (``apply``): ``"stream"`` feeds tensors to the loader as they
 arrive (peak memory: the model plus the layers in flight); a failure half way leaves
-some layers new and some old, so the worker is *fenced* (the driver refuses generation
-and zeroes the KV cache) until a complete version lands. ``"staged"`` receives and
-checks the whole version first, then loads it: a transport failure leaves the old
-version intact and serving, at the cost of one extra copy of the weights in memory.
+some layers new and some old: the worker zeroes its KV cache and reports its model
+*torn* (``weightsync_state()["fenced"]``), and the driver, which alone decides whether
+the replica generates (its :class:`~weightsync.rollout.protocol.SyncFence`), refuses
+generation until a complete version lands. ``"staged"`` receives and checks the whole
+version first, then loads it: a transport failure leaves the old version intact and
+serving, at the cost of one extra copy of the weights in memory.
+
+Called only by the driver (:mod:`weightsync.rollout.vllm.driver` and
+:mod:`weightsync.rollout.vllm.replica`), through ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -41,10 +46,15 @@ class _State:
         self.engine: Any = None
         self.runner = AsyncRunner("weightsync-vllm-worker")
         self.version: Any = None
-        self.fenced: Optional[str] = None
+        # A mirror, not an authority: why this worker's model holds no complete version
+        # (set when a load starts writing it, cleared when one completes). Only the
+        # driver's SyncFence decides whether the replica generates; after a failed
+        # receive it reads this (``weightsync_state``) to tell a torn model from intact
+        # old weights, and tears its fence with this reason.
+        self.torn: Optional[str] = None
         self.manifest: Any = False      # False: not read yet; None: no manifest
         self.header: Optional[dict] = None  # {name: (shape, safetensors dtype)}
-        self.digests: Optional[dict] = None  # of the last complete version (see _vllm_checks)
+        self.digests: Optional[dict] = None  # of the last complete version (see .checks)
         self.dtypes: dict = {}
         self.live: list = []            # names whose live parameters are hashed at verify
 
@@ -132,21 +142,12 @@ class WeightSyncWorkerExtension:
     @_guard
     def weightsync_execute(self, method: str, args: list, kwargs: dict) -> Any:
         """``execute_checkpoint_engine``: a public method of the hosted engine."""
-        import inspect
+        from weightsync.rollout.protocol import execute_on_engine
 
         state = self._weightsync()
         if state.engine is None:
             raise RuntimeError("no checkpoint engine in this vLLM worker (prepare first)")
-        if not isinstance(method, str) or method.startswith("_") or \
-                not callable(getattr(state.engine, method, None)):
-            raise ValueError(f"{type(state.engine).__name__} has no public method {method!r}")
-        result = getattr(state.engine, method)(*args, **kwargs)
-        if inspect.isasyncgen(result):
-            raise ValueError(f"{method} is an async iterator; use a sync")
-        if inspect.isawaitable(result):
-            result = state.runner.run(result, timeout=2 * state.engine.config.timeout + 30,
-                                      phase=method)
-        return result
+        return execute_on_engine(state.engine, method, args, kwargs, state.runner)
 
     @_guard
     def weightsync_state(self) -> dict:
@@ -154,7 +155,7 @@ class WeightSyncWorkerExtension:
         names and shapes every full sync must cover), so the folder may go afterwards."""
         state = self._weightsync()
         self._weightsync_manifest(state)
-        return {"version": state.version, "fenced": state.fenced, "pid": os.getpid(),
+        return {"version": state.version, "fenced": state.torn, "pid": os.getpid(),
                 "rank": int(getattr(self, "rank", 0)), "engine": state.engine is not None,
                 "manifest": None if state.manifest is None else len(state.manifest)}
 
@@ -164,7 +165,7 @@ class WeightSyncWorkerExtension:
 
         return zero_kv_cache(self)
 
-    # -- checks (see _vllm_checks) ---------------------------------------------------------
+    # -- checks (see .checks) ---------------------------------------------------------------
     @_guard
     def weightsync_check(self, offered: list, kind: str) -> Optional[list]:
         """Problems (``[name, why]``) of loading ``offered`` as ``kind``; nothing changes.
@@ -259,7 +260,7 @@ class WeightSyncWorkerExtension:
                                    f"unwritten: {missing[:8]}", peer=peer, phase="receive",
                                    version=version)
             items = _drain(staged)            # each tensor freed once its layer is loaded
-        state.fenced = f"the sync of version {version!r} did not complete"
+        state.torn = f"the sync of version {version!r} did not complete"
         state.digests, state.dtypes, state.live = None, {}, []
         try:
             info = apply_weights(self, items, loader=loader, version=version, peer=peer)
@@ -268,7 +269,7 @@ class WeightSyncWorkerExtension:
                 heal_after_failure(self)
             zero_kv_cache(self)
             raise
-        state.version, state.fenced = version, None
+        state.version, state.torn = version, None
         if digests:
             state.digests, state.dtypes = checked.digests, checked.dtypes
             state.live = calibrate_live(self.model_runner.get_model(), checked.digests,

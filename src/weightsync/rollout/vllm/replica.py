@@ -14,8 +14,10 @@ the rollout adapter protocol (:mod:`weightsync.rollout.protocol`):
   shapes are checked against the checkpoint before the loader sees them and the whole
   set before the commit; a sync that fails half way *fences* the replica (generation
   refused, KV cache zeroed) until a complete version lands. With ``apply="staged"`` a
-  transport failure leaves the old version serving instead (see ``vllm_ext``).
-* **Checks and digests** (:mod:`._vllm_checks`): ``check_weights`` checks a weight set
+  transport failure leaves the old version serving instead (see :mod:`.extension`).
+  One :class:`~weightsync.rollout.protocol.SyncFence` in the driver decides (see
+  :mod:`.driver`); the workers only report a torn model to it.
+* **Checks and digests** (:mod:`.checks`): ``check_weights`` checks a weight set
   in every worker against the checkpoint's headers before any byte moves (the manager's
   validation), ``weight_digests`` gives ``verify`` the digests of what vLLM's loader
   received in the last complete sync (plus live embeddings/norms), and ``begin_sync``
@@ -33,6 +35,9 @@ the rollout adapter protocol (:mod:`weightsync.rollout.protocol`):
   ``add_lora(load_inplace=True)`` and passes the ``LoRARequest`` with every generation.
   Without LoRA support an adapter sync is refused with a clear error, never merged or
   dropped silently.
+
+Used directly or hosted by :class:`~weightsync.integrations.ray.vllm_workers.VLLMRolloutWorker`
+(the manager reaches it through that worker's ``ws_*`` calls).
 """
 
 from __future__ import annotations
@@ -108,9 +113,9 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
         paused_here = not self.gate.paused
         if paused_here:
             self.gate.pause(abort=False)
-        previous_fence = self._fenced
+        previous_tear = self._fence.torn
         if kind != "adapter":
-            self._fenced = f"the sync of version {version!r} did not complete"
+            self._fence.tear(f"the sync of version {version!r} did not complete")
         applied = False       # True once vLLM holds the new weights (or adapter)
         try:
             replies = self._rpc("weightsync_receive", version, kind, options, phase="receive",
@@ -125,13 +130,13 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
             self._committed(version)
             if kind != "adapter":
                 self._base_version = version
-            self._sync_fence.round_done(version, kind)
+            self._fence.applied(version, kind)
         except BaseException as exc:
             if applied:       # new weights in, but no clean prefix cache/adapter: fence
-                self._fenced = (f"version {version!r} was loaded, then {type(exc).__name__}: "
-                                f"{exc}")
+                self._fence.tear(f"version {version!r} was loaded, then "
+                                 f"{type(exc).__name__}: {exc}")
             else:
-                self._after_failure(kind, version, previous_fence, folder)
+                self._after_failure(kind, version, previous_tear, folder)
             raise
         finally:
             if paused_here:
@@ -182,8 +187,10 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
         else:                        # the reload dropped the adapter: load it on the new base
             self._activate_adapter(self._lora_request.lora_path, self._adapter_cfg, version)
 
-    def _after_failure(self, kind: str, version: Any, previous_fence: Optional[str],
+    def _after_failure(self, kind: str, version: Any, previous_tear: Optional[str],
                        folder: Optional[str]) -> None:
+        """A round failed before vLLM held it: the fence is torn if a worker reports its
+        model torn (a streamed load stopped half way), else as it was before the round."""
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
         if kind == "adapter":
@@ -194,7 +201,7 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
             touched = [s["fenced"] for s in states if s.get("fenced")]
         except Exception as exc:     # cannot tell: stay fenced
             touched = [f"worker state unknown after the failure ({exc})"]
-        self._fenced = touched[0] if touched else previous_fence
+        self._fence.tear(touched[0] if touched else previous_tear)
 
     def _merge_stats(self, replies: list, kind: str, version: Any) -> dict:
         first = dict(replies[0])
@@ -272,8 +279,8 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
         if any(self._asleep.values()):
             raise WeightSyncError(f"{self.name} is asleep ({self._asleep}); wake_up first",
                                   phase="generate", version=self._version)
-        if self._fence_reason():
-            raise WeightSyncError(f"{self.name} refuses to generate: {self._fence_reason()}",
+        if self._fence.blocked:
+            raise WeightSyncError(f"{self.name} refuses to generate: {self._fence.blocked}",
                                   phase="generate", version=self._version)
         if self._discarded:
             raise WeightSyncError(f"{self.name}: weights discarded by sleep(level=2) were "

@@ -29,6 +29,9 @@ way; vLLM once forced it to 0 for a memory cost of NCCL's cuMem buffers with CUD
 fixed in NCCL 2.22.3; some colocated frameworks still require 0. Its value is logged when
 a group is created. Multiple trainer ranks give a receiver one communicator per trainer,
 used concurrently: NCCL runs those only while their kernels fit on the GPU together.
+
+Owns the collective data path; the bucket protocol is :mod:`weightsync.transport.protocol`.
+Created by name through ``CheckpointEngineRegistry`` (registered in :mod:`weightsync.transport`).
 """
 
 from __future__ import annotations
@@ -48,13 +51,14 @@ import torch.distributed as dist
 
 from weightsync.core.errors import SyncTimeout, WeightSyncError
 from weightsync.core.wire import AckMsg, BucketMsg, ErrorMsg
-from weightsync.transport.protocol.sender import BucketedEngine, plain_cpu, direct_header
+from weightsync.transport.protocol.sender import BucketedEngine, DirectTensors, direct_min_bytes
 from weightsync.core.remote import raise_remote
 from weightsync.transport.control.links import Link, LinkHub
 from weightsync.transport.control.server import C10dStore
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.protocol.receiver import ReceiverMixin, patience
 from weightsync.transport.registry import CheckpointEngineRegistry
+from weightsync.transport.tensors import as_bytes
 
 __all__ = ["CollectiveEngine"]
 
@@ -104,7 +108,7 @@ def _connect(pg: dist.ProcessGroup, device: torch.device, timeout: float, peer: 
 
 
 @CheckpointEngineRegistry.register("collective")
-class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
+class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
     """Multi-host transport: double-buffered broadcasts over gloo or NCCL."""
 
     capabilities = frozenset({"cpu", "cuda", "same_host", "multi_host"})
@@ -120,12 +124,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._cuda = torch.device(self.config.device).type == "cuda"
         self._tx_stream: Any = None      # caller's stream during send_weights (CUDA)
         self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
-        try:  # CPU: tensors at least this big are broadcast as they are (0: never)
-            self._direct_min = int(os.environ.get("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN",
-                                                  str(16 << 20)))
-        except ValueError:
-            raise ValueError("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN must be a number of bytes") from None
-        self._direct_seq = (0, 0)
+        # CPU: tensors at least this big are broadcast as they are (0: never)
+        self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", 16 << 20)
         self._aborted = False
         self._hub: Any = None
         self._links: dict[int, Link] = {}
@@ -330,28 +330,19 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
                         stream=stream, seq=msg.seq)
         return buf
 
-    # -- direct tensors (CPU): broadcast from the trainer's tensor into the receiver's own,
-    # no packing or unpacking copy; the header goes first, so every rank posts the
-    # broadcasts of one group in the same order ------------------------------------------
-    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-        return (not self._cuda and self._direct_min > 0 and tensor.dtype == dtype
-                and plain_cpu(tensor) and not self.config.checksum
-                and tensor.numel() * tensor.element_size() >= self._direct_min)
+    # -- direct tensors (DirectTensors; CPU): broadcast from the trainer's tensor into the
+    # receiver's own, no packing or unpacking copy; the header goes first, so every rank
+    # posts the broadcasts of one group in the same order ---------------------------------
+    def _direct_on(self) -> bool:
+        return not self._cuda and self._direct_min > 0 and not self.config.checksum
 
-    def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
-                   dtype: torch.dtype) -> None:
-        msg = direct_header(self, state, name, tensor, dtype)
-        nbytes = msg.nbytes
+    def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
         self._tx_control().push_many(self._receiver_boxes(), msg)
-        flat = tensor.reshape(-1).view(torch.uint8)
-        self._wait_work(self._groups[self._rank].broadcast(flat, 0),
+        self._wait_work(self._groups[self._rank].broadcast(as_bytes(tensor), 0),
                         state.version)  # the tensor may change once we return
-        state.tensors += 1
-        state.nbytes += nbytes
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
-        flat = dest.reshape(-1).view(torch.uint8)
-        self._wait_work(self._groups[stream].broadcast(flat, 0), msg.version,
+        self._wait_work(self._groups[stream].broadcast(as_bytes(dest), 0), msg.version,
                         stream=stream, seq=msg.seq)
 
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:

@@ -7,7 +7,11 @@ The header carries the bucket's layout only when it differs from the layout cach
 the previous sync, so a repeated sync sends no per-tensor metadata at all. Receivers pump
 every stream in a thread, expose each bucket's tensors as views, and release the bucket
 once the consumer has moved past it. A subclass supplies the data path: where slot
-buffers live and how bucket bytes reach receivers.
+buffers live and how bucket bytes reach receivers. Tensors big enough may skip the buckets
+("direct"): :class:`DirectTensors` holds what the backends that do this share.
+
+Subclassed by the bucketed backends of :mod:`weightsync.transport.backends` (``shm``,
+``collective``, ``cuda_ipc``), with :class:`~.receiver.ReceiverMixin` for the other half.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -30,7 +35,7 @@ from weightsync.transport.tensors import aiter_items, as_bytes, checksum, wire_d
 from weightsync.transport.protocol.ownership import Ownership
 from weightsync.transport.base import CheckpointEngine
 
-__all__ = ["BucketedEngine", "direct_header", "plain_cpu"]
+__all__ = ["BucketedEngine", "DirectTensors", "direct_header", "direct_min_bytes", "plain_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,46 @@ def plain_cpu(t: torch.Tensor) -> bool:
             and not t.is_conj() and not t.is_neg())
 
 
+def direct_min_bytes(env: str, default: int) -> int:
+    """The size from which a tensor goes direct: environment variable ``env`` (bytes)."""
+    try:
+        return int(os.environ.get(env, str(default)))
+    except ValueError:
+        raise ValueError(f"{env} must be a number of bytes") from None
+
+
+class DirectTensors:
+    """The half of the direct-tensor hooks that ``shm`` and ``collective`` share; mix it in
+    before :class:`BucketedEngine`. A tensor goes direct when the backend allows it now
+    (``_direct_on``), it is a plain CPU tensor already in the wire dtype, and it has at
+    least ``_direct_min`` bytes; its header (:func:`direct_header`) and the send's counts
+    are done here, the bytes by the backend's ``_direct_deliver`` (and ``_rx_direct``
+    on the receiving side)."""
+
+    _direct_min: int = 0
+    _direct_seq: tuple = (0, 0)        # (seq, k): the k-th direct tensor of sync seq
+
+    def _direct_on(self) -> bool:
+        """Hook: may any tensor go direct now (the backend's own conditions)."""
+        return False
+
+    def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
+        """Hook: send header ``msg`` and ``tensor``'s bytes; return once receivers have them
+        (the tensor may change after that)."""
+        raise NotImplementedError
+
+    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (self._direct_on() and tensor.dtype == dtype and plain_cpu(tensor)
+                and tensor.numel() * tensor.element_size() >= self._direct_min)
+
+    def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+        msg = direct_header(self, state, name, tensor, dtype)
+        self._direct_deliver(state, msg, tensor)
+        state.tensors += 1
+        state.nbytes += msg.nbytes
+
+
 class BucketedEngine(CheckpointEngine, abc.ABC):
     """Send/receive logic over slot buffers; subclasses provide the data path."""
 
@@ -114,7 +159,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
 
     # -- optional hooks ---------------------------------------------------------------------
     def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Hook: True if this tensor goes to receivers without a bucket (see ``shm``)."""
+        """Hook: True if this tensor goes to receivers without a bucket (see
+        :class:`DirectTensors`)."""
         return False
 
     def _tx_direct(self, state: _SendState, name: str, tensor: torch.Tensor,

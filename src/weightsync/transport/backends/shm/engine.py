@@ -9,19 +9,23 @@ consumer's copy into its model is the only copy on their side). Waiting is block
 socket, never spinning. Segments are unlinked as soon as all readers mapped them.
 
 Speed (see BENCHMARKS.md): per-bucket headers and acks travel on one Unix socket per
-receiver (:mod:`._direct`), not through the control store. Where the kernel lets rollout
-ranks read the trainer's memory (``process_vm_readv``, probed in ``init_process_group``),
-every contiguous tensor of at least ``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (8 MiB) skips the
-ring: the trainer sends its address and waits until every receiver has read it (the
+receiver (:mod:`weightsync.transport.control.links`), not through the control store.
+Where the kernel lets rollout ranks read the trainer's memory (``process_vm_readv``,
+probed in ``init_process_group``), every contiguous tensor of at least
+``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (8 MiB) skips the ring: the trainer sends its address and waits until every receiver has read it (the
 tensor is valid only until the next item), so one copy remains instead of two; with
 ``receive_into`` that copy lands straight in the receiver's own tensor. Copies use
-``memmove`` rather than torch's thread pool (:mod:`._fastcopy`).
+``memmove`` rather than torch's thread pool (:mod:`weightsync.transport.fastcopy`).
 ``WEIGHTSYNC_SHM_DIRECT``: ``auto`` (default: only while every receiver has two cores, or
 there is one receiver), ``1`` always, ``0`` never.
 
 Lifecycle (per worker): ``prepare`` (trainers start their control store) ->
 ``build_topology`` -> ``init_process_group`` (trainers create the ring, rollout ranks map
 it) -> any number of ``send_weights``/``receive_weights`` -> ``finalize``.
+
+This module owns the shm data path (segments, links, the direct-read probe); the bucket
+protocol is :mod:`weightsync.transport.protocol`. Created by name through
+``CheckpointEngineRegistry`` (registered lazily in :mod:`weightsync.transport`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
 from weightsync.core.wire import BucketMsg, HelloMsg
-from weightsync.transport.protocol.sender import BucketedEngine, plain_cpu, direct_header
+from weightsync.transport.protocol.sender import BucketedEngine, DirectTensors, direct_min_bytes
 from weightsync.transport.control.links import Link, LinkHub, unix_address
 from weightsync.transport.fastcopy import cma_available, cma_read, copy_threads
 from weightsync.transport.control.group import StoreGroupMixin
@@ -49,7 +53,7 @@ __all__ = ["ShmEngine"]
 
 
 @CheckpointEngineRegistry.register("shm")
-class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
+class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
     """Same-host, multi-process transport over shared memory."""
 
     capabilities = frozenset({"cpu", "same_host"})
@@ -64,7 +68,6 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
         self._links: dict[int, Link] = {}
         self._peer_pid: dict[int, int] = {}
         self._direct = False
-        self._direct_seq = (0, 0)
         self._copy_threads = copy_threads()
         self._copy_pool: Optional[ThreadPoolExecutor] = None
         env = os.environ.get("WEIGHTSYNC_SHM_DIRECT", "auto").strip().lower()
@@ -72,10 +75,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
             raise ValueError(f"WEIGHTSYNC_SHM_DIRECT must be auto, 1 or 0, got {env!r}")
         self._direct_mode = "auto" if env == "auto" else \
             ("off" if env in ("0", "false", "no", "off") else "on")
-        try:
-            self._direct_min = int(os.environ.get("WEIGHTSYNC_SHM_DIRECT_MIN", str(8 << 20)))
-        except ValueError:
-            raise ValueError("WEIGHTSYNC_SHM_DIRECT_MIN must be a number of bytes") from None
+        self._direct_min = direct_min_bytes("WEIGHTSYNC_SHM_DIRECT_MIN", 8 << 20)
 
     def _init_sender(self) -> None:
         sweep_stale()
@@ -185,20 +185,13 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, BucketedEngine):
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         pass  # the acknowledgement the protocol sends frees the slot
 
-    # -- control links (per-bucket messages bypass the store) ---------------------------
-    # -- direct tensors: receivers read the trainer's memory (one copy in all) ------------
-    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-        return (self._direct and tensor.dtype == dtype and plain_cpu(tensor)
-                and tensor.numel() * tensor.element_size() >= self._direct_min)
+    # -- direct tensors (DirectTensors): receivers read the trainer's memory (one copy) ----
+    def _direct_on(self) -> bool:
+        return self._direct          # every receiver can read us (probed), no checksums
 
-    def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
-                   dtype: torch.dtype) -> None:
-        msg = direct_header(self, state, name, tensor, dtype)
-        nbytes = msg.nbytes
+    def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
         self._hub.push_many(self._receiver_boxes(), msg, aux=tensor.data_ptr())
         self._await_acks(state, final=False, index=msg.index)
-        state.tensors += 1
-        state.nbytes += nbytes
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
         try:
