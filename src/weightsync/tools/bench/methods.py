@@ -198,6 +198,58 @@ class Collective(WeightSync):
     backend = "collective"
 
 
+class Nixl(WeightSync):
+    backend = "nixl"
+
+    def info(self) -> dict:
+        if not self.metrics:
+            return {}
+        last = self.metrics[-1]
+        return {k: last.get(k) for k in ("tensors", "layout_sent", "held_bytes")}
+
+
+class NixlRaw(Method):
+    """Limit: one NIXL READ per pass of one flat registered region of the same bytes
+    (trainer -> every receiver), the agents and handles set up before timing."""
+
+    verify = False
+
+    def setup(self) -> None:
+        from weightsync.transport.backends.nixl.agent import NixlAgent
+        ctx = self.ctx
+        self.flat = _FlatBytes(ctx.workload.nbytes)
+        self.agent = NixlAgent(f"bench-raw-{os.getpid()}-{ctx.rank}")
+        self.buf = torch.ones(self.flat.size, dtype=torch.uint8)
+        self.agent.register(self.buf)
+        mine = (self.agent.name, self.agent.metadata(), self.buf.data_ptr())
+        name, meta, addr = ctx.gather(mine)[0]
+        self.reads = []
+        if not ctx.is_trainer:
+            self.agent.add_remote(name, meta, peer="trainer rank 0")
+            for n in self.flat.passes:
+                self.reads.append(self.agent.reads(name, [(self.buf.data_ptr(), n)], [(addr, n)],
+                                                   mem="DRAM", remote_mem="DRAM",
+                                                   peer="trainer rank 0"))
+        ctx.gather(None)
+
+    def step(self, version: int) -> None:
+        from weightsync.transport.backends.nixl.agent import wait_all
+        import time
+        for r in self.reads:
+            r.post(version=version)
+            wait_all([r], time.monotonic() + self.ctx.timeout, version=version)
+
+    def teardown(self) -> None:
+        try:
+            self.ctx.gather(None)            # the trainer's memory stays until all read it
+        finally:
+            for r in getattr(self, "reads", []):
+                r.release()
+            if getattr(self, "agent", None) is not None:
+                self.agent.close()
+            self.agent = self.buf = None
+
+
 _TABLE: dict[str, type[Method]] = {}
 
 
@@ -206,7 +258,7 @@ def method_table() -> dict[str, type[Method]]:
     if not _TABLE:
         from weightsync.tools.bench.baselines import BASELINES
         _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
-                       "shm-direct": ShmDirect})
+                       "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw})
         _TABLE.update(BASELINES)
         _TABLE.update({"memcpy": Memcpy, "gloo-flat": GlooFlat,
                        "memcpy-parallel": MemcpyParallel})

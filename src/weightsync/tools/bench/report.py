@@ -18,7 +18,7 @@ __all__ = ["build_report", "format_table", "format_goals", "format_markdown", "p
            "machine_info", "validate"]
 
 SCHEMA = "weightsync-bench/1"
-WS_METHODS = ("shm", "collective")
+WS_METHODS = ("shm", "collective", "nixl")
 RESULT_KEYS = ("workload", "dtype", "bytes", "receivers", "method", "kind", "status", "note",
                "cold_s", "warm_s", "warm_median_s", "gbps", "rss", "max_extra_rss_bytes", "ok")
 
@@ -98,6 +98,12 @@ def compute_goals(results: list[dict], bucket: int) -> list[dict]:
             if ratio is not None:
                 goals.append(_goal("collective_vs_gloo", "collective >= 0.9 x raw gloo "
                                    "broadcast", case, ratio, 0.9, True, how))
+        nx, raw = _find(results, "nixl", w, d, r), _find(results, "nixl-raw", w, d, r)
+        if nx:
+            ratio, how = _speed_ratio(nx, raw, "nixl-raw")
+            if ratio is not None:
+                goals.append(_goal("nixl_vs_raw", "nixl >= 0.8 x a raw NIXL READ of one flat "
+                                   "region", case, ratio, 0.8, True, how))
         best = min((x for x in (_find(results, m, w, d, r) for m in WS_METHODS) if x),
                    key=lambda x: x["warm_median_s"], default=None)
         if best and w.endswith("-1GiB"):

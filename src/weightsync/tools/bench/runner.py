@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
                    "gloo-flat", "memcpy-parallel")
-ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct")
+ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw")
 
 
 @dataclass(kw_only=True)
@@ -96,6 +96,8 @@ def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
         "memcpy": 2 * cap,
         "gloo-flat": (receivers + 1) * cap,
         "memcpy-parallel": receivers * 2 * cap,
+        "nixl": n + receivers * n,          # trainer staging + each receiver's landing buffer
+        "nixl-raw": (receivers + 1) * cap,
     }[method]
 
 
@@ -203,7 +205,7 @@ def _durations(results: list[dict], key: str, part: str) -> list[float]:
 
 #: goals compare these pairs step by step (the limit runs right before each step)
 PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "shm-direct": "memcpy",
-         "collective": "gloo-flat"}
+         "collective": "gloo-flat", "nixl": "nixl-raw"}
 
 
 def _summarize(w: Workload, method: str, receivers: int, results: list[dict],
