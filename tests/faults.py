@@ -111,10 +111,11 @@ def nixl_kill_rollout_1_mid_pull(engine, role, rank):
         return
     orig, seen = engine._ensure_plan, {}
 
-    def ensure():
-        orig()
+    def ensure(*args):
+        plan = orig(*args)
         if _on_second(seen, "n"):
             os._exit(17)
+        return plan
     engine._ensure_plan = ensure
 
 
@@ -124,11 +125,12 @@ def nixl_kill_trainer_0_mid_pull(engine, role, rank):
     if role == "rollout":
         orig, seen = engine._ensure_plan, {}
 
-        def slow():
-            orig()
+        def slow(*args):
+            plan = orig(*args)
             if _on_second(seen, "n"):
                 import time
                 time.sleep(1.0)
+            return plan
         engine._ensure_plan = slow
         return
     if rank != 0:

@@ -221,3 +221,84 @@ def test_wrong_store_token_is_refused_before_anything_is_registered():
     finally:
         rollout.finalize()
         trainer.finalize()
+
+
+# -- serving from the trainer's own storage, landing in the receiver's own tensors -------------
+
+def stable_params_hook(engine, role, rank):
+    """Trainer: yield the same tensors every sync, refilled in place (as parameters are)."""
+    if role == "trainer":
+        engine._serve_mode = "auto"
+        orig, held = engine.send_weights, {}
+
+        async def wrapped(named_tensors, version=None):
+            items = []
+            for name, t in named_tensors:
+                if name in held and held[name].shape == t.shape and t.is_contiguous():
+                    held[name].copy_(t)
+                elif t.is_contiguous():
+                    held[name] = t
+                items.append((name, held.get(name, t)))
+            return await orig(iter(items), version)
+        engine.send_weights = wrapped
+
+
+@pytest.mark.timeout(150)
+def test_auto_serving_settles_on_the_trainers_own_storage():
+    spec = _spec("test_nixl:stable_params_hook", steps=4, receivers=1)
+    results = run_group(spec)
+    assert_clean(results, spec)
+    sent = [s["layout_sent"] for s in results[0]["steps"]]
+    # staged first, then served from its own storage (one new layout), then replayed
+    assert sent == [True, True, False, False], sent
+    assert results[0]["steps"][3]["held_bytes"] < results[0]["steps"][0]["held_bytes"]
+
+
+def _receive_into_worker(conn):
+    import asyncio
+
+    from weightsync.testing import make_tensors
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    want = dict(make_tensors(0, bucket_size=BUCKET, tiny=50))
+    params = {n: torch.zeros_like(t) for n, t in want.items()}
+    own = {n: p.data_ptr() for n, p in params.items()}
+
+    async def go():
+        return {n: t async for n, t in engine.receive_into(params, 0)}
+    got = asyncio.run(go())
+    same = [n for n, t in got.items() if t is params[n]]
+    from weightsync.testing import same_bytes
+    bad = [n for n in want if not same_bytes(params[n], want[n])]
+    conn.send({"bad": bad, "same": len(same), "n": len(want), "direct": engine._pull_plan.direct,
+               "moved": [n for n in own if params[n].data_ptr() != own[n]]})
+    engine.finalize()
+
+
+@pytest.mark.timeout(120)
+def test_receive_into_pulls_straight_into_the_callers_tensors():
+    import asyncio
+    import threading
+
+    from weightsync.testing import make_tensors
+    from weightsync.transport.base import worker_kwargs
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_receive_into_worker, args=(b,))
+    proc.start()
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    try:
+        tk, rk = cls.build_topology(1, 1, [trainer.prepare(), a.recv()])
+        a.send(worker_kwargs(rk, 0))
+        trainer.init_process_group(**worker_kwargs(tk, 0))
+        asyncio.run(trainer.send_weights(make_tensors(0, bucket_size=BUCKET, tiny=50), 0))
+        out = a.recv()
+    finally:
+        proc.join(30)
+        trainer.finalize()
+    assert out["bad"] == [] and out["moved"] == [], out
+    assert out["same"] == out["n"]          # every tensor yielded is the caller's own
+    assert out["direct"] > 0.5 * out["n"], out   # most landed there with no copy

@@ -13,14 +13,19 @@ per source rank, and one :class:`~weightsync.core.wire.PulledMsg` back.
 
 Consistent reads: ``send_weights`` returns only once every receiver reported that it has
 read all it needs of this version from this rank, so a trainer that updates its weights
-right after cannot change bytes a reader still reads. What a rank serves lives in a
-staging arena it owns (one copy of what it yields; memory: its share of the model, kept
-across syncs) unless ``WEIGHTSYNC_NIXL_SERVE=params``: then contiguous tensors are served
-from their own storage (no copy, no extra memory; registered once while their storage
-stays the same).
+right after cannot change bytes a reader still reads (no snapshot is needed for that).
+Where a rank serves from (``WEIGHTSYNC_NIXL_SERVE``, read at construction): ``staging``
+(default) copies what it yields into a staging arena it owns (one copy; memory: its share,
+kept across syncs; the layout, so the plan, is replayed whatever the export allocates);
+``auto`` serves a contiguous tensor in the wire dtype from its own storage once it came
+from the same storage two syncs in a row (parameters, FSDP2 local shards: no copy, no
+extra memory; exports of fresh temporaries make the layout change, so the plan is
+recompiled, every other sync); ``params`` serves every eligible tensor from its own
+storage from the first sync.
 
-Receivers land the bytes in a registered buffer of what they keep (memory: that size, kept
-across syncs) and yield views of it, valid until the next sync. Every wait is bounded; a
+Receivers land the bytes in the caller's own tensors with ``receive_into`` (no copy), or in
+a registered buffer of what they keep (memory: that size, kept across syncs) whose views
+are yielded, valid until the next sync. Every wait is bounded; a
 peer that goes away is a ``PeerFailed`` naming it; per-sync messages travel on the
 token-checked control links, never pickled.
 
@@ -38,18 +43,17 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Mapping, Optional
 
 import torch
 
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
-from weightsync.core.plan import dtype_from_name, dtype_name
 from weightsync.core.remote import error_msg, raise_remote, wire_version
 from weightsync.core.wire import ErrorMsg, PulledMsg, PullMsg, SourceMsg
-from weightsync.core.xferplan import DestLayout, HeldRange, SourceLayout, TransferPlan, Want, compile_plan
-from weightsync.transport.backends.nixl.agent import (NixlAgent, Reads, mem_type, require_nixl,
-                                                     ucx_transports, wait_all)
-from weightsync.transport.backends.nixl.layout import Arena, held_of
+from weightsync.core.xferplan import TransferPlan
+from weightsync.transport.backends.nixl.agent import NixlAgent, require_nixl, ucx_transports, wait_all
+from weightsync.transport.backends.nixl.layout import Arena
+from weightsync.transport.backends.nixl.pull import PullPlan, plan_key
 from weightsync.transport.base import CheckpointEngine
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.control.links import Link, LinkHub
@@ -60,7 +64,7 @@ from weightsync.transport.tensors import aiter_items, wire_dtype
 __all__ = ["NixlEngine"]
 
 logger = logging.getLogger(__name__)
-_SERVE = ("staging", "params")
+_SERVE = ("auto", "staging", "params")
 
 
 @CheckpointEngineRegistry.register("nixl")
@@ -84,13 +88,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._arena: Optional[Arena] = None
         self._published: Optional[str] = None      # layout digest receivers have
         self._sources: dict[int, SourceMsg] = {}
-        self._plan: Optional[TransferPlan] = None
+        self._pull_plan: Optional[PullPlan] = None
         self._plan_key: Optional[tuple] = None
-        self._reads: list[Reads] = []
-        self._landing: Optional[torch.Tensor] = None
-        self._landing_reg: Any = None
-        self._plan_bytes: dict[int, int] = {}
-        self._views: list[tuple[str, tuple, str, int, int]] = []
         self.last_plan: Optional[TransferPlan] = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -106,8 +105,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._hub = LinkHub(family, (host, 0), self._token, t)
         self._server.set(self._prefix(self._rank) + "/link", json.dumps([host, self._hub.address[1]]))
         self._hub.accept(self._num_receivers, time.monotonic() + t)
-        self._arena = Arena(self._agent, self.config.bucket_size,
-                            zero_copy=self._serve_mode == "params")
+        self._arena = Arena(self._agent, self.config.bucket_size, mode=self._serve_mode)
         logger.info("weightsync nixl: trainer rank %d serving over UCX (UCX_TLS=%s)", self._rank,
                     ucx_transports())
 
@@ -128,7 +126,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
     def reset_plan(self) -> None:
         self._published = None
         self._drop_reads()
-        self._plan = self._plan_key = None
+        self._plan_key = None
 
     def _receiver_boxes(self) -> list[str]:
         return [f"r{r}" for r in range(self._num_receivers)]
@@ -205,12 +203,27 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
 
     # -- receiver -------------------------------------------------------------------------
     async def receive_weights(self, version: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        async for item in self._receive(version, None):
+            yield item
+
+    async def receive_into(self, params: Mapping[str, torch.Tensor], version: Any = None
+                           ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Pull straight into ``params`` where a tensor there has the same shape, dtype and
+        device and is contiguous (registered once; no copy at all); others land in the
+        landing buffer and are copied into ``params[name]`` if present."""
+        if not isinstance(params, Mapping):
+            raise ValueError(f"params must be a mapping of name -> tensor, got {type(params).__name__}")
+        async for item in self._receive(version, params):
+            yield item
+
+    async def _receive(self, version: Any, into: Optional[Mapping[str, torch.Tensor]]
+                       ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.config.role != "rollout" or self._rank < 0:
             raise RuntimeError("nixl: receive_weights needs a rollout engine after init_process_group")
         self._seq += 1
         loop = asyncio.get_running_loop()
         try:
-            views = await loop.run_in_executor(self._executor(), self._pull, version)
+            views = await loop.run_in_executor(self._executor(), self._pull, version, into)
         except BaseException as exc:
             self._abort(self._seq, version, exc, "receive", self._links_push)
             raise
@@ -224,17 +237,18 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             except WeightSyncError:
                 continue          # that trainer is gone; tell the others
 
-    def _pull(self, version: Any) -> list[tuple[str, torch.Tensor]]:
+    def _pull(self, version: Any, into: Optional[Mapping[str, torch.Tensor]]
+              ) -> list[tuple[str, torch.Tensor]]:
         deadline = time.monotonic() + patience(self.config.timeout)
         got = {s: self._await_pull(s, version, deadline) for s in range(self._world)}
-        self._ensure_plan()
-        for r in self._reads:
+        pull = self._ensure_plan(into)
+        for r in pull.reads:
             r.post(version=version)
-        wait_all(self._reads, deadline, version=version)
+        wait_all(pull.reads, deadline, version=version)
         for s, link in self._links.items():
             link.push("t", PulledMsg(seq=got[s].seq, stream=s, rank=self._rank,
-                                     nbytes=self._plan_bytes.get(s, 0), plan=self._plan.digest))
-        return self._tensors()
+                                     nbytes=pull.bytes_from.get(s, 0), plan=pull.plan.digest))
+        return pull.tensors(into)
 
     def _await_pull(self, s: int, version: Any, deadline: float) -> PullMsg:
         peer = f"trainer rank {s}"
@@ -265,62 +279,28 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                    version=version)
             return msg
 
-    def _ensure_plan(self) -> None:
-        key = tuple(self._sources[s].digest for s in range(self._world))
-        if key == self._plan_key and self._plan is not None:
-            return
-        self._drop_reads()
-        sources = [SourceLayout(rank=s, held=held_of(self._sources[s]))
-                   for s in range(self._world)]
-        wants, views, offset = [], [], 0
-        for name, shape, dtype in _union(self._sources, self._world):
-            nbytes = _numel(shape) * dtype_from_name(dtype).itemsize
-            wants.append(Want(name=name, dtype=dtype, box=tuple((0, d) for d in shape),
-                              dest="landing", offset=offset))
-            views.append((name, shape, dtype, offset, nbytes))
-            offset += -(-nbytes // 256) * 256 if nbytes else 0
-        me = f"rollout rank {self._rank}"
-        # pieces of at most a bucket, so ranks that hold the same bytes share the serving
-        plan = compile_plan(sources, [DestLayout(worker=me, wants=tuple(wants))],
-                            max_read_bytes=self.config.bucket_size)
+    def _ensure_plan(self, into: Optional[Mapping[str, torch.Tensor]]) -> PullPlan:
+        sources = [self._sources[s] for s in range(self._world)]
         device = torch.device(self.config.device)
-        self._landing = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
-        self._landing_reg = self._agent.register(self._landing)
-        self._reads, self._plan_bytes = [], {}
-        base = self._landing.data_ptr()
-        for s in range(self._world):
-            src = self._sources[s]
-            regions = {name: (addr, dev) for name, addr, _, dev in src.regions}
-            peer = f"trainer rank {s}"
-            self._agent.remove_remote(src.agent)      # its metadata lists its registrations
-            self._agent.add_remote(src.agent, src.metadata, peer=peer)
-            mine = plan.reads_from(s)
-            local = [(base + r.dst_offset, r.nbytes) for r in mine]
-            remote = [(regions[r.src_region][0] + r.src_offset, r.nbytes) for r in mine]
-            rdev = regions[mine[0].src_region][1] if mine else 0
-            self._reads.append(self._agent.reads(src.agent, local, remote, mem=mem_type(device),
-                                                 remote_mem=src.mem, device=device.index or 0,
-                                                 remote_device=rdev, peer=peer))
-            self._plan_bytes[s] = sum(r.nbytes for r in mine)
-        self._plan, self._plan_key, self._views, self.last_plan = plan, key, views, plan
-        logger.info("weightsync nixl: rollout rank %d compiled a plan: %d reads, %d bytes "
-                    "from %d trainer ranks", self._rank, len(plan.reads), plan.total_bytes,
-                    self._world)
-
-    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for name, shape, dtype, offset, nbytes in self._views:
-            flat = self._landing[offset:offset + nbytes]
-            out.append((name, flat.view(dtype_from_name(dtype)).view(shape)))
-        return out
+        key = plan_key(sources, into, device)
+        if key == self._plan_key and self._pull_plan is not None:
+            return self._pull_plan
+        self._drop_reads()
+        start = time.perf_counter()
+        self._pull_plan = PullPlan(self._agent, f"rollout rank {self._rank}", sources, into,
+                                   device, self.config.bucket_size)
+        self._plan_key, self.last_plan = key, self._pull_plan.plan
+        plan = self._pull_plan.plan
+        logger.info("weightsync nixl: rollout rank %d compiled a plan in %.3f s: %d reads, "
+                    "%d bytes from %d trainer ranks, %d tensors straight into the caller's",
+                    self._rank, time.perf_counter() - start, len(plan.reads), plan.total_bytes,
+                    self._world, self._pull_plan.direct)
+        return self._pull_plan
 
     def _drop_reads(self) -> None:
-        for r in getattr(self, "_reads", []):
-            r.release()
-        self._reads = []
-        if self._agent is not None:
-            self._agent.deregister(self._landing_reg)
-        self._landing, self._landing_reg = None, None
+        if getattr(self, "_pull_plan", None) is not None:
+            self._pull_plan.release()
+        self._pull_plan = None
 
     # -- failures and teardown --------------------------------------------------------------
     def _abort(self, seq: int, version: Any, exc: BaseException, phase: str, push) -> None:
@@ -359,22 +339,4 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
     def finalize(self) -> None:
         self._release()
         self.close_server()
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _union(sources: dict[int, SourceMsg], world: int) -> list[tuple[str, tuple, str]]:
-    """Every tensor some trainer rank serves, in the order the ranks list them."""
-    seen, out = set(), []
-    for s in range(world):
-        for name, shape, dtype, *_ in sources[s].held:
-            if name not in seen:
-                seen.add(name)
-                out.append((name, tuple(shape), dtype))
-    return out
 

@@ -9,8 +9,11 @@ any other placement is gathered (``full_tensor``) and logged once.
 of at least ``bucket_size`` bytes, allocated and registered once, reused by every sync
 whose layout (names, shapes, dtypes, held ranges, in order) is the one of the sync
 before. A changed layout is re-placed into fresh blocks, so the blocks always hold exactly
-the current layout. With ``zero_copy`` a contiguous tensor already in the wire dtype is
-served from its own storage (registered once per storage; no copy). Used by
+the current layout. A contiguous tensor already in the wire dtype may instead be served
+from its own storage (registered once per storage, kept alive while served; no copy):
+always with ``mode="params"``; with ``mode="auto"`` (the default) once it is yielded from
+the same storage two syncs in a row (parameters and FSDP2 local shards are; temporaries
+such as casts or merged LoRA weights are not, and stay staged). Used by
 :mod:`weightsync.transport.backends.nixl.engine` on trainer ranks.
 """
 
@@ -74,10 +77,14 @@ def held_of(msg: Any) -> tuple[HeldRange, ...]:
 class Arena:
     """The registered memory a trainer rank serves from (see the module doc)."""
 
-    def __init__(self, agent: NixlAgent, block_size: int, *, zero_copy: bool = False) -> None:
+    def __init__(self, agent: NixlAgent, block_size: int, *, mode: str = "auto") -> None:
+        if mode not in ("auto", "staging", "params"):
+            raise ValueError(f"mode must be auto, staging or params, got {mode!r}")
         self._agent = agent
         self._block_size = max(int(block_size), _ALIGN)
-        self._zero_copy = zero_copy
+        self._mode = mode
+        self._last_storage: dict[str, tuple[int, int]] = {}
+        self._storage: dict[str, tuple[int, int]] = {}
         self._blocks: dict[str, tuple[torch.Tensor, Any]] = {}   # name -> (tensor, reg)
         self._own: dict[tuple[int, int], tuple[str, torch.Tensor, Any]] = {}
         self._prev: list[tuple] = []
@@ -99,7 +106,7 @@ class Arena:
 
     # -- one sync -------------------------------------------------------------------------
     def begin(self) -> None:
-        self._entries, self.changed = [], False
+        self._entries, self.changed, self._storage = [], False, {}
 
     def put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         local, start, stop, shape = held_part(name, tensor)
@@ -111,7 +118,7 @@ class Arena:
         wire = dtype_name(dtype)
         i = len(self._entries)
         key = (name, shape, wire, start, stop)
-        if self._zero_copy and dtype == local.dtype and local.is_contiguous() and local.numel():
+        if self._serve_own(name, local, dtype):
             region = self._own_region(local)
             self._entries.append(key + (region, 0))
             self.changed = self.changed or i >= len(self._prev) or self._prev[i] != key + (region, 0)
@@ -129,7 +136,16 @@ class Arena:
             block = self._blocks[region][0]
             block[offset:offset + nbytes].view(dtype).view(local.shape).copy_(local)
 
+    def _serve_own(self, name: str, local: torch.Tensor, dtype: torch.dtype) -> bool:
+        if self._mode == "staging" or dtype != local.dtype or not local.is_contiguous() \
+                or not local.numel():
+            return False
+        storage = (local.data_ptr(), local.numel() * local.element_size())
+        self._storage[name] = storage
+        return self._mode == "params" or self._last_storage.get(name) == storage
+
     def finish(self) -> None:
+        self._last_storage = self._storage
         if not self.changed and len(self._entries) != len(self._prev):
             self._relocate()
         if self.changed:
@@ -205,7 +221,7 @@ class Arena:
 
     def reset(self) -> None:
         """Forget the layout (after a failed sync): the next one is published anew."""
-        self._prev, self.digest = [], ""
+        self._prev, self.digest, self._last_storage = [], "", {}
 
     def close(self) -> None:
         for region in list(self._blocks):

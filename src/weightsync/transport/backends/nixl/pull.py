@@ -1,0 +1,135 @@
+"""A ``nixl`` receiver's compiled pull: where each tensor it keeps lands, and the prepared
+reads that fill it.
+
+:class:`PullPlan` is built once per (trainer layouts, destinations) and replayed by every
+sync. Each tensor the receiver keeps lands either straight in the caller's own tensor
+(``receive_into`` with a contiguous tensor of the same shape, dtype and device: registered
+with NIXL, no copy left) or in one registered landing buffer the receiver owns (views of it
+are yielded, valid until the next sync). The reads come from
+:func:`~weightsync.core.xferplan.compile_plan`, pieces of at most ``max_read`` bytes so
+that trainer ranks holding the same bytes share the serving; one
+:class:`~weightsync.transport.backends.nixl.agent.Reads` per trainer rank. Used by
+:mod:`weightsync.transport.backends.nixl.engine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+
+from weightsync.core.plan import dtype_from_name
+from weightsync.core.xferplan import DestLayout, SourceLayout, TransferPlan, Want, compile_plan
+from weightsync.transport.backends.nixl.agent import NixlAgent, Reads, mem_type
+from weightsync.transport.backends.nixl.layout import held_of
+
+__all__ = ["PullPlan", "plan_key"]
+
+logger = logging.getLogger(__name__)
+_LANDING = "landing"
+
+
+def _direct(into: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple,
+            dtype: str, device: torch.device) -> Optional[torch.Tensor]:
+    """The caller's tensor for ``name`` if the bytes can land in it as they are."""
+    t = None if into is None else into.get(name)
+    if t is None or not t.numel():
+        return None
+    if (tuple(t.shape) == shape and t.dtype == dtype_from_name(dtype) and t.is_contiguous()
+            and t.device == device):
+        return t
+    return None
+
+
+def _union(sources: list) -> list[tuple[str, tuple, str]]:
+    """Every tensor some trainer rank serves, in the order the ranks list them."""
+    seen, out = set(), []
+    for src in sources:
+        for name, shape, dtype, *_ in src.held:
+            if name not in seen:
+                seen.add(name)
+                out.append((name, tuple(shape), dtype))
+    return out
+
+
+def plan_key(sources: list, into: Optional[Mapping[str, torch.Tensor]],
+             device: torch.device) -> tuple:
+    """What a compiled pull depends on: the trainers' layouts and the caller's tensors."""
+    direct = tuple((n, t.data_ptr()) for n, s, d in _union(sources)
+                   if (t := _direct(into, n, s, d, device)) is not None)
+    return tuple(s.digest for s in sources), direct
+
+
+class PullPlan:
+    """One receiver's compiled pull (see the module doc)."""
+
+    def __init__(self, agent: NixlAgent, worker: str, sources: list,
+                 into: Optional[Mapping[str, torch.Tensor]], device: torch.device,
+                 max_read: int) -> None:
+        self._agent, self._regs = agent, []
+        self.views: list[tuple[str, tuple, str, str, int, int]] = []
+        buffers: dict[str, torch.Tensor] = {}
+        wants, offset = [], 0
+        for name, shape, dtype in _union(sources):
+            nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
+            own = _direct(into, name, shape, dtype, device)
+            dest, at = (f"p{own.data_ptr():x}", 0) if own is not None else (_LANDING, offset)
+            if own is not None:
+                buffers[dest] = own
+            else:
+                offset += -(-nbytes // 256) * 256
+            wants.append(Want(name=name, dtype=dtype, box=tuple((0, d) for d in shape),
+                              dest=dest, offset=at))
+            self.views.append((name, shape, dtype, dest, at, nbytes))
+        self.plan: TransferPlan = compile_plan(
+            [SourceLayout(rank=s, held=held_of(src)) for s, src in enumerate(sources)],
+            [DestLayout(worker=worker, wants=tuple(wants))], max_read_bytes=max_read)
+        buffers[_LANDING] = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
+        self.landing = buffers[_LANDING]
+        self._buffers = buffers
+        for t in buffers.values():
+            self._regs.append(agent.register(t))
+        self.reads = [self._reads_from(s, src, device) for s, src in enumerate(sources)]
+        self.bytes_from = {s: r.nbytes for s, r in enumerate(self.reads)}
+        self.direct = len(buffers) - 1
+
+    def _reads_from(self, s: int, src: Any, device: torch.device) -> Reads:
+        regions = {name: (addr, dev) for name, addr, _, dev in src.regions}
+        peer = f"trainer rank {s}"
+        self._agent.remove_remote(src.agent)          # its metadata lists its registrations
+        self._agent.add_remote(src.agent, src.metadata, peer=peer)
+        mine = self.plan.reads_from(s)
+        local = [(self._buffers[r.dst].data_ptr() + r.dst_offset, r.nbytes) for r in mine]
+        remote = [(regions[r.src_region][0] + r.src_offset, r.nbytes) for r in mine]
+        rdev = regions[mine[0].src_region][1] if mine else 0
+        return self._agent.reads(src.agent, local, remote, mem=mem_type(device),
+                                 remote_mem=src.mem, device=device.index or 0,
+                                 remote_device=rdev, peer=peer)
+
+    def tensors(self, into: Optional[Mapping[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of what landed: the caller's own tensor where the bytes went
+        there; else a view of the landing buffer, copied into ``into[name]`` if given."""
+        out = []
+        for name, shape, dtype, dest, at, nbytes in self.views:
+            if dest != _LANDING:
+                out.append((name, self._buffers[dest]))
+                continue
+            view = self.landing[at:at + nbytes].view(dtype_from_name(dtype)).view(shape)
+            target = None if into is None else into.get(name)
+            if target is not None:
+                if tuple(target.shape) != tuple(shape):
+                    raise ValueError(f"receive_into: {name} has shape {tuple(shape)}, "
+                                     f"params[{name!r}] has {tuple(target.shape)}")
+                target.copy_(view)
+                view = target
+            out.append((name, view))
+        return out
+
+    def release(self) -> None:
+        for r in self.reads:
+            r.release()
+        for reg in self._regs:
+            self._agent.deregister(reg)
+        self.reads, self._regs, self._buffers = [], [], {}
