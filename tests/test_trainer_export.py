@@ -98,7 +98,15 @@ def _fsdp_case(rank: int, world: int, lora: bool) -> dict:
     one_by_one = dict(export_weights(model, kind="full", coalesce_bytes=1))
     on_zero = dict(export_weights(model, kind="full", owner=0))
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    shards = list(export_weights(model, kind="full", shards=True))
+    shard_full = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in shards}
     return {
+        "shard_names": [n for n, _ in shards],
+        "shard_dtensors": sum(type(t).__name__ == "DTensor" for _, t in shards),
+        "shard_local_bytes": sum((t.to_local() if hasattr(t, "to_local") else t).numel()
+                                 * t.element_size() for _, t in shards),
+        "shard_equal": all(torch.equal(_bits(t), _bits(reference[k]))
+                           for k, t in shard_full.items()),
         "names": sorted(mine),
         "bytes": sum(t.numel() * t.element_size() for t in mine.values()),
         "equal_full": lora or all(torch.equal(t, full[k]) for k, t in mine.items()),
@@ -156,6 +164,13 @@ def test_fsdp2_export_spreads_ownership_and_matches_unsharded(fsdp_results, lora
     total = r0["bytes"] + r1["bytes"]
     assert max(r0["bytes"], r1["bytes"]) < 0.6 * total, "ownership is not spread"
     assert r0["owner0"] == r0["all"] and r1["owner0"] == [] and r0["owner0_equal"]
+    # shards=True (for backends that serve shards): every rank yields every name, FSDP2
+    # parameters as their DTensor shards, no gather: each rank holds about half the bytes
+    for r in (r0, r1):
+        assert sorted(r["shard_names"]) == r0["all"] and r["shard_equal"]
+    if not lora:
+        assert r0["shard_dtensors"] > 0
+        assert max(r0["shard_local_bytes"], r1["shard_local_bytes"]) < 0.6 * total
 
 
 def test_plan_export_kinds_for_peft():

@@ -150,8 +150,14 @@ def export_weights(model: torch.nn.Module, *, kind: str = "full",
                    dtype: Optional[torch.dtype] = None,
                    group: Optional[dist.ProcessGroup] = None,
                    owner: Optional[int] = None,
-                   coalesce_bytes: int = 16 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+                   coalesce_bytes: int = 16 << 20,
+                   shards: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of ``model`` owned by this rank (see module docstring).
+
+    ``shards``: for backends that serve shards as they are (``"shards"`` in their
+    capabilities, e.g. ``nixl``): every rank yields every tensor, an FSDP2 parameter as
+    its DTensor (this rank's shard; cast shard-wise), no gather; a tensor built from several
+    sources (a merged LoRA layer) is built in full on every rank.
 
     ``group``: the ranks that share the export (default: the whole world when
     ``torch.distributed`` is initialized). ``owner``: put every tensor on this one global
@@ -166,6 +172,9 @@ def export_weights(model: torch.nn.Module, *, kind: str = "full",
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     items = plan_export(model, kind)
+    if shards:
+        yield from _export_shards(items, dtype)
+        return
     me, _, ranks = dist_rank_world(group)
     if owner is not None and owner not in ranks:
         raise ValueError(f"owner {owner} is not a rank of the export group {ranks}")
@@ -182,6 +191,19 @@ def export_weights(model: torch.nn.Module, *, kind: str = "full",
                 out = _cast(item.combine(srcs) if item.combine is not None else srcs[0], dtype)
             del srcs
             yield item.name, out
+
+
+def _export_shards(items: list[ExportItem], dtype: Optional[torch.dtype]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in items:
+        with torch.no_grad():
+            if item.combine is None:
+                out = item.sources[0].detach()
+            else:   # the same collectives in the same order on every rank
+                out = item.combine([s.full_tensor() if is_dtensor(s) else s
+                                    for s in item.sources])
+            out = _cast(out, dtype)
+        yield item.name, out
 
 
 def _materialize_chunk(items: list[ExportItem], owners: list[int], me: int, ranks: list[int],

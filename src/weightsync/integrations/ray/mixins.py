@@ -87,7 +87,8 @@ class TrainerWorkerMixin:
             engine.reset_plan()
             side.last_kind = kind
         items = export_weights(self.weightsync_model(), kind=kind, dtype=engine.config.dtype,
-                               group=self.weightsync_group())
+                               group=self.weightsync_group(),
+                               shards="shards" in type(engine).capabilities)
         start = time.perf_counter()
         try:
             metrics = side.runner.run(engine.send_weights(items, version=version),
