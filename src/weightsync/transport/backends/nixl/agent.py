@@ -37,6 +37,32 @@ def require_nixl() -> None:
     _import_nixl()
 
 
+#: UCX's own pick on a host without RDMA devices is TCP even between two processes of one
+#: host (0.5 GB/s measured here, against 1.6 GB/s with shared memory and cross-memory
+#: attach; BENCHMARKS.md). Used when UCX_TLS is unset, no RDMA device exists and
+#: WEIGHTSYNC_NIXL_UCX_TLS is ``auto``.
+HOST_TLS = "tcp,cma,sm,self"
+
+
+def _choose_transports() -> None:
+    """Pick UCX transports before the first UCX context of this process, once: an explicit
+    ``UCX_TLS`` or ``WEIGHTSYNC_NIXL_UCX_TLS`` wins; ``auto`` (default) uses
+    :data:`HOST_TLS` only where there is no RDMA device (and so nothing faster to lose)."""
+    want = os.environ.get("WEIGHTSYNC_NIXL_UCX_TLS", "auto").strip()
+    if "UCX_TLS" in os.environ or want == "ucx":
+        return
+    if want != "auto":
+        os.environ["UCX_TLS"] = want
+    elif not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
+        os.environ["UCX_TLS"] = HOST_TLS + ",cuda_copy,cuda_ipc" if _has_cuda() else HOST_TLS
+    if "UCX_TLS" in os.environ:
+        logger.info("weightsync nixl: UCX_TLS=%s", os.environ["UCX_TLS"])
+
+
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def _import_nixl() -> Any:
     try:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -51,6 +77,7 @@ class NixlAgent:
 
     def __init__(self, name: str) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
+        _choose_transports()
         # NIXL logs every agent start at INFO through its own logger: keep ours readable
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.name = name
