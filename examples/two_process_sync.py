@@ -1,10 +1,15 @@
 """Sync a dict of tensors from a trainer process into a rollout process.
 
     python examples/two_process_sync.py shm        # or: collective
+
+connect() needs the job's token in every process (here: WEIGHTSYNC_TOKEN, which the
+spawned rollout process inherits).
 """
 
 import asyncio
 import multiprocessing as mp
+import os
+import secrets
 import sys
 
 import torch
@@ -27,6 +32,7 @@ def rollout(backend: str) -> None:
 
 if __name__ == "__main__":
     backend = sys.argv[1] if len(sys.argv) > 1 else "shm"
+    os.environ.setdefault("WEIGHTSYNC_TOKEN", secrets.token_hex(16))  # the job's secret
     child = mp.get_context("spawn").Process(target=rollout, args=(backend,))
     child.start()
     engine = weightsync.connect(backend, role="trainer", address="127.0.0.1:29555")

@@ -3,6 +3,7 @@ stand-in for CUDA IPC (the GPU path itself is tested in test_gpu_cuda_ipc.py).""
 
 import asyncio
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,17 +20,55 @@ from weightsync.testing import expected_tensors, make_tensors, same_bytes
 
 BUCKET = 64 * 1024
 _EXPORTED: dict[str, torch.Tensor] = {}
+_EVENTS: dict[str, "FakeEvent"] = {}
+
+
+class FakeStream:
+    """CPU stand-in for a CUDA stream that runs its work as late as it may: a queued copy
+    is applied only when an event recorded behind it is found done, or at ``sync``. A
+    missing wait in the engine then reads or overwrites bytes too early, as on a GPU."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.pending: list = []
+        self.queued = self.ran = 0
+
+    def enqueue(self, fn) -> None:
+        with self.lock:
+            self.queued += 1
+            self.pending.append(fn)
+
+    def run_until(self, upto: int) -> None:
+        with self.lock:
+            while self.ran < upto:
+                fn = self.pending.pop(0)
+                self.ran += 1
+                fn()
+
+
+class FakeEvent:
+    """Done once its stream ran what was queued before ``record``, and not before it was
+    polled ``FakeOps.late_polls`` times (it completes late)."""
+
+    def __init__(self) -> None:
+        self.key = secrets.token_hex(8)
+        self.lock = threading.Lock()
+        self.stream, self.upto, self.polls = None, 0, 0
+        _EVENTS[self.key] = self
 
 
 class FakeOps(IpcOps):
-    """CPU stand-in: 'exporting' registers the storage, 'opening' looks it up."""
+    """CPU stand-in: 'exporting' registers the storage, 'opening' looks it up; streams
+    and events are late (see FakeStream)."""
 
     exports = 0
+    late_polls = 2
 
     def __init__(self, device: str) -> None:
         if torch.device(device).type != "cpu":
             raise ValueError("fake ops are CPU only")
         self.device = torch.device("cpu")
+        self.stream = FakeStream()
 
     def alloc(self, nbytes):
         return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
@@ -44,6 +83,39 @@ class FakeOps(IpcOps):
     def open(self, descriptor):
         return _EXPORTED.pop(descriptor.split("|")[1])
 
+    def current_stream(self):
+        return self.stream
+
+    def copy(self, dst, src, stream):
+        stream.enqueue(lambda: dst.copy_(src))
+
+    def sync(self, stream):
+        stream.run_until(stream.queued)
+
+    def new_event(self):
+        return FakeEvent()
+
+    def event_handle(self, event):
+        return event.key
+
+    def open_event(self, handle):
+        return _EVENTS[handle]
+
+    def record(self, event, stream):
+        with event.lock:
+            event.stream, event.upto, event.polls = stream, stream.queued, self.late_polls
+
+    def done(self, event):
+        with event.lock:
+            if event.stream is None:
+                return True
+            if event.polls > 0:
+                event.polls -= 1
+                return False
+            stream, upto = event.stream, event.upto
+        stream.run_until(upto)
+        return True
+
 
 @pytest.fixture
 def fake_ops(monkeypatch):
@@ -51,6 +123,7 @@ def fake_ops(monkeypatch):
     FakeOps.exports = 0
     yield FakeOps
     _EXPORTED.clear()
+    _EVENTS.clear()
 
 
 def _group(trainers, receivers, **kw):
@@ -66,13 +139,20 @@ def _group(trainers, receivers, **kw):
     return ts, rs
 
 
-def _sync(ts, rs, items_of, version, expect=None):
-    """One sync; returns (trainer metrics, per receiver {name: (clone, data_ptr)})."""
+def _sync(ts, rs, items_of, version, expect=None, on_stream=False):
+    """One sync; returns (trainer metrics, per receiver {name: (copy, data_ptr)}).
+    ``on_stream``: the consumer copies each view on its current stream (as a GPU consumer
+    does), else it clones on the host at once."""
     async def recv(r):
         got = {}
         async for name, t in r.receive_weights(version=version if expect is None else expect):
             assert name not in got
-            got[name] = (t.clone(), t.data_ptr())
+            if on_stream:
+                dst = torch.empty_like(t)
+                r._ops.copy(dst, t, r._ops.current_stream())
+            else:
+                dst = t.clone()
+            got[name] = (dst, t.data_ptr())
         return got
 
     async def main():
@@ -93,12 +173,17 @@ def _finalize(engines):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("zero_copy", [False, True])
 @pytest.mark.parametrize("receivers,sync", [(1, "event"), (2, "event"), (2, "host")])
-def test_fresh_tensors_every_sync(fake_ops, zero_copy, receivers, sync):
+@pytest.mark.parametrize("on_stream", [False, True], ids=["host-reads", "stream-reads"])
+def test_fresh_tensors_every_sync(fake_ops, zero_copy, receivers, sync, on_stream):
+    """Over late streams and events (FakeStream): the bytes are right only if every
+    ordering wait of the engine is there (the trainer's copies before a receiver reads,
+    a receiver's reads before the trainer refills the slot, all reads before the end)."""
     ts, rs = _group(1, receivers, zero_copy=zero_copy, min_ref_bytes=0, sync=sync)
     assert all(e._events == (sync == "event") for e in ts + rs)
     try:
         for step in range(3):
-            sent, got = _sync(ts, rs, lambda i: make_tensors(step, bucket_size=BUCKET), step)
+            sent, got = _sync(ts, rs, lambda i: make_tensors(step, bucket_size=BUCKET), step,
+                              on_stream=on_stream)
             assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
             expected = expected_tensors(step, bucket_size=BUCKET)
             for g in got:
@@ -172,6 +257,27 @@ def test_version_mismatch_is_an_error(fake_ops):
         sent, got = _sync(ts, rs, lambda i: make_tensors(0, bucket_size=BUCKET), 0, expect=5)
         assert isinstance(got[0], VersionMismatch), got
         assert isinstance(sent[0], BaseException), sent
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_equal_versions_of_other_int_types_match(fake_ops):
+    """numpy ints and int subclasses are the version they equal, on either side; a version
+    that is neither int nor str is refused before anything is sent."""
+    import numpy as np
+
+    class V(int):
+        pass
+
+    ts, rs = _group(1, 1, zero_copy=True, min_ref_bytes=0, timeout=10)
+    try:
+        sent, got = _sync(ts, rs, lambda i: make_tensors(0, bucket_size=BUCKET, tiny=5),
+                          np.int64(2), expect=V(2))
+        assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+        assert sent[0]["version"] == 2 and type(sent[0]["version"]) is int
+        with pytest.raises(ValueError, match="version"):
+            asyncio.run(ts[0].send_weights(make_tensors(0, bucket_size=BUCKET), version=1.5))
     finally:
         _finalize(ts + rs)
 

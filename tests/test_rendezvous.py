@@ -1,5 +1,6 @@
 import asyncio
 import multiprocessing as mp
+import secrets
 import socket
 import time
 
@@ -8,6 +9,12 @@ import torch
 
 import weightsync
 from weightsync.core.errors import SyncTimeout
+
+
+@pytest.fixture(autouse=True)
+def job_token(monkeypatch):
+    """connect() needs the job's token in every process (spawned ones inherit it)."""
+    monkeypatch.setenv("WEIGHTSYNC_TOKEN", secrets.token_hex(16))
 
 
 def _free_port():

@@ -9,13 +9,15 @@ every backend that reads its peers' reports.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import re
 from typing import Any, Optional
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
 from weightsync.core.wire import ErrorMsg
 
-__all__ = ["failure_origin", "error_msg", "raise_remote", "wire_version"]
+__all__ = ["failure_origin", "error_msg", "normalize_version", "raise_remote", "wire_version"]
 
 _ONE_PEER = re.compile(r"^(trainer|rollout) rank \d+$")
 
@@ -40,9 +42,29 @@ def error_msg(exc: BaseException, *, seq: int, version: Any, peer: str, phase: s
                     origin=failure_origin(exc))
 
 
+def normalize_version(version: Any) -> Any:
+    """The one form of a weight version, taken at the API boundary (``send_weights``,
+    ``receive_weights``) on both sides, so that equal versions compare equal everywhere:
+    an ``int``, an int subclass or a numpy integer -> ``int``; a ``str`` (or subclass) ->
+    ``str``; ``None`` -> ``None``. Anything else (``bool``, floats, tuples...) is refused
+    with ``ValueError``: it would not survive the wire as itself."""
+    if version is None:
+        return None
+    if isinstance(version, str):
+        return str.__str__(version)
+    if isinstance(version, numbers.Integral) and not isinstance(version, bool):
+        return operator.index(version)
+    raise ValueError(f"version must be an int or a str (or None), got {version!r} "
+                     f"({type(version).__name__})")
+
+
 def wire_version(version: Any) -> Any:
-    """A version as the wire carries it (JSON scalars as they are, anything else as text)."""
-    return version if version is None or type(version) in (int, str) else str(version)
+    """A version as the wire carries it: :func:`normalize_version`'s form, and anything
+    it refuses as text (so that reporting a failure never fails on an odd version)."""
+    try:
+        return normalize_version(version)
+    except ValueError:
+        return str(version)
 
 
 def raise_remote(msg: ErrorMsg, *, phase: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Optional
 import torch
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, VersionMismatch, WeightSyncError
+from weightsync.core.remote import normalize_version
 from weightsync.transport.tensors import aiter_items, wire_dtype
 from weightsync.transport.base import CheckpointEngine, check_topology, per_worker
 from weightsync.transport.registry import CheckpointEngineRegistry
@@ -148,6 +149,7 @@ class InprocEngine(CheckpointEngine):
                               peer="rollout ranks", phase="send", version=version) from None
 
     async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
+        version = normalize_version(version)
         if self._hub is None or self.config.role != "trainer":
             raise RuntimeError("inproc: send_weights needs a trainer engine after init_process_group")
         self._seq += 1
@@ -172,6 +174,7 @@ class InprocEngine(CheckpointEngine):
 
     # -- receiver -----------------------------------------------------------------------
     async def receive_weights(self, version: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        version = normalize_version(version)
         if self._hub is None or self.config.role != "rollout":
             raise RuntimeError("inproc: receive_weights needs a rollout engine after init_process_group")
         self._seq += 1

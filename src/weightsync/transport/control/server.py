@@ -2,7 +2,8 @@
 
 Why not ``torch.distributed.TCPStore``: it listens on every interface and lets any client
 list and read every key. This server binds to one interface (loopback unless configured),
-rejects any connection whose first frame does not carry the job token, bounds every frame
+rejects any connection that does not prove it holds the job token (an HMAC
+challenge-response both ways: the token never crosses the wire), bounds every frame
 (keys 4 KiB, values ``max_value`` bytes) and every blocking operation (a timeout each).
 
 Frames (big-endian): request ``op:u8 timeout:f64 klen:u32 vlen:u32 key value``; reply
@@ -11,9 +12,11 @@ Frames (big-endian): request ``op:u8 timeout:f64 klen:u32 vlen:u32 key value``; 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
+import os
 import socket
 import socketserver
 import struct
@@ -50,18 +53,47 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+_NONCE = 32
+
+
+def _proof(token: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
+    """What ``side`` sends to show it holds ``token``: an HMAC of both nonces (each side
+    its own label and order, so no answer can be replayed or reflected)."""
+    return hmac.new(token, b"weightsync-auth1|" + side + b"|" + first + second,
+                    hashlib.sha256).digest()
+
+
+class _Closed(Exception):
+    """The server closed while a request waited (its connection is dropped, not answered)."""
+
+
 class _State:
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.kv: dict[str, bytes] = {}
         self.queues: dict[str, deque] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Wake every waiter; each then drops its connection (``_Closed``)."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+    def _wait(self, ready, timeout: float) -> bool:
+        done = self.cv.wait_for(lambda: self.closed or ready(), timeout)
+        if self.closed:
+            raise _Closed()
+        return bool(done)
 
     def run(self, op: int, key: str, value: bytes, timeout: float) -> tuple[int, bytes]:
         with self.cv:
+            if self.closed:
+                raise _Closed()
             if op == SET:
                 self.kv[key] = value
             elif op == GET:
-                if not self.cv.wait_for(lambda: key in self.kv, timeout):
+                if not self._wait(lambda: key in self.kv, timeout):
                     return TIMEOUT, b""
                 return OK, self.kv[key]
             elif op == ADD:
@@ -74,14 +106,14 @@ class _State:
                 ready = lambda: all(k in self.kv for k in keys)  # noqa: E731
                 if op == CHECK:
                     return OK, b"1" if ready() else b"0"
-                return (OK, b"") if self.cv.wait_for(ready, timeout) else (TIMEOUT, b"")
+                return (OK, b"") if self._wait(ready, timeout) else (TIMEOUT, b"")
             elif op == DELETE:
                 found = self.kv.pop(key, None) is not None or self.queues.pop(key, None) is not None
                 return OK, b"1" if found else b"0"
             elif op == PUSH:
                 self.queues.setdefault(key, deque()).append(value)
             elif op == POP:
-                if not self.cv.wait_for(lambda: self.queues.get(key), timeout):
+                if not self._wait(lambda: self.queues.get(key), timeout):
                     return TIMEOUT, b""
                 return OK, self.queues[key].popleft()
             elif op == QLEN:
@@ -105,11 +137,18 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         server: ControlServer = self.server.owner  # type: ignore[attr-defined]
         sock = self.request
+        if not server._track(sock):
+            return  # the server is closing: this connection is dropped at once
+        try:
+            self._serve(server, sock)
+        finally:
+            server._untrack(sock)
+
+    def _serve(self, server: "ControlServer", sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.settimeout(server.auth_timeout)
-            op, _, key, value = self._read(sock, server)
-            if op != AUTH or not hmac.compare_digest(value, server.token):
+            if not self._authenticate(sock, server):
                 sock.sendall(_REP.pack(ERROR, 0))
                 logger.warning("control server on %s:%d rejected a client with a wrong token",
                                server.host, server.port)
@@ -120,13 +159,28 @@ class _Handler(socketserver.BaseRequestHandler):
                 op, timeout, key, value = self._read(sock, server)
                 status, out = server.state.run(op, key, value, min(max(timeout, 0.0), 86400.0))
                 sock.sendall(_REP.pack(status, len(out)) + out)
-        except (ConnectionError, OSError, WireError, ValueError, struct.error):
+        except (ConnectionError, OSError, WireError, ValueError, struct.error, _Closed):
             return
 
+    def _authenticate(self, sock: socket.socket, server: "ControlServer") -> bool:
+        """Challenge-response (see :func:`_proof`): prove we hold the token, check the
+        client's proof. The token itself never crosses the wire."""
+        op, _, _, client_nonce = self._read(sock, server, limit=_NONCE)  # tiny before auth
+        if op != AUTH or len(client_nonce) != _NONCE:
+            return False
+        nonce = os.urandom(_NONCE)
+        mine = _proof(server.token, b"server", client_nonce, nonce)
+        sock.sendall(_REP.pack(OK, len(nonce) + len(mine)) + nonce + mine)
+        op, _, _, theirs = self._read(sock, server, limit=_NONCE)
+        return op == AUTH and hmac.compare_digest(
+            theirs, _proof(server.token, b"client", nonce, client_nonce))
+
     @staticmethod
-    def _read(sock: socket.socket, server: "ControlServer") -> tuple[int, float, str, bytes]:
+    def _read(sock: socket.socket, server: "ControlServer",
+              limit: Optional[int] = None) -> tuple[int, float, str, bytes]:
         op, timeout, klen, vlen = _REQ.unpack(_recv_exact(sock, _REQ.size))
-        if klen > MAX_KEY or vlen > server.max_value:
+        if klen > (MAX_KEY if limit is None else limit) or \
+                vlen > (server.max_value if limit is None else limit):
             raise WireError(f"frame too large (key {klen}, value {vlen} bytes)")
         key = _recv_exact(sock, klen).decode("utf-8")
         return op, timeout, key, _recv_exact(sock, vlen)
@@ -146,6 +200,8 @@ class ControlServer:
             raise ValueError("the control server needs a non-empty token")
         self.token, self.max_value, self.auth_timeout = token, max_value, auth_timeout
         self.state, self.closed = _State(), False
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
         self._srv = _TCPServer((host, port), _Handler)
         self._srv.owner = self  # type: ignore[attr-defined]
         self.host, self.port = host, self._srv.server_address[1]
@@ -153,10 +209,31 @@ class ControlServer:
                                         name=f"weightsync-ctl-{self.port}", daemon=True)
         self._thread.start()
 
+    def _track(self, sock: socket.socket) -> bool:
+        with self._conns_lock:
+            if self.closed:
+                return False
+            self._conns.add(sock)
+            return True
+
+    def _untrack(self, sock: socket.socket) -> None:
+        with self._conns_lock:
+            self._conns.discard(sock)
+
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        """Stop serving: no new connection, every client connection closed (a client's
+        pending or next call fails at once with ``ConnectionError``), every waiter woken."""
+        with self._conns_lock:
+            if self.closed:
+                return
+            self.closed = True
+            conns, self._conns = list(self._conns), set()
+        for sock in conns:  # first: a woken waiter must find its connection gone
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.state.close()
         self._srv.shutdown()
         self._srv.server_close()
         self._thread.join(timeout=5)
@@ -181,10 +258,29 @@ class ControlClient:
                                       phase="connect") from None
                 time.sleep(0.05)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        status, _ = self._call(AUTH, "", token, self._timeout)
-        if status != OK:
+        try:
+            ok = self._authenticate(token)
+        except BaseException:
             self.close()
-            raise PermissionError(f"control server at {host}:{port} rejected the token")
+            raise
+        if not ok:
+            self.close()
+            raise PermissionError(f"control server at {host}:{port} rejected the token, or "
+                                  "could not prove it holds it (not this job's server)")
+
+    def _authenticate(self, token: bytes) -> bool:
+        """Mutual challenge-response: the server proves it holds the token before this
+        client proves it does; neither sends the token (a squatter on the port learns
+        nothing it could use)."""
+        nonce = os.urandom(_NONCE)
+        status, out = self._call(AUTH, "", nonce, self._timeout)
+        if status != OK or len(out) != 2 * _NONCE:
+            return False
+        theirs, proof = out[:_NONCE], out[_NONCE:]
+        if not hmac.compare_digest(proof, _proof(token, b"server", nonce, theirs)):
+            return False
+        status, _ = self._call(AUTH, "", _proof(token, b"client", theirs, nonce), self._timeout)
+        return status == OK
 
     def clone(self) -> "ControlClient":
         return ControlClient(self.host, self.port, self._token, self._timeout)

@@ -84,16 +84,17 @@ class Inbox:
 
     def pop(self, *, timeout: Optional[float] = None, peer: str, phase: str,
             version: object = None) -> Message:
-        """Next message of my inbox; ``SyncTimeout`` if none comes in time."""
+        """Next message of my inbox; ``SyncTimeout`` if none comes in time, ``PeerFailed``
+        (naming the store's host) if the store goes away."""
         t = self._timeout if timeout is None else timeout
         try:
             raw = self._store.queue_pop(self.key(self.me), t)
         except StoreTimeout:
             raise SyncTimeout(f"no message from {peer} within {t:.1f}s",
                               peer=peer, phase=phase, version=version) from None
-        except ConnectionError as exc:
-            raise SyncTimeout(f"lost the control connection ({exc})", peer=peer,
-                              phase=phase, version=version) from None
+        except ConnectionError as exc:  # the store went away with the process serving it
+            raise PeerFailed(f"lost the control store while waiting for {peer} ({exc})",
+                             peer=self.host, phase=phase, version=version) from None
         try:
             return decode(raw)
         except WireError as exc:

@@ -16,7 +16,7 @@ import torch
 from weightsync.core.errors import (IntegrityError, PlanMismatch, SyncTimeout, VersionMismatch,
                       WeightSyncError)
 from weightsync.core.plan import Bucket, TensorMeta, bucket_digest, dtype_from_name, plan_signature
-from weightsync.core.remote import error_msg, raise_remote
+from weightsync.core.remote import error_msg, normalize_version, raise_remote
 from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
 from weightsync.transport.fastcopy import copy_into
 from weightsync.transport.tensors import checksum
@@ -73,6 +73,7 @@ class ReceiverMixin:
     async def receive_weights(self, version: Any = None, *,
                               into: Optional[Mapping[str, torch.Tensor]] = None
                               ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        version = normalize_version(version)  # as the sender's, whatever int type it is
         if self.config.role != "rollout" or self._rank < 0:
             raise RuntimeError(f"{self.backend_name}: receive_weights needs a rollout engine "
                                "after init_process_group")

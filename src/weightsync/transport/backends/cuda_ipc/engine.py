@@ -39,8 +39,10 @@ import torch
 from weightsync.core.config import env_value, parse_bool
 from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
 from weightsync.core.plan import TensorMeta
+from weightsync.core.remote import normalize_version
 from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
 from weightsync.transport.protocol.sender import BucketedEngine
+from weightsync.transport.tensors import as_bytes
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
 from weightsync.transport.control.group import StoreGroupMixin
@@ -260,6 +262,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
 
     # -- stream capture -------------------------------------------------------------------
     async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
+        version = normalize_version(version)  # the bucketed sender keeps it as given
         self._tx_stream = self._ops.current_stream()
         self._clear_refs()
         try:
@@ -303,8 +306,13 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                     dtype: torch.dtype) -> None:
         if tensor.device.type == "cpu" and buf.device.type != "cpu":
             tensor = tensor.to(buf.device)  # blocking: the caller may reuse its CPU tensor
-        if meta.is_chunk or not meta.nbytes:
-            BucketedEngine._copy_piece(buf, meta, tensor, dtype)
+        if not meta.nbytes:
+            return
+        if meta.is_chunk:  # every copy into a slot goes on the trainer's stream (ops.copy)
+            src = as_bytes((tensor if tensor.dtype == dtype else tensor.to(dtype)).contiguous())
+            self._ops.copy(buf[meta.offset: meta.offset + meta.nbytes],
+                           src[meta.chunk_offset: meta.chunk_offset + meta.nbytes],
+                           self._tx_stream)
             return
         # Replayed layouts put the same tensors at the same places: keep the slot views.
         key = (id(buf), meta.offset, dtype, tensor.shape)
@@ -314,7 +322,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 self._dst_views.clear()
             dst = buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(tensor.shape)
             self._dst_views[key] = dst
-        dst.copy_(tensor, non_blocking=True)
+        self._ops.copy(dst, tensor, self._tx_stream)
 
     def _tx_ready(self, slot: int, buf: torch.Tensor) -> None:
         if self.config.checksum:  # the checksum reads the bucket on the host right away

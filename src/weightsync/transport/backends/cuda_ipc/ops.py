@@ -102,6 +102,11 @@ class IpcOps:
     def current_stream(self) -> Any:
         return None
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` (done when an event recorded after it
+        is, or after ``sync(stream)``; the CPU test stand-in really applies it late)."""
+        dst.copy_(src, non_blocking=True)
+
     def sync(self, stream: Any) -> None:
         """Block until the work queued on ``stream`` is done."""
 
@@ -180,6 +185,10 @@ class CudaIpcOps(IpcOps):
 
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        # The engine passes the stream that is current while it sends: no stream switch.
+        dst.copy_(src, non_blocking=True)
 
     def sync(self, stream: Any) -> None:
         stream.synchronize()

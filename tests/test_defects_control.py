@@ -1,0 +1,92 @@
+"""Closing the control server fails its peers at once: every blocked wait wakes, every
+client connection is closed; an inbox that loses its store reports ``PeerFailed`` naming
+the host, the phase and the version."""
+
+import threading
+import time
+
+import pytest
+
+from weightsync.core.errors import PeerFailed
+from weightsync.transport.control.server import ControlClient, ControlServer
+from weightsync.transport.control.store import Inbox
+
+TOKEN = b"defects-control-token"
+TIMEOUT = 30.0
+
+
+def _blocked(call):
+    """Run ``call`` in a thread; returns (thread, outcome dict with 'exc' and 'after')."""
+    out = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            out["value"] = call()
+        except BaseException as exc:  # inspected by the test
+            out["exc"] = exc
+        out["after"] = time.monotonic() - start
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["pop", "get", "wait"])
+def test_close_wakes_every_blocked_client(op):
+    srv = ControlServer("127.0.0.1", TOKEN)
+    c = ControlClient("127.0.0.1", srv.port, TOKEN, TIMEOUT)
+    call = {"pop": lambda: c.queue_pop("q", TIMEOUT), "get": lambda: c.get("k", TIMEOUT),
+            "wait": lambda: c.wait(["k"], TIMEOUT)}[op]
+    t, out = _blocked(call)
+    time.sleep(0.3)  # the request is in the server's wait by now
+    srv.close()
+    t.join(TIMEOUT + 15)
+    assert "after" in out, "the blocked call never returned"
+    assert isinstance(out.get("exc"), ConnectionError), out
+    assert out["after"] < TIMEOUT / 5, out
+
+
+@pytest.mark.timeout(60)
+def test_close_closes_idle_client_connections():
+    srv = ControlServer("127.0.0.1", TOKEN)
+    c = ControlClient("127.0.0.1", srv.port, TOKEN, TIMEOUT)
+    c.set("k", b"v")
+    srv.close()
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
+        c.get("k", TIMEOUT)   # served before: the connection outlived the server
+    assert time.monotonic() - start < TIMEOUT / 5
+
+
+@pytest.mark.timeout(120)
+def test_inbox_pop_of_a_closed_store_is_peer_failed_at_once():
+    srv = ControlServer("127.0.0.1", TOKEN)
+    store = ControlClient("127.0.0.1", srv.port, TOKEN, TIMEOUT, server=srv)
+    inbox = Inbox(store, "ws/x/s0", "r0", TIMEOUT, host="trainer rank 0")
+    t, out = _blocked(lambda: inbox.pop(timeout=TIMEOUT, peer="trainer rank 0",
+                                        phase="receive", version=7))
+    time.sleep(0.3)
+    srv.close()
+    t.join(TIMEOUT + 15)
+    exc = out.get("exc")
+    assert isinstance(exc, PeerFailed), out
+    assert exc.peer == "trainer rank 0" and exc.phase == "receive" and exc.version == 7, exc
+    assert out["after"] < TIMEOUT / 5, out
+    inbox.close()
+    store.close()
+
+
+def test_inbox_pop_names_its_host_not_the_expected_sender():
+    """The store's host is who went away (a sender waiting for a receiver's ack names the
+    rank it waits for as ``peer``, but a lost store is the hosting trainer's failure)."""
+    srv = ControlServer("127.0.0.1", TOKEN)
+    store = ControlClient("127.0.0.1", srv.port, TOKEN, TIMEOUT, server=srv)
+    inbox = Inbox(store, "ws/x/s0", "t", TIMEOUT, host="trainer rank 3")
+    srv.close()
+    with pytest.raises(PeerFailed) as info:
+        inbox.pop(timeout=TIMEOUT, peer="rollout rank 1", phase="send", version="v2")
+    assert info.value.peer == "trainer rank 3"
+    assert info.value.phase == "send" and info.value.version == "v2"
+    inbox.close()
+    store.close()
