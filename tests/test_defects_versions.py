@@ -77,8 +77,6 @@ def test_numpy_and_int_subclass_versions_are_equal(shm_odd_versions):
     assert [s["version"] for s in shm_odd_versions[0]["steps"]] == [0, 1]
 
 
-@pytest.mark.xfail(strict=True, reason="protocol/sender.py send_weights does not call "
-                   "normalize_version yet (not this change's file): drop this mark once it does")
 def test_bucketed_sender_reports_the_normalized_version(shm_odd_versions):
     assert all(type(s["version"]) is int for s in shm_odd_versions[0]["steps"])
 

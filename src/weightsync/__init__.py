@@ -2,7 +2,7 @@
 
 Quick start (two processes, shared memory)::
 
-    import weightsync
+    import weightsync   # every process of the job: WEIGHTSYNC_TOKEN=<the job's secret>
     engine = weightsync.connect("shm", role="trainer", address="127.0.0.1:29555")
     ...
 
@@ -12,6 +12,7 @@ See README.md for the whole lifecycle and docs/architecture.md for the layers.
 from typing import Any
 
 from weightsync.core.config import EngineConfig
+from weightsync.core.remote import normalize_version
 from weightsync.core.errors import (AuthenticationError, BackendUnavailable, IntegrityError, PeerFailed,
                                     PlanMismatch, SyncTimeout, TopologyError, VersionMismatch,
                                     WeightSyncError, WireError)
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointEngineRegistry",
     "EngineConfig",
     "connect",
+    "normalize_version",
     "CheckpointEngineManager",
     "SyncReport",
     "ReplicaStatus",

@@ -28,7 +28,7 @@ import torch
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
 from weightsync.core.plan import Bucket, PlanBuilder, TensorMeta, bucket_digest, dtype_name, plan_signature
-from weightsync.core.remote import error_msg, raise_remote, wire_version
+from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
 from weightsync.transport.fastcopy import can_memmove, copy_into
 from weightsync.transport.tensors import aiter_items, as_bytes, checksum, wire_dtype
@@ -182,6 +182,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         if self.config.role != "trainer" or self._rank < 0:
             raise RuntimeError(f"{self.backend_name}: send_weights needs a trainer engine "
                                "after init_process_group")
+        version = normalize_version(version)
         self._seq += 1
         state = _SendState(self._seq, version, PlanBuilder(self.config.bucket_size,
                                                            self.config.alignment))

@@ -48,7 +48,7 @@ from typing import Any, AsyncIterator, Mapping, Optional
 import torch
 
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
-from weightsync.core.remote import error_msg, raise_remote, wire_version
+from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import ErrorMsg, PulledMsg, PullMsg, SourceMsg
 from weightsync.core.xferplan import TransferPlan
 from weightsync.transport.backends.nixl.agent import NixlAgent, require_nixl, ucx_transports, wait_all
@@ -135,6 +135,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
     async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
         if self.config.role != "trainer" or self._rank < 0:
             raise RuntimeError("nixl: send_weights needs a trainer engine after init_process_group")
+        version = normalize_version(version)
         self._seq += 1
         seq, start = self._seq, time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -220,6 +221,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                        ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         if self.config.role != "rollout" or self._rank < 0:
             raise RuntimeError("nixl: receive_weights needs a rollout engine after init_process_group")
+        version = normalize_version(version)
         self._seq += 1
         loop = asyncio.get_running_loop()
         try:

@@ -40,13 +40,10 @@ _warned: set[str] = set()
 
 def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...]]:
     """``(local tensor, start, stop, full shape)`` of what this rank holds of ``t``."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        DTensor = None
     shape = tuple(int(d) for d in t.shape)
     numel = math.prod(shape)
-    if DTensor is None or not isinstance(t, DTensor):
+    # importing torch.distributed.tensor costs seconds: only for what may be a DTensor
+    if not (hasattr(t, "placements") and hasattr(t, "to_local")):
         return t, 0, numel, shape
     placements = tuple(t.placements)
     local = t.to_local()
