@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# One device call: the cuda_ipc benchmark, then the GPU tests. Everything lands in $OUT.
+# One device call: the cuda_ipc benchmark, the nixl VRAM benchmark, then the GPU tests.
+# Everything lands in $OUT.
 #   OUT=/tmp/out bash benchmarks/run_gpu.sh [gpu_bench.py options]
+# NIXL: carry .wheels-device (nixl + nixl-cu13 wheels, see BENCHMARKS.md); without it the
+# nixl steps are skipped.
 set -u -o pipefail
 OUT=${OUT:-/tmp/weightsync-gpu}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TORCH_CPP_LOG_LEVEL=ERROR
 PY=${PY:-python3}
+if ls .wheels-device/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels-device/*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
 { date -u; nvidia-smi; $PY -c 'import torch; print("torch", torch.__version__, "cuda",
-  torch.version.cuda, torch.cuda.get_device_name(0))'; } > "$OUT/env.txt" 2>&1
-head -20 "$OUT/env.txt"
-timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 \
-  | tee "$OUT/gpu_bench.txt" | tail -30
+  torch.version.cuda, torch.cuda.get_device_name(0))'; $PY -c 'import nixl; print("nixl ok")'; } \
+  > "$OUT/env.txt" 2>&1
+head -24 "$OUT/env.txt"
+timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 \
+  | tee "$OUT/gpu_bench.txt" | tail -20
 echo "bench exit ${PIPESTATUS[0]}"
-timeout "${TEST_TIMEOUT:-330}" $PY -m pytest -v -p no:cacheprovider -rfE \
-  tests/test_gpu_cuda_ipc.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -45
+if $PY -c 'import nixl' 2>/dev/null; then
+  timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_gpu.py --gib "${NIXL_GIB:-1}" --warm 3 \
+    --out "$OUT" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl_gpu.txt" | tail -5
+  echo "nixl bench exit ${PIPESTATUS[0]}"
+fi
+timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -v -p no:cacheprovider -rfE -m gpu \
+  tests/test_gpu_cuda_ipc.py tests/test_cuda_ipc.py tests/test_nixl.py 2>&1 \
+  | grep -v "NIXL INFO" | tee "$OUT/gpu_tests.txt" | tail -45
 echo "tests exit ${PIPESTATUS[0]}"

@@ -302,3 +302,17 @@ def test_receive_into_pulls_straight_into_the_callers_tensors():
     assert out["bad"] == [] and out["moved"] == [], out
     assert out["same"] == out["n"]          # every tensor yielded is the caller's own
     assert out["direct"] > 0.5 * out["n"], out   # most landed there with no copy
+
+
+# -- on a GPU (run on the device: pytest -m gpu) ----------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("trainers,receivers", [(1, 1), (2, 2)])
+def test_vram_to_vram_every_dtype_three_syncs(trainers, receivers):
+    """Trainer tensors in VRAM, landing buffers in VRAM (UCX picks how; on one GPU two
+    processes cannot use cuda_ipc, so this checks bytes, not speed)."""
+    spec = _spec(None, trainers=trainers, receivers=receivers, steps=3, device="cuda",
+                 engine_kwargs={"device": "cuda", "timeout": 60}, timeout=240)
+    assert_clean(run_group(spec), spec)
