@@ -6,7 +6,8 @@ to which replica, whether the group is ready, and the calls on the trainer ranks
 replicas (every one bounded, see :mod:`~weightsync.orchestration.calls`). Judges a failed
 step by the rules of :mod:`~weightsync.orchestration.isolation` and isolates the replicas
 to blame (moved to the failed ones of the :class:`~weightsync.orchestration.replicas.ReplicaSet`,
-fenced and finalized). Used by :class:`~weightsync.orchestration.manager.CheckpointEngineManager`
+fenced and finalized), or, for atomic syncs (``abort_on_failure``), raises the root cause
+so that the whole sync is aborted. Used by :class:`~weightsync.orchestration.manager.CheckpointEngineManager`
 (group set-up, every step of a sync) and :mod:`weightsync.orchestration.checks`.
 """
 
@@ -34,12 +35,13 @@ class ReplicaGroup:
 
     def __init__(self, backend: str, engine_cls: Any, engine_kwargs: dict, trainers: list,
                  replicas: ReplicaSet, *, timeout: float, call_timeout: float, settle: float,
-                 isolate_failures: bool) -> None:
+                 isolate_failures: bool, abort_on_failure: bool = False) -> None:
         self.backend, self.engine_cls, self.engine_kwargs = backend, engine_cls, engine_kwargs
         self.trainers = trainers
         self.replicas = replicas
         self.timeout, self.call_timeout, self.settle = timeout, call_timeout, settle
         self.isolate_failures = isolate_failures
+        self.abort_on_failure = abort_on_failure  # atomic syncs: raise, never isolate in a step
         self.members: list[ReplicaRecord] = []    # replicas of the current group
         self.ready = False
         self._rank_owner: dict[int, str] = {}      # receiving rank -> replica name
@@ -107,6 +109,7 @@ class ReplicaGroup:
                 if o.ok:
                     st.seconds += float(o.value.get("seconds", 0.0))
                     st.bytes += int(o.value.get("bytes", 0))
+                    st.staged_bytes = max(st.staged_bytes, int(o.value.get("staged_bytes", 0)))
             if self.judge(report, outs[:n], outs[n:], f"sync:{kind}").failed:
                 alive = [m for m in members if self.replicas.is_managed(m)]
                 if i < len(rounds) - 1:
@@ -123,11 +126,12 @@ class ReplicaGroup:
         verdict = blame(trainers, replicas, self._rank_owner if phase != "prepare" else {})
         if not verdict.failed:
             return verdict
-        if self.isolate_failures and verdict.trainer_fault is None:
+        isolating = self.isolate_failures and not self.abort_on_failure
+        if isolating and verdict.trainer_fault is None:
             for name, why in verdict.culprits.items():
                 self.isolate(report, name, why, phase)
         if verdict.trainer_fault is not None or not verdict.culprits \
-                or not self.isolate_failures or not len(self.replicas):
+                or not isolating or not len(self.replicas):
             # the root cause first: a worker's own failure, not a peer relaying it
             ordered = sorted(trainers + replicas,
                              key=lambda o: o.ok or source_of(o.error) != o.label)

@@ -43,6 +43,11 @@ failure, gets the base again. Colocated sleep level 2 discards the rollout's wei
 the coming sync would not restore all of them (adapter-only, or a replica whose engine
 cannot restore what it discarded) the level is capped at 1 with a warning.
 
+**Atomic syncs** (``atomic=True``, or ``WEIGHTSYNC_ATOMIC``): replicas receive into a
+staging copy (one copy of their weights) and commit once all have received; a failure
+before the sync is decided aborts it and every replica keeps its previous version,
+serving (:mod:`~weightsync.orchestration.atomic`; sleep level 2 is capped at 1).
+
 Every call on a worker is bounded (``timeout`` of the engines, plus a margin for the
 call itself; once the trainer ranks of a step are done, the replicas get ``timeout`` + 5 s
 more); a worker that does not answer or dies becomes ``SyncTimeout``/``PeerFailed``
@@ -57,11 +62,13 @@ import time
 import warnings
 from typing import Any, Optional, Sequence
 
+from weightsync.orchestration.atomic import abort_all, check_staging, commit_all, release_all
 from weightsync.orchestration.calls import Call, call_all
 from weightsync.orchestration.group import ReplicaGroup
 from weightsync.orchestration.checks import run_validate, run_verify
 from weightsync.orchestration.replicas import ReplicaSet
-from weightsync.core.config import EngineConfig
+from weightsync.core.remote import normalize_version
+from weightsync.core.config import EngineConfig, env_value, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.plan import dtype_name
@@ -102,7 +109,8 @@ class CheckpointEngineManager:
                  colocated: bool = False, sleep_level: int = 1,
                  bucket_size: Optional[int] = None, timeout: Optional[float] = None,
                  keep_group: bool = True, offload_trainer: bool = False,
-                 isolate_failures: bool = True, **engine_kwargs: Any) -> None:
+                 isolate_failures: bool = True, atomic: Optional[bool] = None,
+                 **engine_kwargs: Any) -> None:
         if not isinstance(backend, str):
             raise ValueError(f"backend must be a backend name (str), got {backend!r}")
         engine_cls = CheckpointEngineRegistry.get(backend)  # unknown -> clear error
@@ -118,13 +126,14 @@ class CheckpointEngineManager:
         given = {k: v for k, v in (("bucket_size", bucket_size), ("timeout", timeout))
                  if v is not None}   # left out: WEIGHTSYNC_* or the defaults, as engines do
         config = EngineConfig(**given, **engine_kwargs)
+        self.atomic = bool(env_value("ATOMIC", parse_bool, False) if atomic is None else atomic)
         self._replicas = ReplicaSet()
         self._group = ReplicaGroup(
             backend, engine_cls, {"bucket_size": config.bucket_size, "timeout": config.timeout,
                                   **engine_kwargs},
             trainers, self._replicas, timeout=config.timeout,
             call_timeout=2 * config.timeout + 60, settle=config.timeout + 5.0,
-            isolate_failures=bool(isolate_failures))
+            isolate_failures=bool(isolate_failures), abort_on_failure=self.atomic)
         self._dtype = dtype_name(config.dtype) if config.dtype is not None else None
         self.colocated, self.sleep_level = bool(colocated), sleep_level
         self.keep_group, self.offload_trainer = bool(keep_group), bool(offload_trainer)
@@ -257,7 +266,9 @@ class CheckpointEngineManager:
             return level
         kinds = {k for k, _ in rounds}
         reason = None
-        if not ("full" in kinds or {"base", "adapter"} <= kinds):
+        if self.atomic:
+            reason = "atomic=True keeps the previous version, which level 2 would discard"
+        elif not ("full" in kinds or {"base", "adapter"} <= kinds):
             reason = "this sync sends only the LoRA adapter, so the base weights would be lost"
         else:
             bad = [r.name for r in self._replicas.managed()
@@ -276,11 +287,12 @@ class CheckpointEngineManager:
 
     def update_weights(self, version: Any, merge_and_sync: bool = True) -> SyncReport:
         """One sync of the trainer's current weights as ``version`` (see the module doc)."""
-        if isinstance(version, bool) or not isinstance(version, (int, str)):
-            raise ValueError(f"version must be an int or a str, got {version!r}")
+        if version is None:
+            raise ValueError("version must be an int or a str, got None")
+        version = normalize_version(version)     # numpy ints and int subclasses: plain int
         with self._lock:
             start = time.perf_counter()
-            report = SyncReport(version=version)
+            report = SyncReport(version=version, atomic=self.atomic)
             self._replicas.begin_sync(report)
             try:
                 self._sync(report, version, merge_and_sync)
@@ -301,11 +313,13 @@ class CheckpointEngineManager:
         report.kinds = [k for k, _ in rounds]
         g.ensure(report)
         self._replicas.check_kinds(report.kinds)
+        if self.atomic:
+            check_staging(self._replicas, report.kinds)
         run_validate(g, self._replicas, report, rounds, self._dtype)
         g.replica_step(report, "pause", "ws_pause", kwargs={"abort": True})
         self._replicas.mark_fenced()
         g.replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
-                       record=False)
+                       {"staged": True} if self.atomic else None, record=False)
         if self.colocated:
             self._sleep_and_wake_weights(report, rounds)
         g.ensure(report)               # rebuilt without a replica isolated meanwhile
@@ -326,7 +340,11 @@ class CheckpointEngineManager:
             self._step(report, "finalize", g.trainer_calls("ws_finalize")
                        + g.replica_calls("ws_finalize"))
             g.invalidate()
+        if self.atomic:
+            commit_all(g, self._replicas, report, version)
         g.replica_step(report, "reset_caches", "ws_reset_caches")
+        if self.atomic:        # decided: every replica committed and reset its caches
+            release_all(g, report, version)
         self._replicas.synced(version, "full" if "full" in report.kinds else "base", report)
         self.version = version
 
@@ -344,7 +362,8 @@ class CheckpointEngineManager:
 
     def _after_failure(self, report: SyncReport, exc: BaseException) -> None:
         self._invalidate()       # the next sync rebuilds the group and resends everything
-        self._replicas.stale_fenced()          # fenced until a sync completes
+        if not self.atomic:
+            self._replicas.stale_fenced()      # fenced until a sync completes
         for st in report.replicas:
             if st.ok and isinstance(exc, WeightSyncError) and st.error is None:
                 st.ok, st.error = False, f"sync aborted: {type(exc).__name__}: {exc}"
@@ -356,6 +375,8 @@ class CheckpointEngineManager:
             for o in outcomes:
                 if not o.ok:
                     logger.warning("weightsync: wake_up after a failed sync: %s", o.error)
+        if self.atomic:          # every replica back on (and serving) its previous version
+            abort_all(self._group, self._replicas, report)
 
     def _resume(self, report: SyncReport) -> None:
         report.phases.append("resume")

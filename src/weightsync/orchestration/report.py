@@ -1,4 +1,10 @@
-"""What one ``CheckpointEngineManager.update_weights`` did: :class:`SyncReport`."""
+"""What one ``CheckpointEngineManager.update_weights`` did: :class:`SyncReport`.
+
+Atomic syncs (``atomic=True``) add, per replica, whether it committed the version
+(``committed``), the version it kept serving when the sync was aborted (``kept_version``;
+``rolled_back`` if it had committed) and the bytes of its staging copy (``staged_bytes``: one copy of its weights); the report
+sums the staging memory (``staged_bytes``) and maps who kept what (``kept``).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ class ReplicaStatus:
     error: Optional[str] = None   # why it failed (its own failure, or the sync's)
     isolated: bool = False        # removed from the topology and from generation routing
     attempts: int = 0             # transfers it took part in (more than 1: re-run)
+    committed: bool = False       # atomic: it committed this sync's version
+    kept_version: Any = None      # atomic, aborted: the previous version it still serves
+    rolled_back: bool = False     # atomic, aborted: it had committed and swapped back
+    staged_bytes: int = 0         # atomic: memory of its staging copy (one copy of weights)
 
 
 @dataclass
@@ -41,6 +51,7 @@ class SyncReport:
     rebuilt: bool = False                           # the group was (re)built first
     isolated: list = field(default_factory=list)    # names of replicas removed by this sync
     retries: int = 0                                # re-runs after isolating a replica
+    atomic: bool = False                            # two-phase: stage on all, then commit
 
     @property
     def gbps(self) -> float:
@@ -59,10 +70,23 @@ class SyncReport:
         """Names of the replicas that hold this version."""
         return [r.name for r in self.replicas if r.ok]
 
+    @property
+    def staged_bytes(self) -> int:
+        """Atomic: extra memory the staging copies took, all replicas together."""
+        return sum(r.staged_bytes for r in self.replicas)
+
+    @property
+    def kept(self) -> dict:
+        """Atomic, aborted: name -> the previous version each replica kept serving."""
+        return {r.name: r.kept_version for r in self.replicas
+                if self.atomic and not r.committed and not r.isolated}
+
     def summary(self) -> str:
         status = "ok" if self.ok else f"FAILED: {[r.name for r in self.failed]}"
         if self.isolated:
             status += f" (isolated {self.isolated}, {self.retries} re-run(s))"
+        if self.atomic:
+            status += f" (atomic, staging {self.staged_bytes / 1e6:.2f} MB)"
         return (f"version {self.version} [{'+'.join(self.kinds)}]: {self.bytes / 1e6:.2f} MB in "
                 f"{self.seconds:.3f} s ({self.gbps:.2f} GB/s), total {self.total_seconds:.3f} s, "
                 f"{len(self.replicas)} replicas {status}")

@@ -17,12 +17,18 @@ process (see :class:`~weightsync.rollout.protocol.LocalEngineRollout`) and
 * sleeps at vLLM's levels (1: weights copied to host and freed, 2: discarded) and wakes
   per tag (``weights``, ``kv_cache``); generation needs both awake. HF's ``generate``
   builds its KV cache per call and keeps none, so ``kv_cache`` sleep only gates
-  generation and ``reset_caches`` has nothing stale to drop.
+  generation and ``reset_caches`` has nothing stale to drop;
+* stages full syncs for atomic updates (``begin_sync(..., staged=True)``): it receives
+  into a :class:`~weightsync.rollout.parking.WeightStaging` copy (one copy of the weights)
+  and swaps it in on ``commit_sync``; ``abort_sync`` drops it or swaps the old weights
+  back, ``release_sync`` frees the old copy. Its live weights and fence stay as they are
+  until the commit. Adapter syncs are not staged (they build PEFT layers into the model).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, AsyncIterator, Optional, Sequence
 
@@ -32,7 +38,7 @@ from weightsync.core.errors import PlanMismatch, WeightSyncError
 from weightsync.core.digests import check_weight_set, tensor_digest
 from weightsync.core.plan import dtype_name
 from weightsync.trainer.lora import adapter_name, hf_name, is_lora_param
-from weightsync.rollout.parking import WeightParking
+from weightsync.rollout.parking import StagedSync, WeightParking, WeightStaging
 from weightsync.rollout.protocol import (SLEEP_LEVELS, WEIGHT_KINDS, Generation, GenerationGate, LocalEngineRollout,
                    check_tags)
 
@@ -116,7 +122,7 @@ def lora_config_from_dict(data: dict) -> Any:
     return peft.LoraConfig(**kwargs)
 
 
-class HFRolloutReplica(LocalEngineRollout):
+class HFRolloutReplica(StagedSync, LocalEngineRollout):
     """One HF transformers replica (see the module docstring)."""
 
     def __init__(self, model: Optional[torch.nn.Module] = None, *, config: Any = None,
@@ -134,6 +140,8 @@ class HFRolloutReplica(LocalEngineRollout):
         self._version: Any = None
         self._kv_asleep = False
         self._parking = WeightParking()
+        self._staging: Optional[WeightStaging] = None     # the atomic sync in progress
+        self._stage_lock = threading.Lock()
         self.gate = GenerationGate(timeout)
 
     # -- state --------------------------------------------------------------------------
@@ -146,7 +154,17 @@ class HFRolloutReplica(LocalEngineRollout):
 
     def capabilities(self) -> dict:
         return {"name": "hf", "sleep_levels": list(SLEEP_LEVELS), "lora": True,
-                "kinds": ["full", "base", "adapter"], "full_sync_restores_discarded": True}
+                "kinds": ["full", "base", "adapter"], "full_sync_restores_discarded": True,
+                "staged_kinds": ["full"], "staging": "one copy of the weights",
+                "reasons": {"atomic": "adapter syncs build PEFT layers into the live model, "
+                                      "which a staged sync cannot roll back"}}
+
+    def _stage_refusal(self, kinds: list) -> Optional[str]:
+        if any(k != "full" for k in kinds):
+            return f"{kinds} syncs: {self.capabilities()['reasons']['atomic']}"
+        if self._peft is not None:
+            return "it holds a LoRA adapter, which a full sync removes for good"
+        return None
 
     def _state(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict(keep_vars=True)
@@ -293,21 +311,29 @@ class HFRolloutReplica(LocalEngineRollout):
             self.gate.pause(abort=False)
         start = time.perf_counter()
         self._fence.start_round(version, kind)   # also when called without engine_receive
+        extra = {}
         try:
-            if kind == "adapter":
-                targets = self._prepare_adapter(adapter_config, version)
+            staging = self._staging_of(version)
+            if staging is not None:          # atomic: into the copy, the live weights stay
+                count, nbytes = await self._copy_in(
+                    weights, staging.targets(self._base_targets()), version)
+                staging.missing.discard(kind)
+                extra["staged_bytes"] = staging.nbytes
             else:
-                if kind == "full" and self._peft is not None:
-                    self._drop_adapter()
-                targets = self._base_targets()
-            count, nbytes = await self._copy_in(weights, targets, version)
-            self._version = version
+                if kind == "adapter":
+                    targets = self._prepare_adapter(adapter_config, version)
+                else:
+                    if kind == "full" and self._peft is not None:
+                        self._drop_adapter()
+                    targets = self._base_targets()
+                count, nbytes = await self._copy_in(weights, targets, version)
+                self._version = version
             self._fence.round_done(version, kind)
         finally:
             if paused_here:
                 self.gate.resume()
         return {"tensors": count, "bytes": nbytes, "seconds": time.perf_counter() - start,
-                "version": version, "kind": kind, "adapter": self._peft is not None}
+                "version": version, "kind": kind, "adapter": self._peft is not None, **extra}
 
     async def _copy_in(self, weights: AsyncIterator, targets: dict[str, torch.Tensor],
                        version: Any) -> tuple[int, int]:

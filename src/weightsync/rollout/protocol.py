@@ -14,7 +14,11 @@ A *rollout adapter* wraps one inference replica (HF transformers, vLLM, ...). Th
   every round of ``version`` is applied), ``check_weights(offered, kind=...,
   adapter_config=...) -> [[name, why], ...]`` (validation before any byte moves),
   ``weight_digests(kind) -> {"digests": {...}, "dtypes": {...}}`` (for
-  ``CheckpointEngineManager.verify``), ``fence(reason)``, ``sync_state()``.
+  ``CheckpointEngineManager.verify``), ``fence(reason)``, ``sync_state()``;
+* atomic syncs (kinds in ``capabilities()["staged_kinds"]``): ``begin_sync(version, kinds,
+  staged=True)`` (receive into a staging copy, the live weights untouched and unfenced),
+  ``commit_sync(version)`` (swap it in, keep the old copy), ``abort_sync(version)`` (drop
+  it, or swap the old copy back), ``release_sync(version)`` (drop the old copy).
 
 **No mixed versions** (:class:`SyncFence`): a replica generates only with a complete
 version. Generation is fenced from ``begin_sync`` (the manager calls it right after
@@ -185,12 +189,16 @@ class SyncFence:
       any failed round: the HF replica), from :meth:`fence` until a round completes a
       version. Without ``begin`` (a caller that syncs one round at a time) each successful
       round completes a version on its own.
+
+    A *staged* sync (``begin(..., staged=True)``) receives into a copy, so its rounds
+    fence nothing; :meth:`end_staged` ends it (committed: the new version is live, whole).
     """
 
     def __init__(self) -> None:
         self.reason: Optional[str] = None
         self.torn: Optional[str] = None
         self._pending: Optional[tuple[Any, set]] = None     # (version, kinds still to apply)
+        self._staged = False                  # the pending version is received into a copy
         self._lock = threading.Lock()
 
     @property
@@ -198,23 +206,32 @@ class SyncFence:
         """Why the replica must not generate now; None when it holds one complete version."""
         return self.torn or self.reason
 
-    def begin(self, version: Any, kinds: Sequence[str]) -> None:
+    def begin(self, version: Any, kinds: Sequence[str], *, staged: bool = False) -> None:
         bad = [k for k in kinds if k not in WEIGHT_KINDS]
         if bad or not kinds:
             raise ValueError(f"kinds must be a non-empty list of {WEIGHT_KINDS}, got {kinds!r}")
         with self._lock:
-            self._pending = (version, set(kinds))
-            self.reason = f"the sync of version {version!r} is in progress"
+            self._pending, self._staged = (version, set(kinds)), bool(staged)
+            if not staged:
+                self.reason = f"the sync of version {version!r} is in progress"
+
+    def _staged_of(self, version: Any) -> bool:
+        return self._staged and self._pending is not None and self._pending[0] == version
 
     def start_round(self, version: Any, kind: str) -> None:
         with self._lock:
+            if self._staged_of(version):
+                return
             if self._pending is None or self._pending[0] != version:
-                self._pending = None
+                self._pending, self._staged = None, False
             self.reason = f"the sync of version {version!r} did not complete"
 
     def round_done(self, version: Any, kind: str) -> bool:
         """Record a fully applied round; True when ``version`` is now complete."""
         with self._lock:
+            if self._staged_of(version):
+                self._pending[1].discard(kind)        # type: ignore[index]
+                return not self._pending[1]           # type: ignore[index]
             if self._pending is not None and self._pending[0] == version:
                 self._pending[1].discard(kind)
                 if self._pending[1]:
@@ -234,9 +251,16 @@ class SyncFence:
         self.tear(None)
         return self.round_done(version, kind)
 
+    def end_staged(self, *, committed: bool) -> None:
+        """The staged sync is over; ``committed``: its version is now live and whole."""
+        with self._lock:
+            self._pending, self._staged = None, False
+            if committed:
+                self.reason = self.torn = None
+
     def fence(self, reason: str) -> None:
         with self._lock:
-            self._pending, self.reason = None, str(reason)
+            self._pending, self._staged, self.reason = None, False, str(reason)
 
 
 class ReplicaControls:

@@ -203,12 +203,40 @@ class RolloutWorkerMixin:
     def ws_version(self) -> Any:
         return self.weightsync_rollout().current_version()
 
-    def ws_begin_sync(self, version: Any, kinds: list) -> bool:
+    def ws_begin_sync(self, version: Any, kinds: list, staged: bool = False) -> bool:
+        """Fence until ``version`` is applied; ``staged`` (atomic syncs): receive it into a
+        staging copy instead, committed by ``ws_commit``."""
         fn = getattr(self.weightsync_rollout(), "begin_sync", None)
+        if staged:
+            self._staged_call("begin_sync")(version, kinds, staged=True)
+            return True
         if fn is None:
             return False
         fn(version, kinds)
         return True
+
+    def ws_commit(self, version: Any) -> dict:
+        """Atomic syncs: swap the staged copy of ``version`` in (the old one is kept)."""
+        return self._staged_call("commit_sync")(version)
+
+    def ws_abort(self, version: Any) -> dict:
+        """Atomic syncs: back to the version held before the sync; what it serves now."""
+        rollout = self.weightsync_rollout()
+        fn = getattr(rollout, "abort_sync", None)
+        if fn is None:
+            return {"version": rollout.current_version(), "rolled_back": False, "busy": False}
+        return fn(version)
+
+    def ws_release(self, version: Any) -> dict:
+        """Atomic syncs: ``version`` is committed everywhere; free the old copy."""
+        return self._staged_call("release_sync")(version)
+
+    def _staged_call(self, name: str) -> Any:
+        rollout = self.weightsync_rollout()
+        if not callable(getattr(rollout, "commit_sync", None)):
+            raise NotImplementedError(f"{type(rollout).__name__} cannot stage a sync "
+                                      "(no commit_sync)")
+        return getattr(rollout, name)
 
     def ws_check_weights(self, offered: list, kind: str = "full",
                          adapter_config: Optional[dict] = None) -> Optional[list]:
