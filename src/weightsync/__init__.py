@@ -36,6 +36,7 @@ __all__ = [
     "ReplicaStatus",
     "VerifyReport",
     "CudaIpcOptions",
+    "plan",
     "VLLMOptions",
     "WeightSyncError",
     "SyncTimeout",
@@ -58,6 +59,9 @@ def __getattr__(name: str) -> Any:
     if name in _PLAN_NAMES:
         from weightsync.core import plan
         return getattr(plan, name)
+    if name == "plan":  # the planner imports transformers on use: not at import time
+        from weightsync.tools.planner import plan
+        return plan
     if name == "CudaIpcOptions":  # its module needs no CUDA to import
         from weightsync.transport.backends.cuda_ipc.engine import CudaIpcOptions
         return CudaIpcOptions

@@ -165,6 +165,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+# -- plan -------------------------------------------------------------------------------
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    from weightsync.tools.planner.cli import add_arguments
+    add_arguments(p)
+
+
+@subcommand("plan", "predict a sync on a cluster you do not have (bytes, reads, time, "
+            "bottleneck), from the plan code the backends run", _plan_args)
+def cmd_plan(args: argparse.Namespace) -> int:
+    from weightsync.tools.planner.cli import run
+    return run(args)
+
+
 # -- entry point ------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync",

@@ -1,0 +1,229 @@
+"""The links file: what each link of a cluster carries, and the presets.
+
+Owns :class:`Links` (parsed and checked) and :func:`load_links` (a preset name, or a
+YAML/JSON file). A links file describes one kind of node:
+
+* ``device``: ``gpu`` (devices are GPUs) or ``host`` (devices are processes on one host,
+  as on this CPU box); ``gpus_per_node``; ``max_nodes`` (``null``: any);
+* ``links``: ``nic`` (per device, each direction: what crosses nodes), ``intra`` (per
+  device, each direction, within a node: NVLink, PCIe, or cross-memory reads between
+  processes), ``device_mem`` (per device: bytes *copied* per second, e.g. HBM) and
+  ``host_mem`` (per node, shared by every copy through host memory); each with ``GBps``
+  (line rate, 1e9 bytes/s), ``latency_us`` and ``efficiency`` (the fraction of the line
+  rate a transfer reaches; the line-rate bound uses the line rate);
+* ``collective``: ``algo`` (``ring``: pipelined like NCCL; ``star``: the root sends every
+  receiver its own copy, like gloo), optional ``GBps`` (a cap per broadcast stream);
+* ``ring``: ``direct_min_bytes`` / ``direct_max_receivers`` (shm reads tensors that big
+  straight from the trainer when there are at most that many receivers; 0: never) and
+  ``direct_GBps`` (what all those cross-memory reads of a host reach together);
+* ``software``: host-side costs in microseconds: ``tensor_us`` (per tensor a rank packs or
+  applies), ``bucket_us`` (per bucket), ``read_us`` (per READ a receiver posts),
+  ``control_us`` (one control-message round trip per sync), ``op_us`` (per collective op).
+
+Every number is required where its link is used, and must be >= 0 (``GBps`` > 0,
+``efficiency`` in (0, 1]); a bad one is a :class:`~.errors.PlannerError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from weightsync.tools.planner.errors import PlannerError
+
+__all__ = ["Link", "Links", "load_links", "preset_names", "PRESET_DIR"]
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+_LINKS = {"gpu": ("nic", "intra", "device_mem"), "host": ("intra", "device_mem", "host_mem")}
+_SOFTWARE = ("tensor_us", "bucket_us", "read_us", "control_us", "op_us")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``rate`` is what a transfer gets, ``line_rate`` the nominal."""
+
+    name: str
+    GBps: float
+    latency_us: float = 0.0
+    efficiency: float = 1.0
+    type: str = ""
+    source: str = ""
+
+    @property
+    def line_rate(self) -> float:
+        return self.GBps * 1e9
+
+    @property
+    def rate(self) -> float:
+        return self.GBps * 1e9 * self.efficiency
+
+    @property
+    def latency(self) -> float:
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class Links:
+    name: str
+    device: str
+    gpus_per_node: int
+    links: Mapping[str, Link]
+    collective_algo: str
+    collective_cap: Optional[float]        # bytes/s per broadcast stream, or None
+    direct_min_bytes: int
+    direct_max_receivers: int
+    direct_rate: Optional[float]           # bytes/s of all direct reads of a host, or None
+    software: Mapping[str, float]          # seconds
+    max_nodes: Optional[int] = None
+    description: str = ""
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def link(self, name: str) -> Link:
+        if name not in self.links:
+            raise PlannerError(f"links.{name}", f"missing in links file {self.name!r} "
+                                                f"(needed by this layout)")
+        return self.links[name]
+
+    def sw(self, key: str) -> float:
+        return self.software[key]
+
+
+def _num(d: Mapping, key: str, where: str, *, positive: bool = False,
+         default: Optional[float] = None, upto: Optional[float] = None) -> float:
+    if key not in d or d[key] is None:
+        if default is not None:
+            return default
+        raise PlannerError(f"{where}.{key}", "missing (a number is required)")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise PlannerError(f"{where}.{key}", f"must be a number, got {v!r}")
+    if v < 0 or (positive and v == 0):
+        raise PlannerError(f"{where}.{key}", f"must be {'> 0' if positive else '>= 0'}, got {v}")
+    if upto is not None and v > upto:
+        raise PlannerError(f"{where}.{key}", f"must be <= {upto}, got {v}")
+    return float(v)
+
+
+def _section(d: Mapping, key: str, where: str, required: bool = True) -> Mapping:
+    v = d.get(key)
+    if v is None and not required:
+        return {}
+    if not isinstance(v, Mapping):
+        raise PlannerError(f"{where}.{key}", "missing (a mapping is required)" if v is None
+                           else f"must be a mapping, got {type(v).__name__}")
+    return v
+
+
+def _link(d: Mapping, name: str) -> Link:
+    where = f"links.{name}"
+    eff = _num(d, "efficiency", where, positive=True, default=1.0, upto=1.0)
+    return Link(name=name, GBps=_num(d, "GBps", where, positive=True),
+                latency_us=_num(d, "latency_us", where, default=0.0), efficiency=eff,
+                type=str(d.get("type", name)), source=str(d.get("source", "")))
+
+
+def parse_links(doc: Any, name: str = "links") -> Links:
+    """Check a parsed links document; :class:`PlannerError` names the first bad field."""
+    if not isinstance(doc, Mapping):
+        raise PlannerError("links", f"a links file holds a mapping, got {type(doc).__name__}")
+    device = doc.get("device", "gpu")
+    if device not in _LINKS:
+        raise PlannerError("links.device", f"must be one of {sorted(_LINKS)}, got {device!r}")
+    gpn = _num(doc, "gpus_per_node", "links", positive=True)
+    if gpn != int(gpn):
+        raise PlannerError("links.gpus_per_node", f"must be an integer, got {gpn}")
+    raw_links = _section(doc, "links", "links")
+    links = {}
+    for key, value in raw_links.items():
+        if not isinstance(value, Mapping):
+            raise PlannerError(f"links.{key}", f"must be a mapping, got {value!r}")
+        links[key] = _link(value, key)
+    for key in _LINKS[device]:
+        if key not in links:
+            raise PlannerError(f"links.{key}", f"missing (a {device} links file needs "
+                                               f"{', '.join(_LINKS[device])})")
+    coll = _section(doc, "collective", "links", required=False)
+    algo = coll.get("algo", "ring")
+    if algo not in ("ring", "star"):
+        raise PlannerError("links.collective.algo", f"must be 'ring' or 'star', got {algo!r}")
+    cap = coll.get("GBps")
+    cap = None if cap is None else _num(coll, "GBps", "links.collective", positive=True) * 1e9
+    ring = _section(doc, "ring", "links", required=False)
+    sw = _section(doc, "software", "links")
+    software = {k: _num(sw, k, "links.software") * 1e-6 for k in _SOFTWARE}
+    max_nodes = doc.get("max_nodes")
+    if max_nodes is not None:
+        max_nodes = int(_num(doc, "max_nodes", "links", positive=True))
+    return Links(name=str(doc.get("name", name)), device=device, gpus_per_node=int(gpn),
+                 links=links, collective_algo=algo, collective_cap=cap,
+                 direct_min_bytes=int(_num(ring, "direct_min_bytes", "links.ring", default=0)),
+                 direct_max_receivers=int(_num(ring, "direct_max_receivers", "links.ring",
+                                               default=0)),
+                 direct_rate=(_num(ring, "direct_GBps", "links.ring", positive=True) * 1e9
+                              if ring.get("direct_min_bytes") else None),
+                 software=software, max_nodes=max_nodes,
+                 description=str(doc.get("description", "")), raw=dict(doc))
+
+
+def preset_names() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+def _read(path: str) -> Any:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise PlannerError("links", f"cannot read {path}: {exc.strerror}") from None
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise PlannerError("links", f"{path} is YAML but PyYAML is not installed "
+                                        "(pip install pyyaml, or write the file as JSON)") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PlannerError("links", f"{path} is not valid YAML: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlannerError("links", f"{path} is not valid JSON: {exc}") from None
+
+
+def _override(doc: dict, overrides: Mapping[str, Any]) -> dict:
+    """``{"links.nic.efficiency": 0.89}``: dotted paths into the document, set in a copy."""
+    doc = json.loads(json.dumps(doc))
+    for path, value in overrides.items():
+        keys = path.split(".")
+        node = doc
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                raise PlannerError(f"link-set.{path}", "no such section in the links file")
+            node = node[k]
+        node[keys[-1]] = value
+    return doc
+
+
+def load_links(spec: str | Mapping, overrides: Optional[Mapping[str, Any]] = None) -> Links:
+    """A preset name (:func:`preset_names`), a path to a YAML/JSON file, or a mapping;
+    ``overrides``: dotted fields to replace first (``{"links.nic.efficiency": 0.89}``)."""
+    if isinstance(spec, Mapping):
+        doc, name = dict(spec), str(spec.get("name", "links"))
+    elif spec in preset_names():
+        doc, name = _read(os.path.join(PRESET_DIR, spec + ".json")), spec
+    elif not os.path.exists(spec):
+        raise PlannerError("links", f"{spec!r} is neither a preset ({', '.join(preset_names())}) "
+                                    "nor a file")
+    else:
+        doc, name = _read(spec), os.path.basename(spec)
+    if overrides:
+        if not isinstance(doc, Mapping):
+            raise PlannerError("links", "a links file holds a mapping")
+        doc = _override(dict(doc), overrides)
+        changed = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        doc["name"] = f"{doc.get('name', name)} ({changed})"
+    return parse_links(doc, name)

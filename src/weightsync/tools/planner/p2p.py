@@ -1,0 +1,119 @@
+"""Point-to-point pull (the ``nixl`` backend) on the link model.
+
+Owns :func:`predict_p2p`. The phases follow the backend's code (:mod:`weightsync.transport
+.backends.nixl.engine`): every trainer rank first puts what it serves into its staging
+arena (a copy per byte it holds; with FP8 on the trainer, that copy is the block
+quantization), then one control round trip starts the pull, every worker posts the
+READs of the compiled plan (:func:`.compiled.pull_stats`: bytes per (rank, worker) and
+the number of READs, ``read_us`` of software each), and once all have landed the worker
+applies them: whole tensors land in its own (``receive_into``: software only), TP/EP
+slices and casts are copied by the loader (vLLM's, a receiver-side FP8 cast). The three
+phases run one after another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from weightsync.core.plan import itemsize
+from weightsync.tools.planner.compiled import PullStats, held_rows
+from weightsync.tools.planner.linkmodel import Loads, StrategyResult
+from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
+from weightsync.tools.planner.scenario import Placement, Scenario
+
+__all__ = ["predict_p2p", "held_bytes"]
+
+
+def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str) -> tuple:
+    """Per trainer rank: (bytes it serves, bytes its staging copy moves, tensors it puts)."""
+    served, moved, count = np.zeros(world), np.zeros(world), np.zeros(world)
+    rows_of: dict[tuple, np.ndarray] = {}
+    for pt in pts:
+        if pt.shape not in rows_of:
+            if pt.shape:
+                r = [held_rows(pt.shape[0], world, k) for k in range(world)]
+                per = math.prod(pt.shape[1:])
+                rows_of[pt.shape] = np.array([(b - a) * per for a, b in r], np.float64)
+            else:
+                rows_of[pt.shape] = np.eye(1, world)[0]
+        elems = rows_of[pt.shape]
+        src = itemsize(model_dtype) if not pt.rule.endswith("_scale") else 0
+        served += elems * itemsize(pt.src_dtype)
+        moved += elems * (src + itemsize(pt.src_dtype)) / 2
+        count += elems > 0
+    return served, moved, count
+
+
+def _serve(sc: Scenario, pl: Placement, pts, res: StrategyResult) -> Loads:
+    loads = Loads(pl)
+    served, moved, count = held_bytes(pts, sc.trainer_gpus, sc.src_dtype)
+    for r, dev in enumerate(pl.trainer):
+        loads.copy(dev, moved[r])
+        loads.work(f"trainer rank {r}", count[r] * pl.links_of(dev).sw("tensor_us"))
+    res.notes.append(f"trainer ranks serve {served.min() / 1e9:.3g}-{served.max() / 1e9:.3g} GB "
+                     "each (FSDP2 Shard(0) rows)")
+    return loads
+
+
+def _pull(sc: Scenario, pl: Placement, stats: PullStats, res: StrategyResult) -> Loads:
+    loads = Loads(pl)
+    n = sc.replica_size
+    cross = False
+    sent = np.zeros(sc.trainer_gpus)
+    for i, dev in enumerate(pl.worker):
+        g = i % n
+        col, reads = stats.pair_bytes[:, g], stats.pair_reads[:, g]
+        for r in np.flatnonzero(col):
+            src = pl.trainer[r]
+            cross = cross or src[0] != dev[0]
+            loads.move(src, dev, col[r])
+        sent += col
+        loads.work(pl.who(dev), reads.sum() * pl.links_of(dev).sw("read_us"))
+        res.dest_bytes.append(float(col.sum()))
+        res.dest_reads.append(float(reads.sum()))
+    res.source_bytes = [float(x) for x in sent]
+    links = pl.links_of(pl.worker[0])
+    path = links.link("nic") if cross else links.link("intra")
+    loads.latency = links.sw("control_us") + path.latency
+    return loads
+
+
+def _apply(sc: Scenario, pl: Placement, pts, res: StrategyResult) -> Loads:
+    loads = Loads(pl)
+    n = sc.replica_size
+    kept = [sum(kept_bytes(pt, g) for pt in pts) for g in range(n)]
+    count = [sum(1 for pt in pts if pt.boxes[g]) for g in range(n)]
+    # a worker that keeps every tensor whole, as served, lands it in its own tensors
+    # (receive_into); TP/EP slices and casts are copied by the loader
+    in_place = n == 1 and all(pt.src_dtype == pt.dst_dtype for pt in pts)
+    for i, dev in enumerate(pl.worker):
+        g = i % n
+        if not in_place:
+            loads.copy(dev, (res.dest_bytes[i] + kept[g]) / 2)
+        loads.work(pl.who(dev), count[g] * pl.links_of(dev).sw("tensor_us"))
+    return loads
+
+
+def predict_p2p(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
+                stats: PullStats) -> StrategyResult:
+    res = StrategyResult("p2p")
+    for name, fn in (("serve", lambda: _serve(sc, pl, pts, res)),
+                     ("pull", lambda: _pull(sc, pl, stats, res)),
+                     ("apply", lambda: _apply(sc, pl, pts, res))):
+        loads = fn()
+        res.phases.append(loads.result(name))
+        res.add_links(loads)
+    res.seconds = sum(p.seconds for p in res.phases)
+    if not pl.host and set(pl.worker) & set(pl.trainer):
+        res.notes.append("workers share GPUs with trainer ranks: priced as device copies, but "
+                         "NIXL between two processes on one H200 ran at ~0.5 GB/s here "
+                         "(NOTES.md): optimistic")
+    small = [c for c in stats.classes if c.reads and c.wire_bytes / c.reads < 4096]
+    if small:
+        worst = min(small, key=lambda c: c.wire_bytes / c.reads)
+        res.notes.append(f"{sum(c.reads for c in small):.3g} READs per replica are under 4 KiB "
+                         f"(smallest: {worst.name} x{worst.count}, "
+                         f"{worst.wire_bytes / worst.reads:.0f} B per READ)")
+    return res

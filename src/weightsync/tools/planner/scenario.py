@@ -1,0 +1,141 @@
+"""What is planned: the :class:`Scenario` (model, dtypes, layouts, links, strategies) and
+where every rank sits (:class:`Placement`).
+
+Owns the input checks of a scenario (each a :class:`~.errors.PlannerError` naming its
+field) and the placement rule: trainer rank ``r`` on node ``r // gpus_per_node``, GPU
+``r % gpus_per_node``; rollout workers (replica ``k``, worker ``g``; replicas back to
+back, ``tp x max(ep, 1)`` GPUs each) by ``placement``: ``nodes`` on the nodes after the
+trainer's, ``packed`` on the next free GPUs (sharing the trainer's last node), or
+``colocated`` on the trainer's GPUs (worker ``i`` on trainer rank ``i``'s GPU). On a
+``host`` links file every rank is a process of the one host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from weightsync.core.config import DEFAULT_BUCKET_SIZE
+from weightsync.tools.planner.errors import PlannerError
+from weightsync.tools.planner.links import Links
+from weightsync.tools.planner.model import ModelSpec
+
+__all__ = ["Scenario", "Placement", "Device", "STRATEGIES", "PLACEMENTS"]
+
+STRATEGIES = ("p2p", "broadcast", "ring")
+PLACEMENTS = ("nodes", "packed", "colocated")
+Device = tuple[int, int]          # (node, index in node)
+
+
+def _positive(v, field_name: str, low: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise PlannerError(field_name, f"must be an integer >= {low}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One sync to predict. ``ep`` 0: no expert parallelism (experts TP-split); ``ep`` N:
+    a replica is ``tp x N`` GPUs, experts split over all of them (see :mod:`.rules`)."""
+
+    model: ModelSpec
+    links: Links
+    trainer_gpus: int
+    replicas: int
+    tp: int = 1
+    ep: int = 0
+    src_dtype: str = "bfloat16"
+    dst_dtype: str = "bfloat16"
+    fp8_at: str = "trainer"
+    trainer_shard: str = "fsdp"
+    placement: str = "nodes"
+    rollout_links: Optional[Links] = None
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    max_read_bytes: Optional[int] = None
+    strategies: tuple[str, ...] = STRATEGIES
+    label: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _positive(self.trainer_gpus, "trainer.gpus")
+        _positive(self.replicas, "rollout.replicas")
+        _positive(self.tp, "rollout.tp")
+        _positive(self.ep, "rollout.ep", 0)
+        _positive(self.bucket_size, "bucket_size")
+        if self.max_read_bytes is not None:
+            _positive(self.max_read_bytes, "max_read_bytes")
+        if self.trainer_shard not in ("fsdp", "full"):
+            raise PlannerError("trainer.shard", f"must be 'fsdp' or 'full', got "
+                                                f"{self.trainer_shard!r}")
+        if self.placement not in PLACEMENTS:
+            raise PlannerError("rollout.placement", f"must be one of {', '.join(PLACEMENTS)}, "
+                               f"got {self.placement!r}")
+        bad = [s for s in self.strategies if s not in STRATEGIES]
+        if bad or not self.strategies:
+            raise PlannerError("strategies", f"choose from {', '.join(STRATEGIES)}, got "
+                                             f"{', '.join(bad) or 'none'}")
+
+    @property
+    def replica_size(self) -> int:
+        return self.tp * max(self.ep, 1)
+
+    @property
+    def workers(self) -> int:
+        return self.replicas * self.replica_size
+
+
+class Placement:
+    """Devices of every trainer rank and rollout worker, and each node's links."""
+
+    def __init__(self, sc: Scenario) -> None:
+        tl, rl = sc.links, sc.rollout_links or sc.links
+        if sc.placement != "nodes" and rl.name != tl.name:
+            raise PlannerError("rollout.links", f"placement {sc.placement} puts rollout on "
+                                                "the trainer's nodes: give no other links")
+        if tl.device != rl.device:
+            raise PlannerError("rollout.links", f"trainer links are {tl.device}, rollout "
+                                                f"links {rl.device}: use one kind")
+        self.host = tl.device == "host"
+        gt, gr = tl.gpus_per_node, rl.gpus_per_node
+        self.trainer = [(r // gt, r % gt) for r in range(sc.trainer_gpus)]
+        t_nodes = -(-sc.trainer_gpus // gt)
+        if self.host:
+            if sc.placement == "colocated":
+                raise PlannerError("rollout.placement", "on a host links file every rank "
+                                                        "is its own process")
+            self.trainer = [(0, r) for r in range(sc.trainer_gpus)]
+            self.worker = [(0, sc.trainer_gpus + i) for i in range(sc.workers)]
+            if sc.trainer_gpus + sc.workers > gt:
+                raise PlannerError("links.gpus_per_node", f"{sc.trainer_gpus + sc.workers} "
+                                   f"processes on one host of {tl.name}, at most {gt}")
+        elif sc.placement == "nodes":
+            self.worker = [(t_nodes + i // gr, i % gr) for i in range(sc.workers)]
+        else:
+            first = 0 if sc.placement == "colocated" else sc.trainer_gpus
+            self.worker = [((first + i) // gt, (first + i) % gt) for i in range(sc.workers)]
+        nodes = 1 + max(d[0] for d in self.trainer + self.worker)
+        if tl.max_nodes is not None and nodes > tl.max_nodes:
+            raise PlannerError("links.max_nodes", f"the layout needs {nodes} nodes, "
+                                                  f"{tl.name} has {tl.max_nodes}")
+        self.node_links = [tl if n < t_nodes or sc.placement != "nodes" else rl
+                           for n in range(nodes)]
+        self.replica_size = sc.replica_size
+        self._who: dict[Device, list[str]] = {}
+        for r, d in enumerate(self.trainer):
+            self._who.setdefault(d, []).append(f"trainer rank {r}")
+        for i, d in enumerate(self.worker):
+            k, g = divmod(i, sc.replica_size)
+            self._who.setdefault(d, []).append(f"replica {k} worker {g}")
+
+    @property
+    def nodes(self) -> int:
+        return len(self.node_links)
+
+    def links_of(self, dev: Device) -> Links:
+        return self.node_links[dev[0]]
+
+    def who(self, dev: Device) -> str:
+        return " + ".join(self._who.get(dev, ["idle"]))
+
+    def name(self, dev: Device) -> str:
+        return f"p{dev[1]}" if self.host else f"n{dev[0]}.g{dev[1]}"
