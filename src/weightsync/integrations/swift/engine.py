@@ -1,0 +1,397 @@
+"""ms-swift's ``CheckpointEngine`` contract over one weightsync engine.
+
+ms-swift's manager drives it exactly as its NCCL engine: ``engine.is_master = flag`` then
+``prepare()`` on every actor (only the master's result is used), its own
+``NCCLCheckpointEngine.build_topology``, ``init_process_group(rank, world_size,
+master_metadata)`` on all at once, ``send_weights(iterator)`` on every trainer rank with
+``receive_weights()`` on every rollout, then ``finalize()``. Behind that call shape
+(:mod:`.rendezvous`): the weightsync backend's own topology, token, timeouts and version
+checks. Rank -1 trainers walk their weight iterator and send nothing (ms-swift's topology
+has one sender); a send that fails walks the rest of its iterator, so trainer ranks in a
+collective export are never left waiting.
+
+The version of a sync is the count of rank 0's ``prepare()`` calls (the same on every
+worker, from the master metadata). ``reuse`` (default true, env
+``WEIGHTSYNC_SWIFT_REUSE``) keeps buffers and groups across syncs while every worker is
+unchanged; a failed sync, a new or restarted worker or :meth:`close` makes everybody
+re-join at the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+import weakref
+from typing import Any, AsyncIterator, Optional
+
+from swift.ray.megatron.checkpoint_engine import CheckpointEngine as SwiftCheckpointEngine
+
+from weightsync.core.config import EngineConfig, env_value, parse_bool
+from weightsync.core.errors import TopologyError, WeightSyncError
+from weightsync.integrations.swift.rendezvous import (Channel, follow_join, follow_transfer,
+                                                      lead_join, lead_transfer)
+from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
+from weightsync.transport.registry import CheckpointEngineRegistry as WsRegistry
+
+__all__ = ["WeightsyncSwiftEngine", "new_engine", "describe_actor", "DEFAULT_BACKEND", "PROTOCOL"]
+
+logger = logging.getLogger(__name__)
+DEFAULT_BACKEND = "collective"
+PROTOCOL = "weightsync-swift/1"
+_live: "weakref.WeakSet[WeightsyncSwiftEngine]" = weakref.WeakSet()
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # Ray missing or not connected
+        logger.debug("no Ray node IP", exc_info=True)
+    return socket.gethostbyname(socket.gethostname())
+
+
+def describe_actor(obj: Any = None) -> str:
+    """``ClassName pid N on host, Ray actor <name or id>``: how errors name a worker."""
+    text = f"{type(obj).__name__ if obj is not None else 'process'} pid {os.getpid()} " \
+           f"on {socket.gethostname()}"
+    try:
+        import ray
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            actor = getattr(ctx, "get_actor_name", lambda: None)() or ctx.get_actor_id()
+            if actor:
+                text += f", Ray actor {actor}"
+    except Exception:  # not in an actor
+        logger.debug("no Ray actor context", exc_info=True)
+    return text
+
+
+class _Feed:
+    """The trainer's weight iterator; :meth:`drain` walks what a failed send left."""
+
+    def __init__(self, weights: Any) -> None:
+        self._it = iter(weights)
+        self.broken = False
+
+    def __iter__(self) -> "_Feed":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.broken = True    # the iterator itself failed: nothing left to walk
+            raise
+
+    def drain(self) -> None:
+        if self.broken:
+            return
+        try:
+            for _ in self._it:    # producing a tensor may be a collective with other ranks
+                pass
+        except ValueError:        # still running in the failed send's thread: it ends there
+            pass
+        except Exception as exc:  # the export group itself broke: nothing left to align
+            logger.warning("weightsync-swift: draining the export after a failed send: %s", exc)
+
+
+async def _walk(items: Any) -> None:
+    if hasattr(items, "__aiter__"):
+        async for _ in items:
+            pass
+    else:
+        for _ in items:
+            pass
+
+
+def _drain(feed: Any) -> None:
+    if isinstance(feed, _Feed):
+        feed.drain()
+
+
+def with_names(exc: BaseException, names: dict[str, str]) -> BaseException:
+    """The same weightsync error, plus the ms-swift rank and actor of each peer it names."""
+    if not isinstance(exc, WeightSyncError) or not names:
+        return exc
+    text = " ".join(str(x) for x in (exc.peer, exc.origin, exc.detail))
+    known = [f"{k} = {v}" for k, v in names.items() if re.search(rf"\b{k}\b", text)]
+    if not known:
+        return exc
+    try:
+        new = type(exc)(f"{exc.detail} [{'; '.join(known)}]", peer=exc.peer, phase=exc.phase,
+                        version=exc.version, origin=exc.origin)
+    except Exception:  # a subclass with another signature: keep the original
+        return exc
+    for key, value in exc.__dict__.items():
+        new.__dict__.setdefault(key, value)
+    return new
+
+
+class WeightsyncSwiftEngine(SwiftCheckpointEngine):
+    """ms-swift's engine contract over the weightsync backend ``backend``.
+
+    ``options``: the engine options (``bucket_size``, ``timeout``, ``num_slots``,
+    ``dtype``, ``checksum``, ``device``, ``host``; ``host="auto"`` = this node's IP as Ray
+    sees it, for ``collective`` across hosts) and ``reuse``.
+    """
+
+    def __init__(self, backend: str = DEFAULT_BACKEND, **options: Any) -> None:
+        if "role" in options:
+            raise ValueError("options must not set 'role': ms-swift's is_master and ranks "
+                             "decide it")
+        WsRegistry.get(backend)   # BackendUnavailable / unknown name now, not at the first sync
+        self.reuse = options.pop("reuse", env_value("SWIFT_REUSE", parse_bool, True))
+        if not isinstance(self.reuse, bool):
+            raise ValueError(f"reuse must be true or false, got {self.reuse!r}")
+        if options.get("host") == "auto":
+            options["host"] = _node_ip()
+        try:
+            cfg = EngineConfig(**{k: v for k, v in options.items() if v is not None})
+        except TypeError as exc:
+            raise ValueError(f"bad weightsync option for ms-swift: {exc}") from None
+        self.backend, self.options = backend, options
+        self.timeout, self.host = cfg.timeout, cfg.host
+        self.is_master, self.rank, self.world_size, self.version = False, None, None, None
+        self.who, self.session = describe_actor(), secrets.token_hex(8)
+        self.inner: Any = None
+        self.chan: Optional[Channel] = None
+        self.group: Optional[str] = None
+        self.members: Optional[list] = None
+        self.names: dict[str, str] = {}
+        self.intent: dict = {}
+        self.has_base = False
+        self.stats = {"joins": 0, "reuses": 0, "releases": 0, "syncs": 0, "init_s": 0.0,
+                      "refused": 0, "last_error": None}
+        self._round = 0
+        self._rdv: Any = None            # rank 0: the client that owns the rendezvous store
+        self._rdv_auth = ""
+        self._client: Any = None         # rollouts: ((host, port, auth), client)
+        self._active = self._dirty = self._touched = False
+        self._last_kind: Optional[bool] = None
+        _live.add(self)
+
+    # -- ms-swift's lifecycle -------------------------------------------------------------
+    def prepare(self) -> Optional[dict]:
+        if self._active:          # the last sync never reached finalize: it failed
+            self._dirty = True
+        if self._dirty:
+            self._release()
+        if not self.is_master:
+            return None
+        self._engine("trainer")
+        if self._rdv is None:
+            self._rdv_auth = new_token()
+            self._rdv = host_store(self.host, self.timeout, self._rdv_auth)
+        self._round += 1
+        return {"weightsync": PROTOCOL, "backend": self.backend, "host": self.host,
+                "port": self._rdv.port, "auth": self._rdv_auth, "session": self.session,
+                "round": self._round}
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int, metadata: list):
+        """ms-swift's shape (its manager computes it with the NCCL engine's classmethod)."""
+        master, world = metadata[0], rollout_world_size + 1
+        return ({"rank": [0] + [-1] * (trainer_world_size - 1),
+                 "world_size": [world] * trainer_world_size,
+                 "master_metadata": [master] * trainer_world_size},
+                {"rank": list(range(1, world)), "world_size": [world] * rollout_world_size,
+                 "master_metadata": [master] * rollout_world_size})
+
+    def init_process_group(self, rank: int, world_size: int, master_metadata: Any) -> None:
+        start = time.perf_counter()
+        meta = self._check_call(rank, world_size, master_metadata)
+        self.rank, self.world_size, self.version = rank, world_size, meta["round"]
+        self._active, self.intent, self._touched = True, {}, False
+        if rank < 0:
+            return
+        try:
+            if rank > 0:
+                self._engine("rollout")
+            self.chan = Channel(self._store(meta), f"ws-swift/{meta['session']}", meta["round"])
+            (lead_join if rank == 0 else follow_join)(self)
+        except BaseException as exc:
+            self._dirty = True
+            raise self._failed(exc) from None
+        self.stats["init_s"] = time.perf_counter() - start
+
+    async def send_weights(self, weights: Any) -> Optional[dict]:
+        self._check_active("send_weights", trainer=True)
+        if self.rank < 0:         # not in the group: walk the export (it may be collective)
+            await _walk(weights)
+            return None
+        feed = weights if hasattr(weights, "__aiter__") else _Feed(weights)
+        kind = bool(self.intent.get("adapter_only"))
+        try:
+            refused = await asyncio.to_thread(lead_transfer, self)
+            if refused is None and kind != self._last_kind:
+                self.inner.reset_plan()     # another weight set: re-send every layout
+                self._last_kind = kind
+            metrics = None if refused else await self.inner.send_weights(feed, version=self.version)
+        except BaseException as exc:
+            self._dirty = True
+            _drain(feed)
+            raise self._failed(exc) from None
+        if refused is not None:   # nothing moved: the group stays as it is
+            self._refused()
+            _drain(feed)
+            raise self._failed(refused)
+        self.stats["syncs"] += 1
+        return metrics
+
+    async def receive_weights(self) -> AsyncIterator[tuple[str, Any]]:
+        self._check_active("receive_weights", trainer=False)
+        try:
+            refused = await asyncio.to_thread(follow_transfer, self)
+        except BaseException as exc:
+            self._dirty = True
+            raise self._failed(exc) from None
+        if refused is not None:
+            self._refused()
+            raise self._failed(refused)
+        inner = self.inner.receive_weights(version=self.version)
+        self._touched = True
+        try:
+            async for item in inner:
+                yield item
+        except BaseException as exc:   # also GeneratorExit: a consumer that stopped early
+            self.note_failed()
+            if isinstance(exc, GeneratorExit):
+                raise
+            raise self._failed(exc) from None
+        finally:
+            await inner.aclose()
+        self.has_base = self.has_base or not self.intent.get("adapter_only")
+        self.stats["syncs"] += 1
+
+    def finalize(self) -> None:
+        self._active = False
+        if self._dirty or not self.reuse:
+            self._release()
+
+    # -- what the actor side tells the engine ---------------------------------------------
+    def expect(self, *, adapter_only: bool, error: Optional[str] = None) -> None:
+        """This sync's kind (trainer: what it sends; rollout: what it will load) and a
+        rollout's own objection; trainer rank 0 checks them before any byte moves."""
+        self.intent = {"adapter_only": bool(adapter_only), "error": error}
+
+    def note_failed(self) -> None:
+        """The rollout failed to apply this sync. Once bytes moved, a failed full sync leaves
+        its base weights untrusted: an adapter-only sync then needs a full one first."""
+        if not self._touched:
+            return
+        self._dirty = True
+        if not self.intent.get("adapter_only"):
+            self.has_base = False
+
+    def name_of(self, rank: int) -> str:
+        """How errors name ms-swift rollout rank ``rank`` (1..R)."""
+        return self.names.get(f"rollout rank {rank - 1}", f"ms-swift rank {rank}")
+
+    def close(self) -> None:
+        """Release everything (also done at interpreter exit). Idempotent."""
+        self._active = False
+        self._dirty = True
+        self._release()
+        close_store(self._rdv)
+        if self._client is not None:
+            close_store(self._client[1])
+        self._rdv = self._client = self.chan = None
+        _live.discard(self)
+
+    # -- internals ------------------------------------------------------------------------
+    def _failed(self, exc: BaseException) -> BaseException:
+        exc = with_names(exc, self.names)
+        self.stats["last_error"] = f"{type(exc).__name__}: {exc}"
+        return exc
+
+    def _refused(self) -> None:
+        self._active = False
+        self.stats["refused"] += 1
+
+    def _engine(self, role: str) -> Any:
+        if self.inner is not None and self.inner.config.role != role:
+            self._dirty = True
+            self._release()
+            self.inner = None
+        if self.inner is None:
+            self.inner = WsRegistry.new(self.backend, role=role, **self.options)
+        return self.inner
+
+    def _release(self) -> None:
+        if self.inner is not None and (self.group is not None or self._dirty):
+            self.stats["releases"] += 1
+            try:
+                self.inner.finalize()
+            except Exception:  # releasing after a failure: the failure is what matters
+                logger.debug("finalize of the weightsync engine failed", exc_info=True)
+        self.group = self.members = None
+        self._dirty = False
+
+    def _check_call(self, rank: Any, world_size: Any, meta: Any) -> dict:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world_size must be an int >= 2 (trainer rank 0 + rollouts), "
+                             f"got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not -1 <= rank < world_size:
+            raise ValueError(f"rank {rank!r} is outside world_size {world_size} (ms-swift: 0 = "
+                             f"trainer rank 0, -1 = other trainer ranks, 1..{world_size - 1} = "
+                             "rollouts)")
+        if (rank == 0) != bool(self.is_master):
+            raise ValueError(f"rank {rank} with is_master={self.is_master}: the master "
+                             "(trainer rank 0) and only it takes rank 0")
+        if not isinstance(meta, dict) or meta.get("weightsync") != PROTOCOL:
+            raise TopologyError(
+                f"master_metadata ({type(meta).__name__}) is not weightsync's: trainer rank 0 "
+                "runs another checkpoint engine (give the trainer and the rollout actors "
+                "weightsync alike: WeightsyncCheckpointMixin or install())", phase="init")
+        if meta.get("backend") != self.backend:
+            raise TopologyError(f"trainer rank 0 uses backend {meta.get('backend')!r}, this "
+                                f"worker {self.backend!r}: configure both sides alike",
+                                phase="init")
+        if rank == 0 and (meta.get("session"), meta.get("round")) != (self.session, self._round):
+            raise TopologyError("rank 0 got master_metadata that is not its own latest "
+                                "prepare()", phase="init")
+        return meta
+
+    def _store(self, meta: dict) -> Any:
+        if self.rank == 0:
+            return self._rdv
+        key = (meta["host"], int(meta["port"]), meta["auth"])
+        if self._client is None or self._client[0] != key:
+            if self._client is not None:
+                close_store(self._client[1])
+            self._client = None
+            self._client = (key, connect_store(*key, self.timeout, peer="trainer rank 0",
+                                               phase="rendezvous"))
+        return self._client[1]
+
+    def _check_active(self, what: str, *, trainer: bool) -> None:
+        if not self._active or self.rank is None:
+            raise RuntimeError(f"weightsync-swift: {what} needs init_process_group first")
+        if trainer != (self.rank <= 0):
+            raise RuntimeError(f"weightsync-swift: {what} on ms-swift rank {self.rank}")
+
+
+def new_engine(backend: Optional[str] = None, **options: Any) -> WeightsyncSwiftEngine:
+    """An engine for ``backend`` (else ``WEIGHTSYNC_SWIFT_BACKEND``, else ``collective``)."""
+    return WeightsyncSwiftEngine(backend or env_value("SWIFT_BACKEND", str, DEFAULT_BACKEND),
+                                 **options)
+
+
+def _close_all() -> None:
+    for engine in list(_live):
+        try:
+            engine.close()
+        except Exception:  # exiting: best effort
+            logger.debug("closing a weightsync-swift engine failed", exc_info=True)
+
+
+atexit.register(_close_all)

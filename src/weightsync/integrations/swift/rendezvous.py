@@ -1,0 +1,210 @@
+"""The real topology behind ms-swift's NCCL-shaped one, and the check before each transfer.
+
+ms-swift's manager builds its topology from trainer rank 0's ``prepare()`` alone (rollout
+results are dropped): rank 0 -> trainer rank 0, -1 -> other trainer ranks, 1..R -> the
+rollouts, every worker given rank 0's metadata. weightsync's metadata is the address and
+token of a control store hosted by rank 0, so:
+
+* ``init_process_group``: every rollout reports (``hello``: its session, current group, the
+  backend's own ``prepare()``); rank 0 (:func:`lead_join`) either keeps the group, when
+  every worker is the same and already in it, or runs the backend's ``build_topology`` over
+  all reports and hands each rollout its keywords (``kw/<rank>``).
+* at the start of ``send_weights`` / ``receive_weights``: every rollout reports what it
+  expects (``ready``: full or adapter-only, whether it holds base weights from weightsync,
+  its own objection such as a peft config that does not fit its model); rank 0
+  (:func:`lead_transfer`) compares with what it sends and answers ``go`` or ``abort`` (the
+  same text to everyone), so a bad sync is refused before any byte moves.
+
+Every wait is bounded (followers wait ``_GRACE`` longer than the leader, so the leader
+reports first and can name the silent rank). Messages are JSON; boxes are fixed per leader
+session and every message carries its round, stale ones are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Any, Optional
+
+from weightsync.core.errors import (PeerFailed, PlanMismatch, SyncTimeout, TopologyError,
+                                    WeightSyncError)
+from weightsync.transport.base import validate_topology, worker_kwargs
+from weightsync.transport.control.server import StoreTimeout
+
+__all__ = ["Channel", "lead_join", "follow_join", "lead_transfer", "follow_transfer", "GRACE"]
+
+logger = logging.getLogger(__name__)
+GRACE = 5.0
+
+
+class Channel:
+    """JSON messages through queues of the leader's control store, every pop bounded."""
+
+    def __init__(self, client: Any, prefix: str, round_: int) -> None:
+        self.client, self.prefix, self.round = client, prefix, round_
+
+    def push(self, box: str, obj: dict) -> None:
+        data = json.dumps(dict(obj, round=self.round)).encode()
+        try:
+            self.client.queue_push(f"{self.prefix}/{box}", data)
+        except ConnectionError as exc:
+            raise PeerFailed(f"lost the rendezvous store ({exc})", peer="trainer rank 0",
+                             phase="rendezvous") from None
+
+    def pop(self, box: str, timeout: float, *, waiting_for: str, peer: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                raw = self.client.queue_pop(f"{self.prefix}/{box}", max(left, 0.01))
+            except StoreTimeout:
+                raise SyncTimeout(f"{waiting_for} did not arrive within {timeout:.1f}s",
+                                  peer=peer, phase="rendezvous", version=self.round) from None
+            except ConnectionError as exc:
+                raise PeerFailed(f"lost the rendezvous store while waiting for {waiting_for} "
+                                 f"({exc})", peer="trainer rank 0", phase="rendezvous") from None
+            msg = json.loads(raw)
+            if not isinstance(msg, dict):
+                raise TopologyError(f"malformed rendezvous message {msg!r}", peer=peer,
+                                    phase="rendezvous")
+            if msg.get("round") == self.round:
+                return msg
+
+    def tell_all(self, boxes: list[str], obj: dict) -> None:
+        for box in boxes:
+            try:
+                self.push(box, obj)
+            except WeightSyncError:  # best effort: the store is going away anyway
+                logger.debug("could not tell %s", box, exc_info=True)
+
+
+def _gather(engine: Any, box: str, what: str) -> dict[int, dict]:
+    """Leader: one message from each rollout rank 1..n (bounded by the engine's timeout)."""
+    n = engine.world_size - 1
+    got: dict[int, dict] = {}
+    deadline = time.monotonic() + engine.timeout
+    while len(got) < n:
+        missing = [r for r in range(1, n + 1) if r not in got]
+        try:
+            msg = engine.chan.pop(box, deadline - time.monotonic(), waiting_for=what,
+                                  peer=f"ms-swift rank {missing[0]}")
+        except SyncTimeout as exc:
+            names = ", ".join(engine.name_of(r) for r in missing)
+            raise SyncTimeout(f"{exc.detail}: nothing from {names}", peer=exc.peer,
+                              phase=exc.phase, version=engine.version) from None
+        rank = msg.get("rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= n \
+                or rank in got:
+            raise TopologyError(f"rank {rank!r} reported twice or outside 1..{n}",
+                                phase="rendezvous", version=engine.version)
+        got[rank] = msg
+    return got
+
+
+def lead_join(engine: Any) -> None:
+    """Rank 0 in ``init_process_group``: keep the group or build a new one."""
+    n = engine.world_size - 1
+    boxes = [f"kw/{r}" for r in range(1, n + 1)]
+    inner = engine.inner
+    try:
+        hellos = _gather(engine, "hello", f"init_process_group of {n} rollout(s)")
+        engine.names = {f"rollout rank {r - 1}": f"ms-swift rank {r} ({h.get('who')})"
+                        for r, h in hellos.items()}
+        members = [engine.session] + [hellos[r].get("session") for r in range(1, n + 1)]
+        if engine.reuse and engine.group is not None and members == engine.members and \
+                all(h.get("group") == engine.group for h in hellos.values()):
+            engine.chan.tell_all(boxes, {"reuse": engine.group, "who": engine.who})
+            engine.stats["reuses"] += 1
+            return
+        metas = [inner.prepare()] + [hellos[r].get("meta") for r in range(1, n + 1)]
+        tk, rk = type(inner).build_topology(1, n, metas)
+        validate_topology(engine.backend, "trainer", tk, 1)
+        validate_topology(engine.backend, "rollout", rk, n)
+    except BaseException as exc:
+        engine.chan.tell_all(boxes, {"abort": f"trainer rank 0: {exc}"})
+        raise
+    group = str((tk.get("token") or [None])[0] or secrets.token_hex(16))
+    for r in range(1, n + 1):
+        engine.chan.push(f"kw/{r}", {"join": group, "kw": worker_kwargs(rk, r - 1),
+                                     "who": engine.who})
+    engine.group = None
+    inner.init_process_group(**worker_kwargs(tk, 0))
+    engine.group, engine.members = group, members
+    engine.stats["joins"] += 1
+
+
+def follow_join(engine: Any) -> None:
+    """A rollout in ``init_process_group``: report, then join or keep what rank 0 says."""
+    inner, rank = engine.inner, engine.rank
+    engine.chan.push("hello", {"rank": rank, "session": engine.session, "group": engine.group,
+                               "meta": inner.prepare(), "who": engine.who})
+    reply = engine.chan.pop(f"kw/{rank}", engine.timeout + GRACE, peer="trainer rank 0",
+                            waiting_for="the topology from trainer rank 0")
+    if "abort" in reply:
+        raise PeerFailed(str(reply["abort"]), peer="trainer rank 0", phase="init")
+    engine.names = {"trainer rank 0": f"ms-swift rank 0 ({reply.get('who')})"}
+    if "join" in reply:
+        engine.group = None
+        inner.init_process_group(**reply["kw"])
+        engine.group = str(reply["join"])
+        engine.stats["joins"] += 1
+    elif reply.get("reuse") == engine.group and engine.group is not None:
+        engine.stats["reuses"] += 1
+    else:
+        raise TopologyError(f"trainer rank 0 kept group {reply.get('reuse')!r}, this rollout "
+                            f"is in {engine.group!r}", peer="trainer rank 0", phase="init")
+
+
+def _kind(adapter_only: Any) -> str:
+    return "adapter-only" if adapter_only else "full"
+
+
+def _problems(engine: Any, ready: dict[int, dict]) -> list[str]:
+    mine, out = engine.intent.get("adapter_only"), []
+    for r, msg in sorted(ready.items()):
+        who = engine.name_of(r)
+        theirs = msg.get("adapter_only")
+        if msg.get("error"):
+            out.append(f"{who}: {msg['error']}")
+        if mine is not None and theirs is not None and bool(mine) != bool(theirs):
+            out.append(f"{who} expects {_kind(theirs)} weights, trainer rank 0 sends {_kind(mine)}")
+        if (mine or theirs) and not msg.get("has_base"):
+            out.append(f"{who}: adapter-only sync before any base sync reached it (it holds no "
+                       "base weights from weightsync); sync full weights first (ms-swift: "
+                       "manager.base_sync_done = False)")
+    return out
+
+
+def lead_transfer(engine: Any) -> Optional[PlanMismatch]:
+    """Rank 0 before sending: the refusal (nothing moved) or ``None`` to go ahead."""
+    boxes = [f"go/{r}" for r in range(1, engine.world_size)]
+    try:
+        ready = _gather(engine, "ready", "receive_checkpoint_weights of every rollout")
+    except BaseException as exc:
+        engine.chan.tell_all(boxes, {"abort": f"trainer rank 0: {exc}", "failed": True})
+        raise
+    problems = _problems(engine, ready)
+    if problems:
+        text = "; ".join(problems)
+        engine.chan.tell_all(boxes, {"abort": text})
+        return PlanMismatch(text, phase="validate", version=engine.version)
+    engine.chan.tell_all(boxes, {"go": True})
+    return None
+
+
+def follow_transfer(engine: Any) -> Optional[PlanMismatch]:
+    """A rollout before receiving: report, wait for rank 0's answer."""
+    engine.chan.push("ready", {"rank": engine.rank, "has_base": engine.has_base,
+                               "adapter_only": engine.intent.get("adapter_only"),
+                               "error": engine.intent.get("error")})
+    reply = engine.chan.pop(f"go/{engine.rank}", engine.timeout + GRACE, peer="trainer rank 0",
+                            waiting_for="trainer rank 0's go")
+    if reply.get("failed"):     # not a refusal: the sync broke (e.g. another rollout is gone)
+        raise PeerFailed(str(reply["abort"]), peer="trainer rank 0", phase="validate",
+                         version=engine.version)
+    if "abort" in reply:
+        return PlanMismatch(str(reply["abort"]), peer="trainer rank 0", phase="validate",
+                            version=engine.version)
+    return None

@@ -1,0 +1,283 @@
+"""weightsync under ms-swift's real CheckpointEngineManager (ms-swift 4.6.0), over Ray on CPU.
+
+One Ray cluster for the module (:mod:`weightsync.integrations.swift_harness`): 2 FSDP2
+trainer ranks (rank 0 sends, rank -1 walks its collective export), 2 HF rollout replicas.
+After every sync the rollouts' greedy tokens (and logits, bit for bit) equal the
+reference built from the trainer's weights. The unit tests at the top need ms-swift but no
+cluster; the fault tests come last (they kill a rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("swift.ray.megatron.checkpoint_engine",
+                    reason="ms-swift is not installed (make swift)")
+pytest.importorskip("ray")
+
+import torch  # noqa: E402
+from swift.ray.megatron.checkpoint_engine import CheckpointEngineMixin  # noqa: E402
+from swift.ray.megatron.checkpoint_engine import MasterMetadata, NCCLCheckpointEngine  # noqa: E402
+
+from weightsync.core.errors import TopologyError  # noqa: E402
+from weightsync.integrations import swift as ws  # noqa: E402
+from weightsync.transport.registry import CheckpointEngineRegistry  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+TIMEOUT = 20.0
+BACKENDS = [b for b in ("shm", "collective", "nixl") if b in CheckpointEngineRegistry.names()]
+
+
+# -- without a cluster ----------------------------------------------------------------------
+
+def test_import_without_swift_names_the_fix():
+    code = "import sys; sys.modules['swift'] = None; import weightsync.integrations.swift"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "needs ms-swift" in proc.stderr
+    assert "pip install --no-deps ms-swift==4.6.0" in proc.stderr
+
+
+class _Actor(ws.WeightsyncCheckpointMixin):
+    weightsync_backend = "shm"
+    weightsync_options = {"timeout": 5.0}
+
+
+def test_call_shape_and_bad_input_before_anything_moves():
+    assert NCCLCheckpointEngine.build_topology(2, 3, ["m"]) == \
+        ws.WeightsyncSwiftEngine.build_topology(2, 3, ["m"])
+    trainer, rollout = _Actor(), _Actor()
+    meta = trainer.prepare_checkpoint_engine(True)       # ms-swift's own mixin methods
+    assert rollout.prepare_checkpoint_engine(False) is None
+    assert meta["round"] == 1 and meta["backend"] == "shm"
+    with pytest.raises(ValueError, match="outside world_size 3"):
+        rollout.init_checkpoint_process_group(rank=3, world_size=3, master_metadata=meta)
+    with pytest.raises(ValueError, match="only it takes rank 0"):
+        rollout.init_checkpoint_process_group(rank=0, world_size=3, master_metadata=meta)
+    with pytest.raises(TopologyError, match="not weightsync's"):
+        rollout.init_checkpoint_process_group(rank=1, world_size=3,
+                                              master_metadata=MasterMetadata("127.0.0.1", 1))
+    other = _Actor()
+    other.configure_weightsync("collective")
+    other.prepare_checkpoint_engine(False)
+    with pytest.raises(TopologyError, match="configure both sides alike"):
+        other.init_checkpoint_process_group(rank=1, world_size=3, master_metadata=meta)
+    async def consume():
+        async for _ in rollout._get_or_create_checkpoint_engine().receive_weights():
+            pass
+    with pytest.raises(RuntimeError, match="needs init_process_group"):
+        asyncio.run(consume())
+    for actor in (trainer, rollout, other):
+        actor._get_or_create_checkpoint_engine().close()
+    with pytest.raises(ValueError, match="role"):
+        ws.WeightsyncSwiftEngine("shm", role="trainer")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ws.WeightsyncSwiftEngine("nccl")
+
+
+def test_install_gives_ms_swift_classes_the_engine():
+    from swift.ray.megatron.rollout.vllm_server import VllmServer
+
+    class Plain(CheckpointEngineMixin):
+        pass
+
+    before = VllmServer.receive_checkpoint_weights
+    ws.install()
+    try:
+        ws.install()   # idempotent
+        engine = Plain()._get_or_create_checkpoint_engine()
+        assert isinstance(engine, ws.WeightsyncSwiftEngine) and engine.backend == "collective"
+        assert VllmServer.receive_checkpoint_weights.__wrapped__ is before
+        assert VllmServer.weightsync_check_peft_config is not None
+        engine.close()
+    finally:
+        ws.uninstall()
+    assert VllmServer.receive_checkpoint_weights is before
+    assert not hasattr(VllmServer, "weightsync_check_peft_config")
+
+
+def test_peft_config_problems():
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"]
+    assert ws.peft_config_problems({"r": 8, "target_modules": ["q_proj", "up_proj"]}, names) == []
+    assert ws.peft_config_problems({"r": 8, "target_modules": "all-linear"}, names) == []
+    assert ws.peft_config_problems({"r": 8, "target_modules": r".*\.q_proj"}, names) == []
+    bad = ws.peft_config_problems({"r": 0, "target_modules": ["q_proj", "w9"]}, names)
+    assert len(bad) == 2 and "r=0" in bad[0] and "['w9']" in bad[1]
+    assert ws.peft_config_problems("x", names)
+
+
+# -- through ms-swift's manager over Ray ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster():
+    from weightsync.integrations.swift_harness import SwiftCluster
+    c = SwiftCluster("shm", timeout=TIMEOUT, bucket_size=1 << 20)
+    yield c
+    c.shutdown()
+
+
+def _lora():
+    from weightsync.testing.toymodel import lora_config
+    return lora_config(r=4, alpha=8)
+
+
+def _check(cluster, prompts, lora_mode="merged", version=None) -> None:
+    """Every rollout's greedy generation equals the trainer's reference, bit for bit."""
+    ref = cluster.reference(prompts, 8, lora_mode=lora_mode)
+    for i, gen in enumerate(cluster.generations(prompts, 8)):
+        assert gen["tokens"] == ref["tokens"], f"rollout {i}: {gen['tokens']} != {ref['tokens']}"
+        for got, want in zip(gen["logits"], ref["logits"]):
+            assert torch.equal(got, want), f"rollout {i}: logits differ"
+        if version is not None:
+            assert gen["version"] == version
+    assert ref["trainer_max_abs_diff"] < 1e-4   # the FSDP2 model itself agrees
+
+
+def _trainer_log(cluster) -> list:
+    import ray
+    return ray.get(cluster.trainers[0].call_log.remote())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_syncs_through_ms_swift_manager(cluster, backend):
+    cluster.use_backend(backend, bucket_size=1 << 20)
+    cluster.build(None)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    for step in range(3):
+        manager.sync_weights(merge_and_sync=True)
+        _check(cluster, prompts, version=step + 1)
+        cluster.train(step)
+    assert manager.base_sync_done
+    stats = cluster.stats()
+    assert [s["rank"] for s in stats] == [0, -1, 1, 2]
+    for s in stats[:1] + stats[2:]:     # joined once; later syncs kept the group
+        assert (s["joins"], s["reuses"], s["releases"], s["syncs"]) == (1, 2, 0, 3), s
+    assert stats[1]["syncs"] == 0       # rank -1 walked its export, sent nothing
+
+
+def test_lora_merge_and_sync(cluster):
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(_lora())
+    manager, prompts = cluster.manager(), cluster.prompts()
+    for step in range(2):
+        cluster.train(step)
+        manager.sync_weights(merge_and_sync=True)
+        _check(cluster, prompts, lora_mode="merged")
+    log = [x for x in _trainer_log(cluster) if not x.startswith("train")]
+    assert log == ["merge_lora", "send:full", "unmerge_lora"] * 2
+    assert not any(s["adapter"] for s in cluster.states())
+
+
+def test_lora_adapter_only_after_base_sync(cluster):
+    cluster.use_backend("collective", bucket_size=1 << 20)
+    cluster.build(_lora())
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights(merge_and_sync=False)          # first: the base weights
+    _check(cluster, prompts, lora_mode="merged")        # (LoRA B starts at zero)
+    base = [s["last"]["bytes"] for s in cluster.states()]
+    for step in range(2):
+        cluster.train(step)
+        manager.sync_weights(merge_and_sync=False)      # then adapter-only
+        _check(cluster, prompts, lora_mode="adapter")
+    states = cluster.states()
+    assert all(s["adapter"] and s["last"]["kind"] == "adapter" for s in states)
+    assert all(s["last"]["bytes"] < b / 10 for s, b in zip(states, base))
+    log = [x for x in _trainer_log(cluster) if not x.startswith("train")]
+    assert log == ["send:base", "send:adapter", "send:adapter"]
+
+
+def test_colocated_sleep_wake_tags_and_level_cap(cluster):
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(None)
+    manager, prompts = cluster.manager(colocated=True, sleep_level=2), cluster.prompts()
+    assert manager.sleep_level == 1                     # ms-swift caps it when colocated
+    for step in range(2):
+        cluster.train(step)
+        manager.sync_weights()                          # sleep(1), wake weights, sync
+        assert all(s["sleeping"] == {"weights": False, "kv_cache": True}
+                   for s in cluster.states())
+        for actor in cluster.rollouts:                  # generation needs the KV cache too
+            with pytest.raises(Exception, match="asleep"):
+                ray.get(actor.generate.remote(prompts, 4))
+        manager.wake_up_rollout(tags=["kv_cache"])      # what ms-swift does to generate
+        _check(cluster, prompts)
+        manager.sleep_rollout()
+    for s in cluster.states():
+        log = [x for x in s["log"] if x.startswith(("sleep", "wake"))]
+        assert log == ["sleep:1", "wake_up:weights", "wake_up:kv_cache"] * 2 + ["sleep:1"], log
+
+
+def test_adapter_only_before_any_base_sync_is_refused(cluster):
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(_lora())                              # fresh rollouts: no base weights
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.base_sync_done = True                       # as if the rollouts had restarted
+    start = time.monotonic()
+    with pytest.raises(Exception, match="adapter-only sync before any base sync") as err:
+        manager.sync_weights(merge_and_sync=False)
+    assert time.monotonic() - start < TIMEOUT
+    assert "ms-swift rank 1" in str(err.value) and "ms-swift rank 2" in str(err.value)
+    assert all(s["version"] is None and not s["last"] for s in cluster.states())  # no byte
+    manager.base_sync_done = False
+    manager.sync_weights(merge_and_sync=False)          # base, then adapter: fine
+    cluster.train(0)
+    manager.sync_weights(merge_and_sync=False)
+    _check(cluster, prompts, lora_mode="adapter")
+    stats = cluster.stats()
+    assert stats[0]["refused"] == 1 and stats[0]["joins"] == 1   # the group survived it
+
+
+def test_peft_config_that_does_not_fit_is_refused(cluster):
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(_lora())
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights(merge_and_sync=False)
+    cluster.train(0)
+    manager.sync_weights(merge_and_sync=False)
+    before = [s["version"] for s in cluster.states()]
+    bad = dict(ray.get(cluster.trainers[0].get_peft_config_dict.remote()),
+               target_modules=["q_proj", "w_nope"])
+    ray.get(cluster.trainers[0].set_peft_override.remote(bad))
+    try:
+        cluster.train(1)
+        with pytest.raises(Exception, match=r"target_modules \['w_nope'\]"):
+            manager.sync_weights(merge_and_sync=False)
+        assert [s["version"] for s in cluster.states()] == before   # nothing loaded
+    finally:
+        ray.get(cluster.trainers[0].set_peft_override.remote(None))
+    manager.sync_weights(merge_and_sync=False)
+    _check(cluster, prompts, lora_mode="adapter")
+
+
+def test_killed_rollout_actor_is_named_within_the_timeout(cluster):
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(None)
+    manager = cluster.manager()
+    manager.sync_weights()
+    ray.get(cluster.rollouts[1].set_die_after.remote(3))   # dies inside the next sync
+    cluster.train(0)
+    start = time.monotonic()
+    with pytest.raises(Exception) as err:
+        manager.sync_weights()
+    took = time.monotonic() - start
+    assert took < TIMEOUT + 15, took
+    assert "SwiftRollout" in str(err.value)             # Ray names the dead actor
+    deadline = time.monotonic() + TIMEOUT + 15          # and trainer rank 0 is not left hanging:
+    stats = cluster.trainers[0].weightsync_stats
+    while not (error := ray.get(stats.remote(), timeout=TIMEOUT + 15)["last_error"]):
+        assert time.monotonic() < deadline, "trainer rank 0 is still sending"
+        time.sleep(0.5)
+    assert "rollout rank 1 = ms-swift rank 2 (SwiftRollout" in error, error
+    start = time.monotonic()
+    with pytest.raises(Exception, match="SwiftRollout|died|dead") as err:   # dead before it
+        manager.sync_weights()
+    assert time.monotonic() - start < TIMEOUT + 15
