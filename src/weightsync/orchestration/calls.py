@@ -12,6 +12,7 @@ naming the worker, the phase and the version.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
 
 __all__ = ["Call", "Outcome", "call_all", "values_or_raise", "is_ray_handle"]
 
+logger = logging.getLogger(__name__)
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 
@@ -118,7 +120,24 @@ def call_all(calls: list[Call], *, timeout: float, phase: str, version: Any = No
         c = calls[i]
         out[i] = Outcome(c.label, False, error=_timeout_error(c.label, c.method,
                                                               timeout, phase, version))
+    _cancel(calls, refs, futs)
     return [o for o in out]  # type: ignore[misc]
+
+
+def _cancel(calls: list[Call], refs: dict, futs: dict) -> None:
+    """Cancel the calls that timed out, so that a worker's next call does not queue behind
+    a hung one (Ray: ``ray.cancel``, which interrupts the task in its actor; a local call
+    cannot be interrupted, only dropped if it has not started)."""
+    for i, ref in refs.items():
+        import ray
+
+        try:
+            ray.cancel(ref)
+        except Exception:  # the actor may be dead already; the timeout is reported anyway
+            logger.warning("could not cancel %s.%s after its timeout", calls[i].label,
+                           calls[i].method, exc_info=True)
+    for fut in futs.values():
+        fut.cancel()
 
 
 def _poll_ray(calls, refs, out, timeout, phase, version) -> None:

@@ -149,16 +149,30 @@ class TrainerWorkerMixin:
         return engine
 
 
-def _drain(items: Any) -> None:
+def _drain(items: Any, timeout: float = 600.0) -> None:
     """Run a failed send's export to its end: its FSDP2 exchanges are collectives, and the
-    other trainer ranks finish theirs (sending or draining) only if this rank takes part."""
-    try:
-        for _ in items:
-            pass
-    except ValueError:      # still running in the timed-out send: it drains it itself
-        pass
-    except Exception as exc:   # the export group itself broke: nothing left to keep aligned
-        logger.warning("weightsync: draining the export after a failed send: %s", exc)
+    other trainer ranks finish theirs (sending or draining) only if this rank takes part.
+    A send that timed out may still be inside the generator (``ValueError: generator
+    already executing``): wait for it to leave (it stops iterating once cancelled), then
+    go on from there; at most ``timeout`` in all."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for _ in items:
+                pass
+            return
+        except ValueError as exc:
+            if not getattr(items, "gi_running", False):   # the export's own error
+                logger.warning("weightsync: draining the export after a failed send: %r", exc)
+                return
+            if time.monotonic() > deadline:
+                logger.warning("weightsync: the failed send never left the export; the "
+                               "other trainer ranks' export collectives may hang")
+                return
+            time.sleep(0.01)
+        except Exception as exc:   # the export group itself broke: nothing left to keep aligned
+            logger.warning("weightsync: draining the export after a failed send: %r", exc)
+            return
 
 
 class RolloutWorkerMixin:

@@ -49,14 +49,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from weightsync.core.errors import SyncTimeout, WeightSyncError
+from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError, WireError
 from weightsync.core.wire import AckMsg, BucketMsg, ErrorMsg
 from weightsync.transport.protocol.sender import BucketedEngine, DirectTensors, direct_min_bytes
 from weightsync.core.remote import raise_remote
 from weightsync.transport.control.links import Link, LinkHub
-from weightsync.transport.control.server import C10dStore
+from weightsync.transport.control.server import C10dStore, StoreTimeout
 from weightsync.transport.control.group import StoreGroupMixin
-from weightsync.transport.protocol.receiver import ReceiverMixin, patience
+from weightsync.transport.protocol.receiver import Abandoned, ReceiverMixin, patience
 from weightsync.transport.registry import CheckpointEngineRegistry
 from weightsync.transport.tensors import as_bytes
 
@@ -167,8 +167,9 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
             self._abort_groups()
             raise
         except (RuntimeError, dist.DistError) as exc:
+            self._abort_groups()
             raise SyncTimeout(f"process group did not form: {exc}", phase="init",
-                              peer="collective group") from None
+                              peer="collective group") from exc
 
     # -- control links: per-bucket headers and acks bypass the store ---------------------
     def _open_hub(self, client: Any, host: str, timeout: float) -> None:
@@ -181,13 +182,21 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
     def _open_link(self, stream: int, timeout: float) -> None:
         peer = f"trainer rank {stream}"
         try:
-            host, port = json.loads(self._clients[stream].get(self._prefix(stream) + "/link",
-                                                               timeout))
-        except Exception as exc:  # StoreTimeout, a closed store, a malformed value
+            raw = self._clients[stream].get(self._prefix(stream) + "/link", timeout)
+        except StoreTimeout as exc:
             raise SyncTimeout(f"no control link address from {peer}: {exc}", peer=peer,
-                              phase="init") from None
+                              phase="init") from exc
+        except (ConnectionError, OSError) as exc:   # the store went away with its process
+            raise PeerFailed(f"lost the store while asking {peer} for its link address: "
+                             f"{exc}", peer=peer, phase="init") from exc
+        try:
+            host, port = json.loads(raw)
+            port = int(port)
+        except (ValueError, TypeError) as exc:  # malformed (json's errors are ValueErrors)
+            raise WireError(f"malformed control link address from {peer}: {exc}",
+                            peer=peer, phase="init") from exc
         family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
-        self._links[stream] = Link(family, (str(host), int(port)), self._token, self._rank,
+        self._links[stream] = Link(family, (str(host), port), self._token, self._rank,
                                    timeout, peer=peer)
 
     def _alloc(self, dev: torch.device) -> torch.Tensor:
@@ -238,8 +247,12 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
                     self._abort_groups()
                     raise SyncTimeout(f"broadcast did not complete in {timeout:.1f}s",
                                       peer=peer, phase="broadcast", version=version)
-                if trainer and now >= next_check:
-                    self._check_receivers(version)
+                if now >= next_check:
+                    if trainer:
+                        self._check_receivers(version)
+                    elif self._rx_over():
+                        self._abort_groups()
+                        raise Abandoned("the receive ended", phase="receive", version=version)
                     next_check = now + 0.05
                 time.sleep(delay)
                 delay = min(2 * delay, cap)
@@ -249,24 +262,25 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         except (RuntimeError, dist.DistError) as exc:
             self._cause_of_broken_group(stream, seq, version)
             raise SyncTimeout(f"broadcast did not complete: {exc}", peer=peer,
-                              phase="broadcast", version=version) from None
+                              phase="broadcast", version=version) from exc
 
     def _cause_of_broken_group(self, stream: Optional[int], seq: int, version: Any) -> None:
         """A broadcast failed inside the backend: a member of the group went away, but the
         backend does not say which. The control channel tells, usually a moment later (a
         lost link, a peer's report of who failed): raise that if it comes within a grace."""
         deadline = time.monotonic() + _CAUSE_GRACE_S
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not (stream is not None
+                                                                  and self._rx_over()):
             if stream is None:
                 self._check_receivers(version)
                 time.sleep(min(left, 0.02))
                 continue
             try:
-                msg = self._rx_pump_inbox(stream).pop(timeout=left, phase="receive",
+                msg = self._rx_pump_inbox(stream).pop(timeout=min(left, 0.1), phase="receive",
                                                       peer=f"trainer rank {stream}",
                                                       version=version)
             except SyncTimeout:
-                return
+                continue   # look at the receive's stop, then wait on
             if isinstance(msg, ErrorMsg) and msg.seq in (seq, 0):
                 raise_remote(msg, phase="broadcast")
 
@@ -293,6 +307,14 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         super()._abort_receive(state, exc)
         self._abort_groups()
 
+    def _check_usable(self, version: Any) -> None:
+        if self._aborted:   # its broadcasts would wait out the timeout: fail now
+            side = "trainer" if self.config.role == "trainer" else "rollout"
+            raise WeightSyncError("the collective group was aborted by a failed sync; "
+                                  "re-initialize (finalize, prepare, init_process_group)",
+                                  peer=f"{side} rank {self._rank}", phase="sync",
+                                  version=version)
+
     def _abort_groups(self) -> None:
         """After a failed sync the groups' broadcasts can no longer pair up: abort them, so
         a peer blocked in one fails now (and reads the report) instead of at its timeout.
@@ -318,9 +340,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
 
     def _rx_fetch(self, stream: int, msg: BucketMsg) -> torch.Tensor:
         free = self._free[(stream, msg.slot)]
-        if not free.wait(self.config.timeout):
-            raise SyncTimeout(f"consumer did not release slot {msg.slot}", peer="consumer",
-                              phase="receive", version=msg.version)
+        self._rx_wait(free, self.config.timeout, what=f"slot {msg.slot}", version=msg.version)
         free.clear()
         buf = self._rx_bufs[stream][msg.slot]
         released = self._released.pop((stream, msg.slot), None)
@@ -354,6 +374,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
 
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
+        self._stop_threads()
         if self._aborted:
             # nothing to drain; gloo's destructor waits out an op stuck on a dead peer (up to
             # the group's timeout), so a thread drops the groups. Not a daemon: at exit the
@@ -364,15 +385,15 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         for work in self._works.values():
             try:
                 work.wait(datetime.timedelta(seconds=1))
-            except Exception:
-                pass
+            except Exception:  # teardown goes on; the sync that posted it already failed
+                logger.debug("a broadcast failed at teardown", exc_info=True)
         for pg in self._groups.values():
             shutdown = getattr(pg, "shutdown", None)
             if shutdown is not None:
                 try:
                     shutdown()
-                except Exception:
-                    pass
+                except Exception:  # teardown goes on: the group is dropped either way
+                    logger.warning("shutdown of a process group failed", exc_info=True)
         self._groups, self._works, self._free, self._released = {}, {}, {}, {}
         if self._hub is not None:
             self._hub.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,14 +23,35 @@ from weightsync.transport.tensors import checksum
 __all__ = ["ReceiverMixin"]
 
 logger = logging.getLogger(__name__)
-_STOP = object()
+_SLICE = 0.05          # how often a pump's wait looks at its sync's ``stop``
+_REAP_S = 2.0          # how long a new receive waits for the pumps of the one before
+
+
+class _Handoff:
+    """Pump threads -> the consumer's event loop: no executor thread waits for an item."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._q = loop, asyncio.Queue()
+
+    def put(self, item: tuple) -> None:       # any thread
+        try:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: its receive is over
+            pass
+
+    async def get(self, timeout: float) -> tuple:
+        return await asyncio.wait_for(self._q.get(), timeout)
+
+
+class Abandoned(WeightSyncError):
+    """Raised in a pump whose sync ended (failed, or left by its consumer)."""
 
 
 @dataclass
 class _RecvState:
     seq: int
     version: Any
-    q: "queue.Queue[tuple]"
+    q: _Handoff
     remaining: set
     seen: set = field(default_factory=set)
     partial: dict = field(default_factory=dict)      # name -> (stream, staging tensor)
@@ -39,8 +59,19 @@ class _RecvState:
     nbytes: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     into: Optional[Mapping[str, torch.Tensor]] = None
+    # one direct tensor staged at a time: the pump reads the next one only once the
+    # consumer moved past the last (extra memory <= the ring + one tensor)
+    staged: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(1))
 
 
+class _SemEvent:
+    """A semaphore seen as an event: ``wait`` acquires it."""
+
+    def __init__(self, sem: threading.Semaphore) -> None:
+        self._sem = sem
+
+    def wait(self, timeout: float) -> bool:
+        return self._sem.acquire(timeout=timeout)
 
 
 def _fits(dest: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> bool:
@@ -80,15 +111,19 @@ class ReceiverMixin:
         if into is not None and not isinstance(into, Mapping):
             raise ValueError(f"into must be a mapping of name -> tensor, got {type(into).__name__}")
         self._seq += 1
-        state = _RecvState(self._seq, version, queue.Queue(), set(range(self._world)),
-                           into=into)
-        pumps = [threading.Thread(target=self._pump, args=(s, state), daemon=True,
-                                  name=f"weightsync-rx{self._rank}-s{s}")
-                 for s in range(self._world)]
-        for t in pumps:
-            t.start()
+        state = _RecvState(self._seq, version, _Handoff(asyncio.get_running_loop()),
+                           set(range(self._world)), into=into)
         start = time.perf_counter()
         try:
+            await self._reap_pumps(state)
+            self._check_usable(state.version)
+            self._rx_state = state
+            pumps = [threading.Thread(target=self._pump, args=(s, state), daemon=True,
+                                      name=f"weightsync-rx{self._rank}-s{s}")
+                     for s in range(self._world)]
+            self._rx_pumps = pumps
+            for t in pumps:
+                t.start()
             while state.remaining:
                 item = await self._next_item(state)
                 async for pair in self._handle(state, item):
@@ -97,21 +132,50 @@ class ReceiverMixin:
             self._abort_receive(state, exc)
             raise
         finally:
-            state.stop.set()
-            for t in pumps:
-                t.join(timeout=5.0)
+            state.stop.set()   # every pump wait looks at it; the next receive reaps them
         seconds = time.perf_counter() - start
         logger.info("weightsync %s: rollout rank %d received version %s: %d tensors, %d bytes "
                     "in %.4f s (%.2f GB/s)", self.backend_name, self._rank, version,
                     state.tensors, state.nbytes, seconds,
                     state.nbytes / seconds / 1e9 if seconds > 0 else 0.0)
 
+    async def _reap_pumps(self, state: _RecvState) -> None:
+        """The pumps of the previous receive have ended (they stop within ``_SLICE`` once
+        their sync is over); one still reading after ``_REAP_S`` fails this sync at once,
+        before any new pump could share its link."""
+        deadline = time.monotonic() + _REAP_S
+        old = getattr(self, "_rx_pumps", [])
+        while any(t.is_alive() for t in old) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if any(t.is_alive() for t in old):
+            raise WeightSyncError("a pump of the previous receive is still reading its "
+                                  "trainer; re-initialize the engine",
+                                  peer=f"rollout rank {self._rank}", phase="receive",
+                                  version=state.version)
+        self._rx_pumps = []
+
+    def _rx_over(self) -> bool:
+        """The current receive is over (a pump or backend wait should end now)."""
+        state = getattr(self, "_rx_state", None)
+        return state is not None and state.stop.is_set()
+
+    def _rx_wait(self, event: threading.Event, timeout: float, *, what: str,
+                 version: Any) -> None:
+        """Pump thread: wait for ``event`` (this receiver's consumer releasing something),
+        at most ``timeout``, ending at once when the sync is over."""
+        deadline = time.monotonic() + timeout
+        while not event.wait(_SLICE):
+            if self._rx_over():
+                raise Abandoned("the receive ended", phase="receive", version=version)
+            if time.monotonic() > deadline:
+                raise SyncTimeout(f"the consumer did not release {what} in {timeout:.1f}s",
+                                  peer=f"rollout rank {self._rank}", phase="receive",
+                                  version=version)
+
     async def _next_item(self, state: _RecvState) -> tuple:
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(None, state.q.get, True,
-                                              patience(self.config.timeout) + 5)
-        except queue.Empty:
+            return await state.q.get(patience(self.config.timeout) + 5)
+        except asyncio.TimeoutError:
             raise SyncTimeout("receive pump stalled", peer=f"trainer ranks {sorted(state.remaining)}",
                               phase="receive", version=state.version) from None
 
@@ -161,6 +225,8 @@ class ReceiverMixin:
         dest = state.into.get(meta.name) if state.into is not None else None
         device = torch.device(self.config.device)
         if not _fits(dest, meta.shape, dtype, device):
+            self._rx_wait(_SemEvent(state.staged), self.config.timeout,
+                          what="the last direct tensor", version=msg.version)
             dest = self._staging(meta.nbytes, device).view(dtype).view(meta.shape)
         self._rx_direct(stream, msg, getattr(inbox, "last_aux", 0), dest)
         self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
@@ -215,6 +281,7 @@ class ReceiverMixin:
                 yield meta.name, buf
             if state.into is None or state.into.get(meta.name) is not buf:
                 self._unstage(buf)
+                state.staged.release()
             return
         entries = self._layout(stream, msg)
         if self.config.checksum and msg.checksum is not None:

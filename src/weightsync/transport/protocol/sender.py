@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -120,6 +123,35 @@ class DirectTensors:
         state.nbytes += msg.nbytes
 
 
+class Worker:
+    """One thread running blocking calls in order (a minimal executor that can be ended
+    and joined, so an engine's teardown leaves no thread behind)."""
+
+    def __init__(self, name: str) -> None:
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # the awaiting coroutine raises it
+                fut.set_exception(exc)
+
+    def close(self, timeout: float) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+
 class BucketedEngine(CheckpointEngine, abc.ABC):
     """Send/receive logic over slot buffers; subclasses provide the data path."""
 
@@ -168,6 +200,10 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         """Hook: deliver one tensor outside the buckets; return once receivers have it."""
         raise NotImplementedError
 
+    def _check_usable(self, version: Any) -> None:
+        """Hook: raise (a ``WeightSyncError``) at the start of a sync that cannot work on
+        this engine as it is (e.g. a group aborted by a failed sync: re-initialize)."""
+
     def _receiver_boxes(self) -> list[str]:
         return [f"r{r}" for r in range(self._num_receivers)]
 
@@ -178,6 +214,21 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             self._ownership.reset()
 
     # -- sender ---------------------------------------------------------------------------
+    async def _blocking(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` (a wait on peers) off the caller's loop, in this engine's own thread:
+        a send runs one such call at a time, so one thread is its size; none is taken from
+        the loop's default executor, which the caller (and its receivers) may need."""
+        worker = self.__dict__.get("_tx_worker")
+        if worker is None:
+            worker = self.__dict__["_tx_worker"] = Worker(f"weightsync-tx{self._rank}")
+        return await asyncio.wrap_future(worker.submit(fn, *args))
+
+    def _stop_threads(self) -> None:
+        """Teardown: end this engine's own thread (a call still waiting ends first)."""
+        worker = self.__dict__.pop("_tx_worker", None)
+        if worker is not None:
+            worker.close(self.config.timeout + 5)
+
     async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
         if self.config.role != "trainer" or self._rank < 0:
             raise RuntimeError(f"{self.backend_name}: send_weights needs a trainer engine "
@@ -188,6 +239,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                                                            self.config.alignment))
         start = time.perf_counter()
         try:
+            self._check_usable(version)
             async for name, tensor in aiter_items(named_tensors):
                 if self._world > 1:
                     state.yielded.append(name)
@@ -197,9 +249,9 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             state.builder.finish()
             await self._flush(state)
             if self._world > 1:
-                await asyncio.to_thread(self._ownership.agree, state.seq, state.yielded,
+                await self._blocking(self._ownership.agree, state.seq, state.yielded,
                                         state.version)
-            await asyncio.to_thread(self._finish_stream, state)
+            await self._blocking(self._finish_stream, state)
         except BaseException as exc:
             self._abort_send(state, exc)
             raise
@@ -208,9 +260,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
     async def _pack(self, state: _SendState, name: str, tensor: torch.Tensor) -> None:
         dtype = wire_dtype(tensor, self.config.dtype)
         if self._tx_direct_ok(tensor, dtype):
-            # on the loop's thread: one hand-off less per tensor (it blocks no longer than
-            # the receivers' read of this tensor, like a bucket copy does)
-            self._tx_direct(state, name, tensor, dtype)
+            # it waits for the receivers: never on the caller's loop
+            await self._blocking(self._tx_direct, state, name, tensor, dtype)
             return
         pieces = state.builder.add(name, tensor.shape, dtype_name(dtype))
         state.tensors += 1
@@ -218,7 +269,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             await self._flush(state, upto=index)
             if state.open_slot is None:
                 state.open_slot = index % self.config.num_slots
-                await asyncio.to_thread(self._tx_wait_free, state.open_slot, state)
+                await self._blocking(self._tx_wait_free, state.open_slot, state)
             self._copy_piece(self._tx_buffer(state.open_slot), meta, tensor, dtype)
             state.nbytes += meta.nbytes
 
@@ -250,8 +301,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             slot = state.open_slot
             if slot is None:  # a bucket of only empty tensors
                 slot = bucket.index % self.config.num_slots
-                await asyncio.to_thread(self._tx_wait_free, slot, state)
-            await asyncio.to_thread(self._publish, state, bucket, slot)
+                await self._blocking(self._tx_wait_free, slot, state)
+            await self._blocking(self._publish, state, bucket, slot)
             state.published += 1
             state.open_slot = None
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from weightsync.core.config import env_value, parse_bool
-from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
+from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError, WeightSyncError
 from weightsync.core.plan import TensorMeta
 from weightsync.core.remote import normalize_version
 from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
@@ -46,7 +46,7 @@ from weightsync.transport.tensors import as_bytes
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
 from weightsync.transport.control.group import StoreGroupMixin
-from weightsync.transport.protocol.receiver import ReceiverMixin
+from weightsync.transport.protocol.receiver import Abandoned, ReceiverMixin
 from weightsync.transport.registry import CheckpointEngineRegistry
 
 __all__ = ["CudaIpcEngine", "CudaIpcOptions"]
@@ -122,8 +122,10 @@ class _AckPusher:
             while self._pending and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cv.wait(left):
+                    # the store lives in the trainer's process: its fault, not this replica's
                     raise SyncTimeout("acknowledgements could not be sent in time",
-                                      peer="control server", phase="receive")
+                                      peer=getattr(self._inbox, "host", "trainer rank 0"),
+                                      phase="receive")
         self._raise()
 
     def _raise(self) -> None:
@@ -286,6 +288,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         delay = 10e-6
         try:
             while not self._ops.done(event):
+                if phase == "receive" and self._rx_over():
+                    raise Abandoned("the receive ended", phase=phase, version=version)
                 if time.monotonic() > deadline:
                     raise SyncTimeout(f"copies of {peer} did not finish in "
                                       f"{self.config.timeout:.0f}s", peer=peer, phase=phase,
@@ -293,7 +297,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 time.sleep(delay)
                 delay = min(2 * delay, 100e-6)
         except RuntimeError as exc:
-            if isinstance(exc, SyncTimeout):
+            if isinstance(exc, WeightSyncError):
                 raise
             raise PeerFailed(f"CUDA error while waiting for {peer}: {exc}", peer=peer,
                              phase=phase, version=version) from None
@@ -367,17 +371,18 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         if self._events:
             self._ops.record(self._rx_drained[stream][msg.slot], self._ops.current_stream())
         else:
-            self._sync(self._ops.current_stream(), peer="consumer stream", phase="receive",
-                       version=msg.version)
+            self._sync(self._ops.current_stream(), peer=f"rollout rank {self._rank}",
+                       phase="receive", version=msg.version)
 
     def _rx_finish_stream(self, state: Any, stream: int, msg: Any) -> None:
         # Every read (zero-copy ones too) is done before the final acknowledgement.
-        self._sync(self._ops.current_stream(), peer="consumer stream", phase="receive",
-                   version=msg.version)
+        self._sync(self._ops.current_stream(), peer=f"rollout rank {self._rank}",
+                   phase="receive", version=msg.version)
         super()._rx_finish_stream(state, stream, msg)
 
     # -- teardown ---------------------------------------------------------------------------
     def _release(self) -> None:
+        self._stop_threads()
         for acker in self._ackers.values():
             acker.close()
         self._ackers = {}

@@ -203,6 +203,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
 
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
+        self._stop_threads()
         for seg in self._segments:
             seg.close()
         for segs in self._rx_segments.values():
