@@ -1,0 +1,285 @@
+"""The inference side of ``weightsync-<backend>``: a vLLM ``WeightTransferEngine``.
+
+vLLM creates one per worker (``Worker.load_model``, from ``WeightTransferConfig.backend``)
+and calls it from its worker methods, which the offline ``LLM`` and the HTTP endpoints
+reach through ``collective_rpc``:
+
+* ``init_transfer_engine(WeightsyncInitInfo)``: join the trainer's weightsync group with
+  :func:`weightsync.connect` (role ``rollout``, this worker's rank across data parallel).
+  The new group replaces the old one only once it is joined, so a failed init (wrong token,
+  no trainer) leaves the previous connection as it was.
+* ``start_weight_update``: opens a session (nothing of the model is touched).
+* ``update_weights({"phase": "check", ...})``: validation before bytes. The weight set
+  (names, shapes, wire dtypes) is checked against the checkpoint the model was started
+  from (its safetensors headers; :func:`weightsync.rollout.vllm.checks.check_offered`, the
+  check of :class:`~weightsync.rollout.vllm.VLLMRolloutReplica`): a full set, shapes equal,
+  dtypes castable. A mismatch raises with the offending names; nothing was received.
+* ``update_weights({"phase": "receive", "version": v})``: all or nothing. The whole version
+  is received (each tensor checked against the accepted description and the checkpoint as
+  it arrives, owned copies), checked complete, and only then handed to vLLM's loader in one
+  layerwise-reload session (:func:`weightsync.rollout.vllm.apply.apply_weights`, with its
+  completeness checks before the commit). A transport failure, a wrong tensor or a missing
+  one raises before the model changes, and the old weights keep serving.
+* ``finish_weight_update``: closes the session. The weight version is vLLM's own
+  (``finish_weight_update(weight_version=...)`` sets it on the engine core), and the prefix
+  cache is reset by the engine core right after (:mod:`.plugin`).
+
+Not covered: a failure *inside* vLLM's loader after the whole version passed every check
+(never seen; it would leave layers of two versions, and this engine has no way to stop
+vLLM from generating, so it logs an error and reports the model torn in ``state()``).
+The loader's LoRA, encoder and multimodal caches are not reset (vLLM's own engines do
+not either); LoRA adapters are not synced by this path.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from weightsync.core.aio import AsyncRunner
+from weightsync.core.errors import PlanMismatch
+from weightsync.core.plan import dtype_name
+from weightsync.integrations.vllm_native.info import (WeightsyncInitInfo, WeightsyncUpdateInfo,
+                                                      weightsync_backend)
+from weightsync.rollout.vllm.apply import (CheckedStream, apply_weights, checkpoint_header,
+                                           pick_loader)
+from weightsync.rollout.vllm.checks import check_offered
+from weightsync.transport.rendezvous import connect
+
+__all__ = ["WeightsyncWeightTransferEngine", "WorkerView"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerView:
+    """The few attributes of a vLLM worker that :func:`apply_weights` reads, from what a
+    weight-transfer engine is given (its model and configs; it never sees the worker)."""
+
+    class _Runner:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self._model = model
+
+        def get_model(self) -> torch.nn.Module:
+            return self._model
+
+        def reset_lora_state(self) -> None:     # vLLM's own engines keep these as they are
+            pass
+
+        reset_encoder_cache = reset_mm_cache = reset_lora_state
+
+    def __init__(self, engine: WeightTransferEngine) -> None:
+        self.vllm_config, self.model_config = engine.vllm_config, engine.model_config
+        self.device = engine.device
+        self.model_runner = self._Runner(engine.model)
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.version: Any = None
+        self.offer: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
+        self.applied: Any = None
+
+
+class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
+                                                         WeightsyncUpdateInfo]):
+    """See the module docstring."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.backend = weightsync_backend(config.backend)
+        self.transport: Any = None
+        self.runner = AsyncRunner("weightsync-vllm-native")
+        self.session: Optional[_Session] = None
+        self.version: Any = None
+        self.torn: Optional[str] = None
+        self.stats: dict = {}
+        self._header: Any = False       # False: not read yet; None: no safetensors folder
+
+    # -- identity -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank among all vLLM workers (across data parallel)."""
+        p = self.parallel_config
+        return int(p.data_parallel_index) * int(p.world_size) + int(p.rank)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel_config
+        return int(p.world_size) * int(p.data_parallel_size)
+
+    @property
+    def peer(self) -> str:
+        return f"vllm worker {self.rank} (pid {os.getpid()})"
+
+    def header(self) -> Optional[dict]:
+        """``{name: (shape, safetensors dtype)}`` of the checkpoint the model started from."""
+        if self._header is False:
+            self._header = checkpoint_header(self.model_config.model)
+        return self._header
+
+    def state(self) -> dict:
+        return {"backend": self.backend, "rank": self.rank, "connected": self.transport is not None,
+                "version": self.version, "torn": self.torn, "stats": dict(self.stats)}
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        if weightsync_backend(init_info.backend) != self.backend:
+            raise ValueError(f"the trainer asked for {init_info.backend!r}, but this vLLM "
+                             f"runs weight_transfer_config backend {self.config.backend!r}")
+        if init_info.rollout_world_size != self.world_size:
+            raise ValueError(f"rollout_world_size is {init_info.rollout_world_size}, but this "
+                             f"vLLM has {self.world_size} workers (see /get_world_size)")
+        if self.session is not None:
+            raise RuntimeError("init_weight_transfer_engine during a weight update")
+        options = dict(init_info.engine)
+        options.setdefault("device", str(self.device))
+        joined = connect(self.backend, role="rollout", rank=self.rank,
+                         trainer_world_size=init_info.trainer_world_size,
+                         rollout_world_size=init_info.rollout_world_size,
+                         address=init_info.address, token=init_info.token, **options)
+        self._release()
+        self.transport = joined
+        logger.info("weightsync: %s joined the %s group of %s", self.peer, self.backend,
+                    init_info.address)
+
+    def start_weight_update(self) -> None:
+        if self.transport is None:
+            raise RuntimeError("weightsync: init_weight_transfer_engine first (no trainer "
+                               "group joined)")
+        self.session = _Session()
+
+    def update_weights(self, update_info: dict) -> None:
+        # vLLM's base synchronizes torch.accelerator, which raises on CPU
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.session = None       # as vLLM's worker: a failed chunk ends the update
+            raise
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        session = self.session
+        if session is None or self.transport is None:
+            raise RuntimeError("weightsync: update_weights without start_weight_update")
+        if update_info.phase == "check":
+            self._check(session, update_info)
+        else:
+            self._receive(session, update_info)
+
+    def finish_weight_update(self) -> None:
+        session, self.session = self.session, None
+        if session is None or session.applied is None:
+            logger.warning("weightsync: finish_weight_update without a version received in "
+                           "this update; the model is unchanged")
+            return
+        self.version = session.applied
+
+    def shutdown(self) -> None:
+        if self.session is not None:
+            raise RuntimeError("weightsync: shutdown during a weight update")
+        self._release()
+
+    def _release(self) -> None:
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.finalize()
+
+    # -- check --------------------------------------------------------------------------
+    def _check(self, session: _Session, info: WeightsyncUpdateInfo) -> None:
+        """Validation before bytes: the described set against the checkpoint."""
+        offered = info.offered()
+        seen: set = set()
+        dupes = sorted({n for n, _, _ in offered if n in seen or seen.add(n)})
+        if dupes:
+            raise ValueError(f"weightsync: names described twice: {dupes[:8]}")
+        header = self.header()
+        if header is None:
+            logger.warning("weightsync: %s was not started from a local safetensors folder; "
+                           "the weight set is checked by vLLM's loader only",
+                           self.model_config.model)
+            problems: list = []
+        else:
+            problems = check_offered(header, offered, "full", self.model_config.dtype, None)
+        if problems:
+            session.offer = None
+            raise PlanMismatch(f"the weight set of version {info.version!r} does not fit the "
+                               f"model ({len(problems)} problems, nothing was sent): "
+                               f"{problems[:8]}", peer=self.peer, phase="validate",
+                               version=info.version)
+        session.version = info.version
+        session.offer = {n: (tuple(s), d) for n, s, d in offered}
+
+    # -- receive + apply ----------------------------------------------------------------
+    def _receive(self, session: _Session, info: WeightsyncUpdateInfo) -> None:
+        version = info.version
+        if session.offer is None or session.version != version:
+            raise ValueError(f"weightsync: phase 'receive' of version {version!r} needs a "
+                             "successful phase 'check' of that version in this update first "
+                             "(validation before bytes)")
+        if session.applied is not None:
+            raise ValueError(f"weightsync: version {session.applied!r} was already received "
+                             "in this update; finish_weight_update first")
+        start = time.perf_counter()
+        timeout = 2 * self.transport.config.timeout + 30
+        items = self.runner.run(self._collect(version, session.offer), timeout=timeout,
+                                phase="receive", version=version, peer=self.peer)
+        header = self.header()
+        manifest = None if header is None else {n: s for n, (s, _) in header.items()}
+        checked = CheckedStream(items, manifest, version=version, peer=self.peer, copy=False)
+        staged = collections.deque(checked)
+        missing = sorted(set(session.offer) - checked.seen) or checked.missing()
+        if missing:
+            raise PlanMismatch(f"version {version!r} arrived without {len(missing)} tensors: "
+                               f"{missing[:8]}; the model is unchanged", peer=self.peer,
+                               phase="receive", version=version)
+        received = time.perf_counter()
+        try:
+            info_ = apply_weights(WorkerView(self), _drain(staged), loader=pick_loader("auto"),
+                                  version=version, peer=self.peer)
+        except BaseException as exc:
+            self.torn = f"vLLM's loader failed on version {version!r}: {exc}"
+            logger.error("weightsync: %s; the model may hold layers of two versions",
+                         self.torn)
+            raise
+        self.torn = None
+        session.applied = version
+        done = time.perf_counter()
+        self.stats = {"version": version, "tensors": checked.count, "bytes": checked.nbytes,
+                      "transport_seconds": received - start, "load_seconds": done - received,
+                      **info_}
+
+    async def _collect(self, version: Any, offer: dict) -> list:
+        """Every tensor of ``version`` as an owned copy, each checked against ``offer``."""
+        out = []
+        stream = self.transport.receive_weights(version)
+        try:
+            async for name, tensor in stream:
+                want = offer.get(name)
+                if want is None:
+                    raise PlanMismatch(f"{name} arrived but was not in the described weight "
+                                       "set", peer=self.peer, phase="receive", version=version)
+                if tuple(tensor.shape) != want[0] or dtype_name(tensor.dtype) != want[1]:
+                    raise PlanMismatch(f"{name}: {tuple(tensor.shape)} {tensor.dtype} arrived, "
+                                       f"{want[0]} {want[1]} was described", peer=self.peer,
+                                       phase="receive", version=version)
+                out.append((name, tensor.clone(memory_format=torch.contiguous_format)))
+        finally:
+            await stream.aclose()       # on a failure this tells the senders at once
+        return out
+
+
+def _drain(queue: "collections.deque") -> Iterator:
+    """Hand each staged tensor over and drop our reference (the loader keeps its own)."""
+    while queue:
+        yield queue.popleft()
