@@ -1,0 +1,38 @@
+"""Fewer bytes on the wire, on every transport: delta updates and FP8 on the fly.
+
+This package owns the codec layer, which sits above every transport backend:
+
+* :mod:`.engine`: :class:`CodecEngine`, an engine that wraps another backend's engine and
+  keeps the engine contract; registered as ``delta+<b>``, ``fp8+<b>``, ``delta+fp8+<b>``
+  for ``b`` in inproc, shm, collective, cuda_ipc, nixl (lazily, :mod:`.wrapped`);
+* :mod:`.sender` / :mod:`.receiver`: one sync on each side (rounds, resends);
+* :mod:`.state`: what each side keeps between syncs (base copies, digests, held ids);
+* :mod:`.delta`: delta records (changed indices + values, or bitmap + values) and their
+  in-place application; :mod:`.digest`: tensor digests;
+* :mod:`.fp8`: block (128 x 128, ``weight_scale_inv``) and per-tensor FP8 quantization;
+* :mod:`.control`: the small per-sync control exchange; :mod:`.options`: options + env.
+
+Importing this package registers the codec names with the registry (lazily: nothing is
+imported until a name is asked for).
+"""
+
+from weightsync.transport.codec.engine import CodecEngine, PREFIXES, codec_backend_name
+from weightsync.transport.codec.fp8 import Quantizer
+from weightsync.transport.codec.options import CodecOptions
+from weightsync.transport.registry import CheckpointEngineRegistry
+
+__all__ = ["CodecEngine", "CodecOptions", "Quantizer", "codec_backend_name", "INNER_BACKENDS",
+           "codec_names"]
+
+INNER_BACKENDS = ("inproc", "shm", "collective", "cuda_ipc", "nixl")
+
+
+def codec_names() -> list[str]:
+    """Every codec backend name (registered or not yet loaded)."""
+    return [f"{p}+{b}" for b in INNER_BACKENDS for p in PREFIXES]
+
+
+for _backend in INNER_BACKENDS:
+    for _prefix in PREFIXES:
+        CheckpointEngineRegistry.register_lazy(f"{_prefix}+{_backend}",
+                                               f"weightsync.transport.codec.wrapped.{_backend}")

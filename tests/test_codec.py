@@ -1,0 +1,498 @@
+"""The codec layer (delta updates, FP8 on the fly) above the transports: encodings, the FP8
+quantizer against a reference, and real syncs: in process (``delta+inproc``: every
+protocol path, fast) and across processes with the harness (shm, collective, nixl)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing as mp
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from weightsync.core.errors import WireError
+from weightsync.core.plan import DTYPES
+from weightsync.testing import GroupSpec, run_group
+from weightsync.testing.harness import same_bytes
+from weightsync.transport import CheckpointEngineRegistry as Registry
+from weightsync.transport.base import worker_kwargs
+from weightsync.transport.tensors import aiter_items
+from syncchecks import assert_clean
+
+if mp.current_process().name != "MainProcess":   # a harness worker: register the codec names
+    import weightsync.transport.codec  # noqa: F401
+
+BUCKET = 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def codec():
+    """The codec's modules, imported (registering its names) only when a test runs, so
+    collecting this file adds no names to other modules' parametrizations."""
+    import weightsync.transport.codec as c
+    from weightsync.transport.codec import delta, digest, fp8, kernels
+    c.delta, c.digest, c.fp8, c.kernels = delta, digest, fp8, kernels
+    return c
+
+
+def _rand(g: torch.Generator, shape, dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).clamp(-4, 4).abs().to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+def _flip(t: torch.Tensor, frac: float, g: torch.Generator) -> torch.Tensor:
+    """``t`` (contiguous) with ``frac`` of its elements' low bit flipped, in place."""
+    from weightsync.transport.codec.kernels import int_view
+    v = int_view(t)
+    k = math.ceil(frac * t.numel())
+    pos = torch.randperm(t.numel(), generator=g)[:k]
+    v[pos] = v[pos] ^ 1
+    return t
+
+
+# -- encodings --------------------------------------------------------------------------
+@pytest.mark.parametrize("frac,enc", [(0.0, "INDEX"), (0.004, "INDEX"), (0.2, "BITMAP"),
+                                      (0.6, "BITMAP"), (0.97, None)])
+def test_encoding_is_the_smallest(codec, frac, enc):
+    delta, digest = codec.delta, codec.digest.digest
+    base = _rand(torch.Generator().manual_seed(1), (100, 100), torch.bfloat16)
+    new = _flip(base.clone(), frac, torch.Generator().manual_seed(2))
+    rec, idx = delta.encode(new, base, digest(base))
+    sizes = delta.record_sizes(new.numel(), 2, idx.numel())
+    if enc is None:
+        assert rec is None and min(sizes.values()) + 64 >= new.numel() * 2
+        return
+    head = delta.parse(rec)
+    assert head.enc == getattr(delta, enc) and head.payload == min(sizes.values())
+    assert rec.numel() <= 1.125 * (head.offset + head.payload) + 256
+    target = base.clone()
+    delta.apply(head, rec, target)
+    assert same_bytes(target, new)
+
+
+@pytest.mark.parametrize("dname", sorted(DTYPES))
+@pytest.mark.parametrize("shape", [(4000,), (37, 129)])
+def test_delta_round_trip_every_dtype(codec, dname, shape):
+    delta, digest, int_view = codec.delta, codec.digest.digest, codec.kernels.int_view
+    g = torch.Generator().manual_seed(len(dname))
+    base = _rand(g, shape, DTYPES[dname])
+    new = _flip(base.clone(), 0.01, g)
+    for kind in (None, codec.digest.TORCH):
+        rec, idx = delta.encode(new, base, digest(base, kind))
+        ne = int_view(new) != int_view(base)
+        want = (ne.any(dim=1) if ne.dim() == 2 else ne).nonzero().view(-1)
+        assert rec is not None and torch.equal(idx, want) and idx.numel() > 0
+        target = base.clone()
+        delta.apply(delta.parse(rec), rec, target)
+        assert same_bytes(target, new)
+        moved = base.clone()
+        delta.scatter(moved, new, idx)
+        assert same_bytes(moved, new)
+
+
+def test_apply_checks_base_and_result_and_refuses_garbage(codec):
+    delta, digest = codec.delta, codec.digest.digest
+    g = torch.Generator().manual_seed(3)
+    base = _rand(g, (3000,), torch.float32)
+    new = _flip(base.clone(), 0.01, g)
+    rec, _ = delta.encode(new, base, digest(base))
+    head = delta.parse(rec)
+    wrong = _flip(base.clone(), 0.001, g)
+    before = wrong.clone()
+    with pytest.raises(delta.BaseMismatch):
+        delta.apply(head, rec, wrong)
+    assert same_bytes(wrong, before)                       # nothing written
+    bad = rec.clone()
+    bad[head.offset + head.payload - 1] ^= 1               # a value changed in transit
+    with pytest.raises(delta.ResultMismatch):
+        delta.apply(delta.parse(bad), bad, base.clone())
+    for cut in (rec[:40], rec[: head.offset + 3]):
+        with pytest.raises(WireError):
+            delta.parse(cut)
+    evil = rec.clone()
+    evil[head.offset: head.offset + 2] = 255               # index 65535 of 3000
+    with pytest.raises(WireError):
+        delta.apply(delta.parse(evil), evil, base.clone())
+
+
+def test_digests_tell_tensors_apart(codec):
+    d, digest = codec.digest, codec.digest.digest
+    t = torch.arange(1001, dtype=torch.int16)
+    u = t.clone()
+    u[500] += 1
+    for kind in (d.XXH3, d.TORCH, d.BLAKE2):
+        assert digest(t, kind) == digest(t.clone(), kind) != digest(u, kind)
+    assert digest(t[1:], d.TORCH) == digest(t[1:].clone(), d.TORCH)   # misaligned view
+    assert digest(torch.empty(0))[1] == digest(torch.empty(0, dtype=torch.int8))[1]
+
+
+# -- FP8 ----------------------------------------------------------------------------------
+def reference_block_quantize(w: torch.Tensor, block: int = 128):
+    """The straightforward quantizer: one block at a time."""
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    s = torch.empty(math.ceil(rows / block), math.ceil(cols / block))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+            amax = blk.abs().max()
+            scale = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            s[i, j] = scale
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                (blk / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (130, 200), (1, 5), (300, 129)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_block_matches_reference_and_error_bound(codec, shape, dtype):
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 0.02).to(dtype)
+    w[:, : min(3, shape[1])] *= 50                           # outliers in some blocks
+    given = w.clone()
+    q, s = codec.fp8.quantize_block(w)
+    assert torch.equal(w, given)                             # the input is left alone
+    rq, rs = reference_block_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    x, err = w.float(), (codec.fp8.dequantize_block(q, s) - w.float()).abs()
+    scale = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
+    bound = torch.maximum(x.abs() / 16, scale / 1024) * (1 + 1e-5)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float(q.float().abs().max()) == 448.0               # each block's amax -> 448
+
+
+def test_fp8_zero_blocks_per_tensor_and_layout(codec):
+    f = codec.fp8
+    q, s = f.quantize_block(torch.zeros(200, 130))
+    assert torch.equal(s, torch.ones(2, 2)) and not q.float().any()
+    w = torch.randn(64, 48)
+    q, s = f.quantize_tensor(w)
+    assert s.dim() == 0 and torch.equal(s, w.abs().max() / 448)
+    bound = torch.clamp(w.abs() / 16, min=float(s) / 1024) * (1 + 1e-5)
+    assert bool(((f.dequantize_tensor(q, s) - w).abs() <= bound).all())
+    qz = f.Quantizer("fp8-block")
+    items = {"model.embed_tokens.weight": torch.randn(10, 8), "l.0.mlp.up_proj.weight":
+             torch.randn(300, 130, dtype=torch.bfloat16), "l.0.input_layernorm.weight":
+             torch.randn(8), "l.0.mlp.up_proj.bias": torch.randn(300)}
+    out = [p for n, t in items.items() for p in qz.expand(n, t)]
+    described = qz.describe([[n, list(t.shape), str(t.dtype)[6:]] for n, t in items.items()])
+    assert [[n, list(t.shape), str(t.dtype)[6:]] for n, t in out] == described
+    assert [n for n, _ in out].count("l.0.mlp.up_proj.weight_scale_inv") == 1
+    assert dict(out)["l.0.mlp.up_proj.weight_scale_inv"].shape == (3, 2)
+
+
+# -- in-process groups (delta+inproc): every protocol path --------------------------------
+class Weights:
+    """A small model's tensors that drift like training at a small learning rate."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.g = g
+        self.d = {"l.0.proj.weight": _rand(g, (256, 260), torch.bfloat16),
+                  "l.0.w32": _rand(g, (64, 80), torch.float32),
+                  "l.0.bias": _rand(g, (700,), torch.bfloat16),
+                  "mask": _rand(g, (3000,), torch.bool), "count": torch.tensor(7),
+                  "empty": torch.empty(0, 4), "fp8": _rand(g, (900,), torch.float8_e4m3fn),
+                  "cplx": _rand(g, (400,), torch.complex64),
+                  "looks.like.record": torch.frombuffer(bytearray(b"WSDELTA1" + bytes(600)),
+                                                        dtype=torch.uint8)}
+
+    def step(self, frac: float = 0.01) -> None:
+        for name, t in self.d.items():
+            if t.numel() > 1 and name != "looks.like.record":
+                _flip(t, frac, self.g)
+        self.d["count"] += 1
+        self.d["looks.like.record"][8:] ^= 1    # all changed: sent dense, in a RAW record
+
+
+class Inproc:
+    """One trainer and receivers that come and go, all engines in this process."""
+
+    def __init__(self, backend: str = "delta+inproc", **kw) -> None:
+        self.backend, self.kw = backend, {"bucket_size": BUCKET, "timeout": 20, **kw}
+        self.trainer = Registry.new(backend, role="trainer", **self.kw)
+
+    def receiver(self):
+        return Registry.new(self.backend, role="rollout", **self.kw)
+
+    def join(self, receivers: list) -> None:
+        engines = [self.trainer] + receivers
+        for e in engines:
+            e.finalize()
+        metas = [e.prepare() for e in engines]
+        tk, rk = type(self.trainer).build_topology(1, len(receivers), metas)
+        self.trainer.init_process_group(**worker_kwargs(tk, 0))
+        for j, e in enumerate(receivers):
+            e.init_process_group(**worker_kwargs(rk, j))
+        self.members = receivers
+
+    def sync(self, weights: dict, version, params: list):
+        async def rx(engine, into):
+            got = {}
+            it = engine.receive_into(into, version) if into is not None else \
+                engine.receive_weights(version)
+            async for name, t in it:
+                assert name not in got, f"{name} yielded twice"
+                got[name] = t.clone()
+            return got
+
+        async def main():
+            return await asyncio.gather(self.trainer.send_weights(list(weights.items()), version),
+                                        *[rx(e, p) for e, p in zip(self.members, params)])
+        out = asyncio.run(main())
+        return out[0], out[1:]
+
+
+def _model(weights: Weights) -> dict:
+    return {n: t.clone() for n, t in weights.d.items()}
+
+
+def _exact(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    bad = [n for n in want if not same_bytes(got[n], want[n])]
+    assert not bad, bad
+
+
+def test_delta_in_place_then_missed_version_gets_dense(codec):
+    w, g = Weights(), Inproc()
+    a, b = g.receiver(), g.receiver()
+    pa, pb = _model(w), None                      # b: receive_weights (its own store)
+    ptr = pa["l.0.proj.weight"].data_ptr()
+    g.join([a, b])
+    modes = []
+    for v in range(6):
+        if v == 2:
+            g.join([a])                           # b misses versions 2 and 3
+        if v == 4:
+            g.join([a, b])
+        m, got = g.sync(w.d, v, [pa, pb][: len(g.members)])
+        modes.append(m["codec"]["mode"])
+        _exact(pa, w.d)
+        for yielded in got:
+            _exact(yielded, w.d)
+        if v in (1, 5):
+            assert m["bytes"] < 0.3 * m["codec"]["dense_bytes"], m
+        w.step()
+    assert modes == ["dense", "delta", "delta", "delta", "dense", "delta"], modes
+    assert pa["l.0.proj.weight"].data_ptr() == ptr
+    assert g.trainer.codec_memory()["trainer_base_bytes"] > 0
+    late = g.receiver()                           # a fresh engine joins: dense, exact
+    g.join([a, b, late])
+    m, got = g.sync(w.d, 6, [pa, None, None])
+    assert m["codec"]["mode"] == "dense" and "rollout rank 2" in m["codec"]["reason"]
+    _exact(got[2], w.d)
+
+
+def test_corrupted_base_and_corrupted_record_are_resent_dense(codec):
+    delta = codec.delta
+    w, g = Weights(), Inproc()
+    a, b = g.receiver(), g.receiver()
+    pa, pb = _model(w), _model(w)
+    g.join([a, b])
+    for v in range(2):
+        g.sync(w.d, v, [pa, pb])
+        w.step()
+    pa["l.0.w32"][3, 3] += 1.0                    # rollout rank 0's model drifts
+    m, got = g.sync(w.d, 2, [pa, pb])
+    assert m["codec"]["resent"] == 1 and m["codec"]["resend_requests"] == [1, 0], m["codec"]
+    assert a.last_receive["base_mismatch"] == 1 and a.last_receive["resent"] == 1
+    assert b.last_receive["base_mismatch"] == 0 and m["rounds"] == 2
+    _exact(pa, w.d), _exact(pb, w.d), _exact(got[0], w.d)
+    w.step()
+    inner_send = g.trainer.inner.send_weights
+
+    async def tampering(items, version=None):
+        async def gen():
+            async for name, t in aiter_items(items):
+                if name == "l.0.proj.weight" and delta.is_record(t):
+                    t = t.clone()
+                    head = delta.parse(t)
+                    t[head.offset + head.payload - 1] ^= 1
+                yield name, t
+        return await inner_send(gen(), version)
+
+    g.trainer.inner.send_weights = tampering
+    m, _ = g.sync(w.d, 3, [pa, pb])
+    assert m["codec"]["resent"] == 1 and m["codec"]["resend_requests"] == [1, 1]
+    assert a.last_receive["result_mismatch"] == b.last_receive["result_mismatch"] == 1
+    _exact(pa, w.d), _exact(pb, w.d)
+
+
+def test_drop_and_readd_every_few_syncs(codec):
+    """The benchmark runs 100 syncs, re-adding every 10; here 30, re-adding every 5."""
+    w, g = Weights(), Inproc()
+    a, b = g.receiver(), g.receiver()
+    pa, pb = _model(w), _model(w)
+    dense, joined = [], None
+    for v in range(30):
+        members = [a] if (v // 5) % 2 else [a, b]
+        if members != joined:
+            g.join(members)
+            joined = members
+        m, _ = g.sync(w.d, v, [pa, pb][: len(members)])
+        _exact(pa, w.d)
+        if b in members:
+            _exact(pb, w.d)
+        assert m["codec"]["resent"] == 0
+        if m["codec"]["mode"] == "dense":
+            dense.append(v)
+        w.step(0.002)
+    assert dense == [0, 10, 20], dense
+
+
+def test_failed_sync_means_dense_next_time(codec):
+    w, g = Weights(), Inproc(timeout=5)
+    a = g.receiver()
+    pa = _model(w)
+    g.join([a])
+    g.sync(w.d, 0, [pa])
+    w.step()
+
+    async def broken():
+        send = asyncio.ensure_future(g.trainer.send_weights(list(w.d.items()), 1))
+        it = a.receive_into(pa, 1)
+        for _ in range(3):
+            await it.__anext__()
+        await it.aclose()                         # the consumer gives up mid-sync
+        with pytest.raises(Exception):
+            await send
+    asyncio.run(broken())
+    g.join([a])
+    m, _ = g.sync(w.d, 2, [pa])
+    assert m["codec"]["mode"] == "dense"
+    _exact(pa, w.d)
+
+
+def test_fp8_and_delta_of_fp8(codec):
+    quantize_block = codec.fp8.quantize_block
+    gen = torch.Generator().manual_seed(9)
+    src = {"l.proj.weight": torch.randn(300, 260, generator=gen).to(torch.bfloat16),
+           "l.norm.weight": torch.randn(260, generator=gen).to(torch.bfloat16)}
+    for backend in ("fp8+inproc", "delta+fp8+inproc"):
+        g = Inproc(backend)
+        r = g.receiver()
+        params = {"l.proj.weight": torch.zeros(300, 260, dtype=torch.float8_e4m3fn),
+                  "l.proj.weight_scale_inv": torch.zeros(3, 3),
+                  "l.norm.weight": torch.zeros(260, dtype=torch.bfloat16)}
+        g.join([r])
+        metrics = []
+        for v in range(3):
+            m, _ = g.sync(src, v, [params])
+            metrics.append(m)
+            q, s = quantize_block(src["l.proj.weight"])
+            assert same_bytes(params["l.proj.weight"], q)
+            assert torch.equal(params["l.proj.weight_scale_inv"], s)
+            assert same_bytes(params["l.norm.weight"], src["l.norm.weight"])
+            w = src["l.proj.weight"].view(torch.int16)
+            w[v::97] += 1                          # a few bf16 values move by one ulp
+        c = metrics[1]["codec"]
+        assert c["dense_bytes"] < 0.52 * c["source_bytes"]      # fp8: half, plus scales
+        if backend.startswith("delta"):
+            assert metrics[1]["bytes"] < 0.2 * c["dense_bytes"], c
+
+
+def test_options_env_bound_and_names(codec, monkeypatch):
+    codec_backend_name = codec.codec_backend_name
+    assert codec_backend_name("shm", delta=True, quantize="fp8-block") == "delta+fp8+shm"
+    assert codec_backend_name("shm") == "shm"
+    assert {"delta+shm", "fp8+collective", "delta+fp8+nixl"} <= set(Registry.names())
+    assert "shards" not in Registry.get("delta+nixl").capabilities
+    with pytest.raises(ValueError):
+        Registry.new("delta+inproc", delta="sometimes")
+    assert not Registry.new("delta+inproc", delta="auto")._delta_on       # same process
+    assert not Registry.new("delta+shm", delta="auto")._delta_on          # memory speed
+    assert Registry.new("delta+collective", delta="auto")._delta_on
+    monkeypatch.setenv("WEIGHTSYNC_DELTA", "0")
+    assert not Registry.new("delta+inproc")._delta_on
+    monkeypatch.delenv("WEIGHTSYNC_DELTA")
+    w, g = Weights(), Inproc(delta_max_bytes=40_000, dtype=torch.bfloat16)
+    a = g.receiver()
+    pa = {n: (t.to(torch.bfloat16) if t.dtype == torch.float32 else t.clone())
+          for n, t in w.d.items()}
+    g.join([a])
+    for v in range(3):
+        m, _ = g.sync(w.d, v, [pa])
+        _exact(pa, {n: (t.to(torch.bfloat16) if t.dtype == torch.float32 else t)
+                    for n, t in w.d.items()})
+        assert m["codec"]["base_bytes"] <= 40_000 and m["codec"]["untracked"] >= 1
+        w.step()
+
+
+# -- across processes, with the harness --------------------------------------------------
+@dataclass(kw_only=True)
+class CodecSpec(GroupSpec):
+    """A ``GroupSpec`` whose unpickling in a worker imports this module (so the codec names
+    are registered there before the harness creates the engine)."""
+
+
+RATES = (0.0, 0.002, 0.03, 0.3, 1.0)
+
+
+_ORIGINAL = None
+
+
+def drifting_tensors(seed: int, *, bucket_size: int, tiny: int = 200):
+    """The harness's tensor set at step 0, then ``seed`` steps of drift: per tensor, a rate
+    of changed elements from ``RATES`` (so records of every form, and dense ones)."""
+    out = []
+    for i, (name, t) in enumerate(_ORIGINAL(0, bucket_size=bucket_size, tiny=tiny)):
+        c = t.contiguous().clone()
+        for step in range(1, seed + 1):
+            if c.numel() > 1:
+                _flip(c, RATES[i % len(RATES)], torch.Generator().manual_seed(7919 * i + step))
+        out.append((name, c if t.is_contiguous() else t.clone().copy_(c)))
+    return out
+
+
+def drift_hook(engine, role, rank):
+    """``GroupSpec.hook``: make the harness's tensors drift instead of changing entirely."""
+    global _ORIGINAL
+    from weightsync.testing import harness
+    if _ORIGINAL is None:
+        _ORIGINAL = harness.make_tensors
+    harness.make_tensors = drifting_tensors
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend,trainers,receivers,pattern", [
+    ("delta+shm", 1, 2, "full"), ("delta+collective", 2, 1, "disjoint"),
+    ("delta+nixl", 1, 1, "full")])
+def test_delta_over_real_processes(codec, backend, trainers, receivers, pattern):
+    if backend not in Registry.names():
+        pytest.skip(f"{backend} unavailable: {Registry.import_error(backend)}")
+    spec = CodecSpec(backend=backend, trainers=trainers, receivers=receivers, steps=3, tiny=40,
+                     pattern=pattern, hook=f"{__name__}:drift_hook",
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+    results = run_group(spec)
+    assert_clean(results, spec)
+    for r in results:
+        if r["role"] != "trainer":
+            continue
+        c = [s["codec"] for s in r["steps"]]
+        assert [x["mode"] for x in c] == ["dense", "delta", "delta"], c
+        assert all(x["delta"] > 0 and x["resent"] == 0 for x in c[1:])
+        # a fifth of the tensors change entirely, another fifth by 30 %: about 0.7 x
+        assert r["steps"][2]["bytes"] < 0.8 * r["steps"][0]["bytes"], c
+
+
+@pytest.mark.parametrize("pattern", ["full", "disjoint"])
+def test_two_trainer_ranks_in_process(codec, pattern, monkeypatch):
+    """Two trainer ranks (names yielded by both, or split), two receivers: each rank decides
+    for its own tensors, and receivers get every name once, exact."""
+    from weightsync.testing import harness
+    monkeypatch.setattr(sys.modules[__name__], "_ORIGINAL", harness.make_tensors)
+    monkeypatch.setattr(harness, "make_tensors", drifting_tensors)
+    spec = GroupSpec(backend="delta+inproc", trainers=2, receivers=2, steps=3, tiny=30,
+                     pattern=pattern, engine_kwargs={"bucket_size": BUCKET, "timeout": 30})
+    results = run_group(spec)
+    assert_clean(results, spec)
+    for r in results[:2]:
+        assert [s["codec"]["mode"] for s in r["steps"]] == ["dense", "delta", "delta"]
