@@ -4,13 +4,12 @@ consistent reads, bad layouts, FSDP2 shards served as they are, wrong tokens."""
 import json
 import multiprocessing as mp
 import os
-import time
 
 import pytest
 import torch
 
 from weightsync import CheckpointEngineRegistry
-from weightsync.core.errors import AuthenticationError, WireError
+from weightsync.core.errors import AuthenticationError, WeightSyncError, WireError
 from weightsync.core.wire import PulledMsg, PullMsg, SourceMsg, decode, encode
 from weightsync.testing import GroupSpec, run_group
 from syncchecks import assert_clean
@@ -51,7 +50,6 @@ def test_messages_round_trip_and_reject_bad_fields():
 
 @pytest.mark.timeout(150)
 def test_rollout_killed_mid_pull_is_named_by_the_trainer():
-    start = time.monotonic()
     trainer, r0, r1 = run_group(_spec("faults:nixl_kill_rollout_1_mid_pull"))
     assert r1 == {"died": 17}
     assert len(trainer["steps"]) == 1 and trainer["errors"], trainer
@@ -211,13 +209,20 @@ def test_wrong_store_token_is_refused_before_anything_is_registered():
         entry = worker_kwargs(rk, 0)
         host, port, auth = entry["streams"][0]
         entry["streams"] = [[host, port, "0" * len(auth)]]
-        t = threading.Thread(target=lambda: pytest.raises(Exception, trainer.init_process_group,
-                                                          **worker_kwargs(tk, 0)), daemon=True)
+        failed = []
+
+        def trainer_init():   # the trainer waits for a receiver that never joins
+            try:
+                trainer.init_process_group(**worker_kwargs(tk, 0))
+            except Exception as exc:
+                failed.append(exc)
+        t = threading.Thread(target=trainer_init, daemon=True)
         t.start()
         with pytest.raises(AuthenticationError):
             rollout.init_process_group(**entry)
         assert rollout._agent is None                  # no NIXL agent, nothing registered
         t.join(10)
+        assert failed and isinstance(failed[0], WeightSyncError), failed
     finally:
         rollout.finalize()
         trainer.finalize()
@@ -279,7 +284,6 @@ def _receive_into_worker(conn):
 @pytest.mark.timeout(120)
 def test_receive_into_pulls_straight_into_the_callers_tensors():
     import asyncio
-    import threading
 
     from weightsync.testing import make_tensors
     from weightsync.transport.base import worker_kwargs

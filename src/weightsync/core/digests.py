@@ -18,7 +18,7 @@ or the wire dtype.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
 from weightsync.tools.bench.common import Method, gloo_group, shutdown_group
 from weightsync.tools.bench.workloads import GiB

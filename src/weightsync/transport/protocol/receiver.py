@@ -16,7 +16,7 @@ from weightsync.core.errors import (IntegrityError, PlanMismatch, SyncTimeout, V
                       WeightSyncError)
 from weightsync.core.plan import Bucket, TensorMeta, bucket_digest, dtype_from_name, plan_signature
 from weightsync.core.remote import error_msg, normalize_version, raise_remote
-from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from weightsync.core.wire import DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
 from weightsync.transport.fastcopy import copy_into
 from weightsync.transport.tensors import checksum
 

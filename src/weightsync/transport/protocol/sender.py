@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
+from weightsync.core.errors import SyncTimeout
 from weightsync.core.plan import Bucket, PlanBuilder, TensorMeta, bucket_digest, dtype_name, plan_signature
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg

@@ -16,7 +16,7 @@ import base64
 import logging
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
