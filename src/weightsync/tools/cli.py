@@ -65,6 +65,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per bench process (default 1: R+1 processes share the "
                         "cores; 0: torch's default of one per core)")
+    p.add_argument("--consume", choices=("into", "copy"), default="into",
+                   help="how receivers consume a sync: into (receive_into, default) or copy "
+                        "(the README's `async for name, t in receive_weights(v): "
+                        "params[name].copy_(t)`)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="write a GB/s plot (needs matplotlib)")
     p.add_argument("--markdown", metavar="PATH", help="write the tables and goals as Markdown")
@@ -118,7 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = BenchConfig(sizes=args.sizes, dtypes=args.dtypes, receivers=args.receivers,
                           methods=args.methods, hf=not args.no_hf, warm=args.warm,
                           bucket_size=args.bucket_size, timeout=args.timeout,
-                          threads=args.threads)
+                          threads=args.threads, consume=args.consume)
         progress = _Progress(args.quiet)
         try:
             doc = run_bench(cfg, progress=progress, total_cb=progress.total_cb)

@@ -46,6 +46,8 @@ class BenchConfig:
     threads: int = 1                    # torch threads per process (0: torch's default)
     memory_fraction: float = 0.75       # of MemAvailable a case may plan to use
     paired: bool = True                 # run each goal's limit right before each step
+    consume: str = "into"               # receivers: "into" (receive_into, the tuned path) or
+                                        # "copy" (README: async for + params[name].copy_)
 
     def __post_init__(self) -> None:
         bad = set(self.methods) - set(ALL_METHODS)
@@ -53,6 +55,8 @@ class BenchConfig:
             raise ValueError(f"unknown methods {sorted(bad)}; known: {list(ALL_METHODS)}")
         if not self.methods:
             raise ValueError("at least one method is needed")
+        if self.consume not in ("into", "copy"):
+            raise ValueError(f"consume must be 'into' or 'copy', got {self.consume!r}")
         for r in self.receivers:
             if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= 64:
                 raise ValueError(f"receivers must be ints in [1, 64], got {r!r}")
@@ -315,6 +319,7 @@ def _run_pool(cfg: BenchConfig, receivers: int, works: list[Workload], ray_opts:
                 pair = PAIRS.get(method) if cfg.paired and PAIRS.get(method) in cfg.methods \
                     else None
                 opts = {"warm": cfg.warm, "bucket_size": cfg.bucket_size, "pair": pair,
+                        "into": cfg.consume == "into",
                         **ray_opts}
                 try:
                     res = pool.command(("run", method, opts), cfg.timeout * (cfg.warm + 3))
