@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError, WireError
 from weightsync.core.wire import AckMsg, BucketMsg, ErrorMsg
-from weightsync.transport.protocol.sender import BucketedEngine, DirectTensors, direct_min_bytes
+from weightsync.transport.protocol.sender import BucketedEngine, DirectTensors, direct_min_bytes, wait_stream
 from weightsync.core.remote import raise_remote
 from weightsync.transport.control.links import Link, LinkHub
 from weightsync.transport.control.server import C10dStore, StoreTimeout
@@ -122,7 +122,6 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._works: dict[int, Any] = {}
         self._stores: list[Any] = []
         self._cuda = torch.device(self.config.device).type == "cuda"
-        self._tx_stream: Any = None      # caller's stream during send_weights (CUDA)
         self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
         # CPU: tensors at least this big are broadcast as they are (0: never)
         self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", 16 << 20)
@@ -210,17 +209,20 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         return self._bufs[slot]
 
     # -- CUDA streams (no-ops on CPU) ----------------------------------------------------
-    async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
-        if self._cuda:
-            self._tx_stream = torch.cuda.current_stream(torch.device(self.config.device))
-        return await super().send_weights(named_tensors, version)
+    def _tx_ready(self, slot: int, buf: torch.Tensor, version: Any) -> None:
+        """NCCL's broadcast is queued behind the stream the caller packed on (see
+        ``_tx_publish``): no host wait, except for a checksum, which reads the bucket on the
+        host at once: it waits for that stream, not this thread's (default) one."""
+        if self._cuda and self.config.checksum:
+            wait_stream(self._tx_copy_stream, self.config.timeout, peer="trainer stream",
+                        phase="send", version=version)
 
     def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
         self._tx_control().push_many(self._receiver_boxes(), msg)
         view = self._bufs[slot][: msg.nbytes]
         pg = self._groups[self._rank]
         if self._cuda:  # NCCL's stream waits for the stream the bucket was packed on
-            with torch.cuda.stream(self._tx_stream):
+            with torch.cuda.stream(self._tx_copy_stream):
                 self._works[slot] = pg.broadcast(view, 0)
         else:
             self._works[slot] = pg.broadcast(view, 0)

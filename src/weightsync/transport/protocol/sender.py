@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from weightsync.core.errors import SyncTimeout
+from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
 from weightsync.core.plan import Bucket, PlanBuilder, TensorMeta, bucket_digest, dtype_name, plan_signature
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
@@ -152,6 +152,28 @@ class Worker:
         self._thread.join(timeout)
 
 
+def wait_stream(stream: Any, timeout: float, *, peer: str, phase: str,
+                version: Any) -> None:
+    """Until the work queued so far on CUDA ``stream`` is done, bounded by ``timeout``
+    (an event polled, not ``synchronize``, which cannot time out)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    deadline = time.monotonic() + timeout
+    delay = 20e-6
+    try:
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise SyncTimeout(f"the copies queued on {peer} did not finish in "
+                                  f"{timeout:.0f}s", peer=peer, phase=phase, version=version)
+            time.sleep(delay)
+            delay = min(2 * delay, 200e-6)
+    except RuntimeError as exc:
+        if isinstance(exc, WeightSyncError):
+            raise
+        raise PeerFailed(f"CUDA error while waiting for {peer}: {exc}", peer=peer,
+                         phase=phase, version=version) from None
+
+
 class BucketedEngine(CheckpointEngine, abc.ABC):
     """Send/receive logic over slot buffers; subclasses provide the data path."""
 
@@ -166,6 +188,9 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         self._ownership: Optional[Ownership] = None
         self._slot_bucket: dict[int, int] = {}   # slot -> bucket index last published there
         self._acks: set[tuple[int, int, int]] = set()   # (seq, bucket index or -1, rank)
+        # the stream the caller's thread packs buckets on (CUDA; set by each send_weights):
+        # the waits in this engine's own thread order on it, not on that thread's stream
+        self._tx_copy_stream: Any = None
 
     # -- data path supplied by subclasses ---------------------------------------------
     @abc.abstractmethod
@@ -234,6 +259,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             raise RuntimeError(f"{self.backend_name}: send_weights needs a trainer engine "
                                "after init_process_group")
         version = normalize_version(version)
+        dev = torch.device(self.config.device)
+        self._tx_copy_stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         self._seq += 1
         state = _SendState(self._seq, version, PlanBuilder(self.config.bucket_size,
                                                            self.config.alignment))
@@ -312,7 +339,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         if entries is not None:
             state.changed += 1
         buf = self._tx_buffer(slot)
-        self._tx_ready(slot, buf)
+        self._tx_ready(slot, buf, state.version)
         crc = checksum(buf[: bucket.nbytes]) if self.config.checksum else None
         msg = BucketMsg(version=wire_version(state.version), seq=state.seq, stream=self._rank,
                         index=bucket.index, slot=slot, nbytes=bucket.nbytes,
@@ -320,11 +347,15 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         self._slot_bucket[slot] = bucket.index
         self._tx_publish(slot, msg)
 
-    def _tx_ready(self, slot: int, buf: torch.Tensor) -> None:
-        """Hook: the bucket's bytes are complete before the header goes out (default: wait
-        for this thread's CUDA stream; ``cuda_ipc`` orders by its own stream/events)."""
+    def _tx_ready(self, slot: int, buf: torch.Tensor, version: Any) -> None:
+        """Hook, run in this engine's thread: the bucket's bytes are complete before the
+        header (and the checksum, which reads them on the host) goes out. Default: wait for
+        the stream the caller packed on; ``collective`` and ``cuda_ipc`` order their
+        transfers on that stream instead and wait here only for a checksum."""
         if buf.device.type == "cuda":
-            torch.cuda.current_stream(buf.device).synchronize()
+            wait_stream(self._tx_copy_stream or torch.cuda.current_stream(buf.device),
+                        self.config.timeout, peer="trainer stream", phase="send",
+                        version=version)
 
     def _finish_stream(self, state: _SendState) -> None:
         plan = tuple(state.builder.closed)

@@ -328,9 +328,9 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             self._dst_views[key] = dst
         self._ops.copy(dst, tensor, self._tx_stream)
 
-    def _tx_ready(self, slot: int, buf: torch.Tensor) -> None:
+    def _tx_ready(self, slot: int, buf: torch.Tensor, version: Any) -> None:
         if self.config.checksum:  # the checksum reads the bucket on the host right away
-            self._sync(self._tx_stream, peer="trainer stream", phase="send", version=None)
+            self._sync(self._tx_stream, peer="trainer stream", phase="send", version=version)
 
     def _tx_done(self, slot: int, version: Any) -> None:
         """The bytes queued for ``slot`` (or the zero-copy tensors) are, or will be, ready."""
