@@ -95,11 +95,13 @@ def test_install_gives_ms_swift_classes_the_engine():
         assert isinstance(engine, ws.WeightsyncSwiftEngine) and engine.backend == "collective"
         assert VllmServer.receive_checkpoint_weights.__wrapped__ is before
         assert VllmServer.weightsync_check_peft_config is not None
+        assert VllmServer.weightsync_check_weights is not None
         engine.close()
     finally:
         ws.uninstall()
     assert VllmServer.receive_checkpoint_weights is before
     assert not hasattr(VllmServer, "weightsync_check_peft_config")
+    assert not hasattr(VllmServer, "weightsync_check_weights")
 
 
 def test_peft_config_problems():
@@ -256,6 +258,224 @@ def test_peft_config_that_does_not_fit_is_refused(cluster):
     manager.sync_weights(merge_and_sync=False)
     _check(cluster, prompts, lora_mode="adapter")
 
+
+# -- names, shapes and dtypes checked before bytes (issue 18, item 3) -------------------------
+
+def _layout_entries():
+    return [["b.weight", [4, 2], "float32"], ["a.weight", [3], "float32"],
+            ["c.idx", [2], "int64"]]
+
+
+def _tensors():
+    return [("b.weight", torch.zeros(4, 2)), ("a.weight", torch.zeros(3)),
+            ("c.idx", torch.zeros(2, dtype=torch.int64))]
+
+
+def test_layout_digest_and_cast():
+    from weightsync.integrations.swift.layout import Layout
+    a = Layout.of(_layout_entries(), None)
+    b = Layout.of(list(reversed(_layout_entries())), None)
+    assert a.digest == b.digest and a.entries[0][0] == "a.weight"      # order-free
+    assert Layout.of(_layout_entries(), None, previous=a) is a           # reused when equal
+    half = Layout.of(_layout_entries(), torch.bfloat16)                  # the engine's cast
+    assert half.by_name["a.weight"][2] == "bfloat16" and half.by_name["c.idx"][2] == "int64"
+    assert half.digest != a.digest
+    with pytest.raises(ValueError, match="twice"):
+        Layout.of(_layout_entries() + [["a.weight", [3], "float32"]], None)
+    with pytest.raises(ValueError, match="want \\[name, shape, dtype\\]"):
+        Layout.of([["a.weight", [3]]], None)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"op": "rename", "name": "a.weight", "to": "z.weight"},
+     "'z.weight' which the checked layout does not have"),
+    ({"op": "drop", "name": "a.weight"}, "'a.weight' nowhere: the export ended without it"),
+    ({"op": "add", "name": "x.weight", "shape": [2]}, "'x.weight' which the checked layout"),
+    ({"op": "reshape", "name": "b.weight"}, r"'b.weight' with shape \(8,\), the checked "
+                                            r"layout has \(4, 2\)"),
+    ({"op": "retype", "name": "a.weight", "dtype": "int32"},
+     "'a.weight' with dtype int32, the checked layout has float32"),
+])
+def test_layout_feed_holds_the_export_to_the_checked_layout(edit, match):
+    from weightsync.core.errors import PlanMismatch
+    from weightsync.integrations.swift.layout import Layout, LayoutFeed
+    from weightsync.integrations.swift_harness import edit_export, edit_layout
+    expected = Layout.of(_layout_entries(), None)
+    feed = LayoutFeed(iter(_tensors()), expected, None, version=3)
+    assert [n for n, _ in feed] == ["b.weight", "a.weight", "c.idx"]
+    assert feed.layout() is expected and not feed.deviated
+    recorded = LayoutFeed(iter(_tensors()), None, None)
+    for _ in recorded:
+        pass
+    assert recorded.layout().digest == expected.digest and recorded.layout().source == "recorded"
+    bad = LayoutFeed(edit_export(iter(_tensors()), edit), expected, None, version=3)
+    with pytest.raises(PlanMismatch, match=match) as err:
+        for _ in bad:
+            pass
+    assert bad.deviated and bad.layout() is None
+    assert err.value.phase == "send" and err.value.version == 3
+    # the harness edits a description the same way it edits the export
+    assert Layout.of(edit_layout(_layout_entries(), edit), None).entries == sorted(
+        [n, list(t.shape), str(t.dtype).replace("torch.", "")]
+        for n, t in edit_export(iter(_tensors()), edit))
+
+    async def consume():                     # an async export is held to it alike
+        async def gen():
+            for item in edit_export(iter(_tensors()), edit):
+                yield item
+        async for _ in LayoutFeed(gen(), expected, None):
+            pass
+    with pytest.raises(PlanMismatch, match=match):
+        asyncio.run(consume())
+
+
+def test_default_check_of_a_vllm_server_reads_its_checkpoint(tmp_path):
+    """ms-swift's VllmServer has no weightsync replica: its layout check reads the
+    safetensors headers of the local folder its RayVllmEngine was started from."""
+    from types import SimpleNamespace
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from weightsync.integrations.swift.layout import default_check_weights
+    from weightsync.testing.toymodel import tiny_qwen2_config
+    from weightsync.trainer.digests import describe_export
+    config = tiny_qwen2_config(vocab_size=128, hidden_size=32)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**config))
+    model.save_pretrained(tmp_path)
+    server = SimpleNamespace(_engine=SimpleNamespace(model_id=str(tmp_path)))
+    good = describe_export(model, "full")
+    assert default_check_weights(server, good, False, None) == []
+    bad = [[n, s[::-1] if n.endswith("mlp.up_proj.weight") else s, d] for n, s, d in good[1:]]
+    problems = default_check_weights(server, bad, False, None)
+    assert ["model.embed_tokens.weight", "the model has it, the sync would not send it"] \
+        in problems
+    assert any(n == "model.layers.1.mlp.up_proj.weight" and "shape" in why
+               for n, why in problems)
+    hub = SimpleNamespace(_engine=SimpleNamespace(model_id="Qwen/Qwen2.5-0.5B"))
+    assert default_check_weights(hub, good, False, None) is None      # cannot tell: unchecked
+
+
+_LATE = "model.layers.1.mlp.down_proj.weight"      # late in the export: earlier ones would move
+_EDITS = {
+    "rename": ({"op": "rename", "name": _LATE, "to": "model.layers.1.mlp.down.weight"},
+               r"model\.layers\.1\.mlp\.down\.weight \(sent, but the model has no such"),
+    "drop": ({"op": "drop", "name": _LATE}, rf"{_LATE} \(the model has it, the sync would not"),
+    "add": ({"op": "add", "name": "model.layers.9.extra.weight", "shape": [4]},
+            r"model\.layers\.9\.extra\.weight \(sent, but the model has no such"),
+    "reshape": ({"op": "reshape", "name": _LATE}, rf"{_LATE} \(shape \(22528,\) sent"),
+    "retype": ({"op": "retype", "name": _LATE, "dtype": "int32"}, rf"{_LATE} \(dtype int32"),
+}
+
+
+def _digests(cluster, kind="full"):
+    import ray
+    return ray.get([a.weights_digest.remote(kind) for a in cluster.rollouts], timeout=60)
+
+
+def _on_trainers(cluster, method, *args):
+    import ray
+    ray.get([getattr(t, method).remote(*args) for t in cluster.trainers], timeout=60)
+
+
+@pytest.mark.parametrize("case", sorted(_EDITS))
+def test_wrong_export_is_refused_before_any_byte(cluster, case):
+    """Trainer rank 0 describes its weights (metadata only): a tensor renamed, missing,
+    extra, reshaped or of a dtype the rollout cannot take is refused for every rollout,
+    naming it, before any byte moves; the rollouts keep their weights."""
+    edit, match = _EDITS[case]
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(None)
+    _on_trainers(cluster, "set_describe", True)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights()
+    cluster.train(0)                        # what a partial sync would change
+    before, states = _digests(cluster), cluster.states()
+    _on_trainers(cluster, "set_export_edit", edit)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=match) as err:
+        manager.sync_weights()
+    assert time.monotonic() - start < TIMEOUT
+    text = str(err.value)
+    assert "PlanMismatch" in text and "refused before any byte moved" in text
+    assert "ms-swift rank 1" in text and "ms-swift rank 2" in text and "phase=validate" in text
+    assert _digests(cluster) == before                              # not a byte
+    assert [s["version"] for s in cluster.states()] == [s["version"] for s in states]
+    _on_trainers(cluster, "set_export_edit", None)
+    manager.sync_weights()                  # the group survived; the layout checked once
+    _check(cluster, prompts)
+    stats = cluster.stats()
+    assert stats[0]["layout"] == "described" and stats[0]["refused"] == 1
+    assert [s["checks"] for s in stats[2:]] == [2, 2]     # the good layout, then the bad one
+
+
+def test_wrong_adapter_is_refused_before_any_byte(cluster):
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(_lora())
+    _on_trainers(cluster, "set_describe", True)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights(merge_and_sync=False)          # base
+    cluster.train(0)
+    manager.sync_weights(merge_and_sync=False)          # adapter
+    names = [e[0] for e in ray.get(cluster.trainers[0].weightsync_describe_weights.remote(True))]
+    late = [n for n in names if n.endswith("lora_B.weight")][-1]
+    cluster.train(1)
+    before = _digests(cluster, "adapter")
+    _on_trainers(cluster, "set_export_edit", {"op": "reshape", "name": late})
+    with pytest.raises(Exception, match=rf"{late.replace('.', '[.]')} \(shape"):
+        manager.sync_weights(merge_and_sync=False)
+    assert _digests(cluster, "adapter") == before
+    _on_trainers(cluster, "set_export_edit", None)
+    manager.sync_weights(merge_and_sync=False)
+    _check(cluster, prompts, lora_mode="adapter")
+
+
+def test_rollout_of_another_model_is_refused_before_any_byte(cluster):
+    """No description (as ms-swift's MegatronWorker): trainer rank 0 checks against what
+    its last complete send yielded; a rollout of another model is refused, naming the
+    tensors, before any byte moves; rollouts that accepted the layout are not asked again."""
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(None)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights()                              # first pass: records the layout
+    assert cluster.stats()[0]["layout"] is None
+    manager.sync_weights()                              # checked by both rollouts
+    other = dict(cluster.config, intermediate_size=cluster.config["intermediate_size"] + 8)
+    ray.get(cluster.rollouts[1].reset.remote(config=other))
+    cluster.train(0)
+    before = _digests(cluster)
+    with pytest.raises(Exception, match=r"mlp\.up_proj\.weight \(shape \(352, 64\) sent") as err:
+        manager.sync_weights()
+    assert "ms-swift rank 2" in str(err.value) and "refused before any byte moved" in str(err.value)
+    assert _digests(cluster) == before
+    ray.get(cluster.rollouts[1].reset.remote(config=cluster.config))
+    manager.sync_weights()
+    manager.sync_weights()
+    _check(cluster, prompts)
+    stats = cluster.stats()
+    assert stats[0]["layout"] == "recorded"
+    assert [s["checks"] for s in stats[2:]] == [1, 1]     # each rollout engine checked once
+
+
+def test_export_that_changes_after_its_check_fails_naming_the_tensor(cluster):
+    """Without a description, a trainer whose export changes between syncs is caught at
+    the first tensor that differs from the checked layout (bytes before it have moved);
+    the next sync learns the new layout."""
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(None)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights()
+    new = "model.layers.1.mlp.down.weight"
+    _on_trainers(cluster, "set_export_edit", {"op": "rename", "name": _LATE, "to": new})
+    with pytest.raises(Exception, match=rf"export yields '{new}' which the checked layout "
+                                        "does not have"):
+        manager.sync_weights()
+    _on_trainers(cluster, "set_export_edit", None)
+    manager.sync_weights()                              # unchecked first pass again
+    manager.sync_weights()
+    _check(cluster, prompts)
+
+
+# -- faults last (they kill a rollout) -------------------------------------------------------
 
 def test_killed_rollout_actor_is_named_within_the_timeout(cluster):
     import ray

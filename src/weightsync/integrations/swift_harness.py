@@ -14,9 +14,17 @@ after the base sync, as ``VllmServer`` decides), plus ``sleep(level)`` / ``wake_
 :class:`~weightsync.integrations.swift.WeightsyncCheckpointMixin` (and weightsync's own
 Ray mixins, so weightsync's manager can drive the same actors for a comparison).
 
+Trainer rank 0 describes what it will send (``weightsync_describe_weights``, metadata
+only) once :meth:`SwiftTrainer.set_describe` turns it on; by default it does not, as
+ms-swift's ``MegatronWorker``. :meth:`SwiftTrainer.set_export_edit` makes the trainer's
+export (and its description) wrong on purpose: a tensor renamed, dropped, added, reshaped
+or of another dtype (:func:`edit_export`).
+
 Compare a sync through ms-swift's manager with one through weightsync's own::
 
     python -m weightsync.integrations.swift_harness --backend shm --syncs 5
+
+(``benchmarks/swift_sync.py`` does it for several backends and both weight-set kinds.)
 """
 
 from __future__ import annotations
@@ -38,10 +46,67 @@ from weightsync.integrations.ray.workers import ToyTrainerWorker
 from weightsync.integrations.swift import WeightsyncCheckpointMixin
 from weightsync.rollout.hf import HFRolloutReplica
 from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config
+from weightsync.trainer.digests import describe_export
 from weightsync.trainer.export import export_weights
 from weightsync.trainer.lora import lora_config_dict
 
-__all__ = ["SwiftCluster", "SwiftReplica", "SwiftTrainer", "SwiftRollout", "main"]
+__all__ = ["SwiftCluster", "SwiftReplica", "SwiftTrainer", "SwiftRollout", "edit_export",
+           "edit_layout", "EDITS", "main"]
+
+#: What :func:`edit_export` can do to one tensor of an export.
+EDITS = ("rename", "drop", "add", "reshape", "retype")
+
+
+def _edit_of(edit: Optional[dict]) -> Optional[dict]:
+    if edit is not None and (not isinstance(edit, dict) or edit.get("op") not in EDITS
+                             or not isinstance(edit.get("name"), str)):
+        raise ValueError(f"an export edit is {{'op': one of {EDITS}, 'name': str, ...}}, "
+                         f"got {edit!r}")
+    return edit
+
+
+def edit_export(items: Any, edit: Optional[dict]) -> Any:
+    """``items`` (``(name, tensor)``) with ``edit`` applied to tensor ``edit["name"]``:
+    ``rename`` (to ``edit["to"]``), ``drop``, ``add`` (a zero tensor of ``edit["shape"]``
+    after the last one), ``reshape`` (flattened), ``retype`` (to ``edit["dtype"]``)."""
+    edit = _edit_of(edit)
+    for name, tensor in items:
+        if edit is not None and name == edit["name"]:
+            op = edit["op"]
+            if op == "rename":
+                name = edit["to"]
+            elif op == "drop":
+                continue
+            elif op == "reshape":
+                tensor = tensor.reshape(-1)
+            elif op == "retype":
+                tensor = tensor.to(getattr(torch, edit["dtype"]))
+        yield name, tensor
+    if edit is not None and edit["op"] == "add":
+        yield edit["name"], torch.zeros(edit["shape"])
+
+
+def edit_layout(entries: list, edit: Optional[dict]) -> list:
+    """The same edit on a description ``[[name, shape, dtype], ...]``."""
+    edit = _edit_of(edit)
+    if edit is None:
+        return entries
+    out = []
+    for name, shape, dtype in entries:
+        if name == edit["name"]:
+            op = edit["op"]
+            if op == "rename":
+                name = edit["to"]
+            elif op == "drop":
+                continue
+            elif op == "reshape":
+                shape = [int(torch.Size(shape).numel())]
+            elif op == "retype":
+                dtype = edit["dtype"]
+        out.append([name, list(shape), dtype])
+    if edit["op"] == "add":
+        out.append([edit["name"], list(edit["shape"]), "float32"])
+    return out
 
 
 class ToyMegatronWorker(CheckpointEngineMixin, ToyTrainerWorker):
@@ -52,6 +117,7 @@ class ToyMegatronWorker(CheckpointEngineMixin, ToyTrainerWorker):
         self._checkpoint_engine = None
         self._merged = False
         self.peft_override: Optional[dict] = None
+        self.export_edit: Optional[dict] = None
 
     def merge_lora(self) -> None:
         # ms-swift merges in place; weightsync's export computes the merged tensors instead,
@@ -66,23 +132,47 @@ class ToyMegatronWorker(CheckpointEngineMixin, ToyTrainerWorker):
     def get_peft_config_dict(self) -> dict:
         return dict(self.peft_override or lora_config_dict(self.model))
 
+    def _kind(self, adapter_only: bool) -> str:
+        return "adapter" if adapter_only else (
+            "full" if self.lora is None or self._merged else "base")
+
     def send_checkpoint_weights(self, adapter_only: bool = False) -> None:
         engine = self._get_or_create_checkpoint_engine()
-        kind = "adapter" if adapter_only else (
-            "full" if self.lora is None or self._merged else "base")
+        kind = self._kind(adapter_only)
         self.log.append(f"send:{kind}")
-        asyncio.run(engine.send_weights(export_weights(self.model, kind=kind, owner=0)))
+        items = export_weights(self.model, kind=kind, owner=0)
+        if engine.rank == 0:           # rank -1 walks its part of the export as it is
+            items = edit_export(items, self.export_edit)
+        asyncio.run(engine.send_weights(items))
 
 
 class SwiftTrainer(WeightsyncCheckpointMixin, ToyMegatronWorker):
     """A trainer actor as ms-swift's manager sees it, over weightsync."""
 
+    describe = False
+
     def build(self, config: dict, **kwargs: Any) -> dict:
         self.log, self._merged, self.peft_override = [], False, None
+        self.export_edit, self.describe = None, False
         return super().build(config, **kwargs)
 
     def set_peft_override(self, config: Optional[dict]) -> None:
         self.peft_override = config
+
+    def set_describe(self, on: bool) -> None:
+        """Describe the weights before each send (metadata only), or not (as ms-swift's
+        ``MegatronWorker``, the default)."""
+        self.describe = bool(on)
+
+    def set_export_edit(self, edit: Optional[dict]) -> None:
+        """Make rank 0's export (and its description) wrong: see :func:`edit_export`."""
+        self.export_edit = _edit_of(edit)
+
+    def weightsync_describe_weights(self, adapter_only: bool) -> Optional[list]:
+        if not self.describe:
+            return None
+        return edit_layout(describe_export(self.model, self._kind(adapter_only)),
+                           self.export_edit)
 
 
 class ToyVllmServer(CheckpointEngineMixin):
@@ -146,13 +236,21 @@ class SwiftRollout(WeightsyncCheckpointMixin, RolloutWorkerMixin, ToyVllmServer)
     def set_die_after(self, n: Optional[int]) -> None:
         self.die_after = n
 
-    def reset(self, seed: int = 1234) -> None:
-        """A fresh replica and engine (as a restarted actor: no weights from any sync)."""
+    def reset(self, seed: int = 1234, config: Optional[dict] = None) -> None:
+        """A fresh replica and engine (as a restarted actor: no weights from any sync);
+        ``config``: of another model from now on."""
         self.configure_weightsync(self.weightsync_backend, **(self.weightsync_options or {}))
+        if config is not None:
+            self._config = dict(config)
         old, self.last, self.die_after = self.rollout, {}, None
         self.rollout = HFRolloutReplica(config=self._config, seed=seed, name=self._name,
                                         timeout=60.0)
         old.close()
+
+    def weights_digest(self, kind: str = "full") -> dict:
+        """Digests of the model's tensors of ``kind`` (``full``: base weights, ``adapter``):
+        to tell that a refused sync changed nothing."""
+        return self.rollout.weight_digests(kind)["digests"]
 
 
 class SwiftReplica:
@@ -204,11 +302,11 @@ class SwiftCluster:
                        timeout=4 * self.timeout + 60)
 
     def build(self, lora: Optional[dict] = None, seed: int = 0) -> None:
-        """(Re)build the trainer model on every rank; fresh rollouts."""
+        """(Re)build the trainer model on every rank; fresh rollouts (of ``self.config``)."""
         self.lora = lora
         self._all("build", self.trainers, self.config, seed=seed, fsdp=len(self.trainers) > 1,
                   lora=lora, lr=0.5)
-        self._all("reset", self.rollouts)
+        self._all("reset", self.rollouts, config=self.config)
 
     def use_backend(self, backend: str, **options: Any) -> None:
         options.setdefault("timeout", self.timeout)

@@ -21,8 +21,10 @@ colocated sleep/wake with tags. Two ways in:
 
 Modules: :mod:`.engine` (ms-swift's engine contract over a weightsync engine),
 :mod:`.rendezvous` (how trainer rank 0 builds the real topology behind ms-swift's
-NCCL-shaped one, and checks every sync before bytes move), :mod:`.mixin` (the actor side:
-the seam, intent of each sync, peft checks, :func:`install`). The CPU test harness is
+NCCL-shaped one, and checks every sync before bytes move), :mod:`.layout` (the names,
+shapes and dtypes of a sync, checked by the rollouts before bytes move, and the export
+held to them), :mod:`.mixin` (the actor side: the seam, intent of each sync, peft checks,
+the ``weightsync_describe_weights`` / ``weightsync_check_weights`` hooks, :func:`install`). The CPU test harness is
 :mod:`weightsync.integrations.swift_harness`.
 """
 

@@ -34,6 +34,7 @@ from swift.ray.megatron.checkpoint_engine import CheckpointEngine as SwiftCheckp
 
 from weightsync.core.config import EngineConfig, env_value, parse_bool
 from weightsync.core.errors import TopologyError, WeightSyncError
+from weightsync.integrations.swift.layout import Layout, LayoutFeed
 from weightsync.integrations.swift.rendezvous import (Channel, follow_join, follow_transfer,
                                                       lead_join, lead_transfer)
 from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
@@ -169,8 +170,11 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.names: dict[str, str] = {}
         self.intent: dict = {}
         self.has_base = False
+        self.layout: Optional[Layout] = None     # rank 0: the layout checked for this sync
+        self.layouts: dict[str, Layout] = {}     # rank 0: per weight set, the last one sent
+        self.accepted: dict[str, str] = {}       # rollouts: check key -> digest that fits
         self.stats = {"joins": 0, "reuses": 0, "releases": 0, "syncs": 0, "init_s": 0.0,
-                      "refused": 0, "last_error": None}
+                      "refused": 0, "last_error": None, "checks": 0, "layout": None}
         self._round = 0
         self._rdv: Any = None            # rank 0: the client that owns the rendezvous store
         self._rdv_auth = ""
@@ -230,20 +234,31 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             return None
         feed = weights if hasattr(weights, "__aiter__") else _Feed(weights)
         kind = bool(self.intent.get("adapter_only"))
+        key = "adapter" if kind else "full"
+        checked = None
         try:
+            self.layout = self._expected_layout(key)
             refused = await asyncio.to_thread(lead_transfer, self)
             if refused is None and kind != self._last_kind:
                 self.inner.reset_plan()     # another weight set: re-send every layout
                 self._last_kind = kind
-            metrics = None if refused else await self.inner.send_weights(feed, version=self.version)
+            if refused is None:
+                checked = LayoutFeed(feed, self.layout, self.inner.config.dtype,
+                                     version=self.version)
+                metrics = await self.inner.send_weights(checked, version=self.version)
         except BaseException as exc:
             self._dirty = True
+            if checked is not None and checked.deviated:
+                self.layouts.pop(key, None)     # the next sync learns the export again
             _drain(feed)
             raise self._failed(exc) from None
         if refused is not None:   # nothing moved: the group stays as it is
             self._refused()
             _drain(feed)
             raise self._failed(refused)
+        learned = checked.layout()
+        if learned is not None:
+            self.layouts[key] = learned
         self.stats["syncs"] += 1
         return metrics
 
@@ -278,10 +293,16 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             self._release()
 
     # -- what the actor side tells the engine ---------------------------------------------
-    def expect(self, *, adapter_only: bool, error: Optional[str] = None) -> None:
+    def expect(self, *, adapter_only: bool, error: Optional[str] = None,
+               layout: Optional[list] = None, check: Any = None,
+               key: Optional[str] = None) -> None:
         """This sync's kind (trainer: what it sends; rollout: what it will load) and a
-        rollout's own objection; trainer rank 0 checks them before any byte moves."""
-        self.intent = {"adapter_only": bool(adapter_only), "error": error}
+        worker's own objection; trainer rank 0 checks them before any byte moves.
+        Trainer rank 0: ``layout``, a metadata-only description of what it will send.
+        Rollouts: ``check(offered)`` -> ``[[name, why], ...]`` or None (cannot check), and
+        ``key``, what the check depends on besides the layout (kind, peft config)."""
+        self.intent = {"adapter_only": bool(adapter_only), "error": error, "layout": layout,
+                       "check": check, "key": key}
 
     def note_failed(self) -> None:
         """The rollout failed to apply this sync. Once bytes moved, a failed full sync leaves
@@ -308,6 +329,20 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         _live.discard(self)
 
     # -- internals ------------------------------------------------------------------------
+    def _expected_layout(self, key: str) -> Optional[Layout]:
+        """Rank 0: the layout to check this sync against (``described`` by the trainer
+        actor, else ``recorded`` from the last complete send of this weight set)."""
+        described, known = self.intent.get("layout"), self.layouts.get(key)
+        layout = known
+        if described is not None:
+            try:
+                layout = Layout.of(described, self.inner.config.dtype, "described", known)
+            except (TypeError, ValueError) as exc:
+                self.intent["error"] = f"trainer rank 0: bad weight description: {exc}"
+                layout = None
+        self.stats["layout"] = layout.source if layout is not None else None
+        return layout
+
     def _failed(self, exc: BaseException) -> BaseException:
         exc = with_names(exc, self.names)
         self.stats["last_error"] = f"{type(exc).__name__}: {exc}"

@@ -4,15 +4,18 @@ ms-swift's manager calls ``prepare_checkpoint_engine`` / ``init_checkpoint_proce
 ``finalize_checkpoint_engine`` (the mixin's, unchanged) and the actors' own
 ``send_checkpoint_weights(adapter_only)`` and ``receive_checkpoint_weights(base_sync_done,
 peft_config)``; all of them reach the engine through ``_get_or_create_checkpoint_engine``.
-The wrappers here tell the engine what each sync is (full or adapter-only) and a rollout's
-objection to the peft config, before ms-swift's own method runs, so trainer rank 0 can
-refuse a bad sync for everybody before any byte moves.
+The wrappers here tell the engine what each sync is (full or adapter-only), a rollout's
+objection to the peft config and how it checks a weight layout, and trainer rank 0's
+metadata-only description of its weights where the actor has one
+(``weightsync_describe_weights``), before ms-swift's own method runs, so trainer rank 0 can
+refuse a bad sync for everybody before any byte moves (:mod:`.layout`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
 import re
 from typing import Any, Optional
@@ -20,6 +23,7 @@ from typing import Any, Optional
 from swift.ray.megatron.checkpoint_engine import CheckpointEngineMixin as SwiftMixin
 
 from weightsync.integrations.swift.engine import WeightsyncSwiftEngine, describe_actor, new_engine
+from weightsync.integrations.swift.layout import default_check_weights
 
 __all__ = ["WeightsyncCheckpointMixin", "install", "uninstall", "peft_config_problems",
            "engine_of"]
@@ -75,7 +79,20 @@ def _check_peft(actor: Any, peft_config: Any) -> list[str]:
 
 
 def _before_send(actor: Any, adapter_only: bool) -> None:
-    actor._get_or_create_checkpoint_engine().expect(adapter_only=bool(adapter_only))
+    engine = actor._get_or_create_checkpoint_engine()
+    layout, error = None, None
+    describe = getattr(actor, "weightsync_describe_weights", None)
+    if engine.is_master and callable(describe):
+        try:
+            layout = describe(bool(adapter_only))
+        except Exception as exc:  # refused for everybody by rank 0, not a hang
+            error = f"trainer rank 0: describing its weights failed: {type(exc).__name__}: {exc}"
+    engine.expect(adapter_only=bool(adapter_only), error=error, layout=layout)
+
+
+def _check_key(adapter: bool, peft_config: Any) -> str:
+    return json.dumps(["adapter", peft_config] if adapter else ["full"], sort_keys=True,
+                      default=str)
 
 
 def _before_receive(actor: Any, base_sync_done: bool, peft_config: Any) -> WeightsyncSwiftEngine:
@@ -86,7 +103,12 @@ def _before_receive(actor: Any, base_sync_done: bool, peft_config: Any) -> Weigh
         problems = check(peft_config) if adapter and check is not None else []
     except Exception as exc:  # a failing check is an objection too, not a crash mid-sync
         problems = [f"checking the peft config failed: {type(exc).__name__}: {exc}"]
-    engine.expect(adapter_only=adapter, error="; ".join(problems) or None)
+    checker = getattr(actor, "weightsync_check_weights", None)
+    if not callable(checker):
+        checker = functools.partial(default_check_weights, actor)
+    engine.expect(adapter_only=adapter, error="; ".join(problems) or None,
+                  check=lambda offered: checker(offered, adapter, peft_config if adapter else None),
+                  key=_check_key(adapter, peft_config))
     return engine
 
 
@@ -118,6 +140,20 @@ class WeightsyncCheckpointMixin(SwiftMixin):
         """Problems of loading an adapter with this config (default: against
         ``get_model_param_names()``, which ms-swift's ``VllmServer`` has)."""
         return _check_peft(self, peft_config)
+
+    def weightsync_describe_weights(self, adapter_only: bool) -> Optional[list]:
+        """Trainer actors: ``[[name, shape, dtype], ...]`` of what ``send_checkpoint_weights
+        (adapter_only)`` will yield, from metadata only, or None (default: not known; trainer
+        rank 0 then checks against what its last complete send of this weight set yielded).
+        Override where the model can tell without exporting."""
+        return None
+
+    def weightsync_check_weights(self, offered: list, adapter_only: bool,
+                                 peft_config: Optional[dict]) -> Optional[list]:
+        """Rollout actors: problems (``[[name, why], ...]``) of loading ``offered``
+        (``[[name, shape, dtype], ...]``), or None when this actor cannot check (default:
+        :func:`~weightsync.integrations.swift.layout.default_check_weights`)."""
+        return default_check_weights(self, offered, adapter_only, peft_config)
 
     def send_checkpoint_weights(self, adapter_only: bool = False) -> Any:
         _before_send(self, adapter_only)
@@ -189,6 +225,10 @@ def install() -> None:
         if "weightsync_check_peft_config" not in cls.__dict__:
             _SAVED[(cls, "weightsync_check_peft_config")] = None
             cls.weightsync_check_peft_config = _check_peft
+        if method == "receive_checkpoint_weights" and "weightsync_check_weights" not in \
+                cls.__dict__:
+            _SAVED[(cls, "weightsync_check_weights")] = None
+            cls.weightsync_check_weights = default_check_weights
 
 
 def uninstall() -> None:

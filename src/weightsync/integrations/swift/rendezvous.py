@@ -11,9 +11,12 @@ token of a control store hosted by rank 0, so:
   all reports and hands each rollout its keywords (``kw/<rank>``).
 * at the start of ``send_weights`` / ``receive_weights``: every rollout reports what it
   expects (``ready``: full or adapter-only, whether it holds base weights from weightsync,
-  its own objection such as a peft config that does not fit its model); rank 0
-  (:func:`lead_transfer`) compares with what it sends and answers ``go`` or ``abort`` (the
-  same text to everyone), so a bad sync is refused before any byte moves.
+  its own objection such as a peft config that does not fit its model, the digest of the
+  layout it last accepted for this weight set); rank 0 (:func:`lead_transfer`) compares
+  with what it sends, asks the rollouts that have not accepted this sync's layout
+  (:mod:`.layout`) to ``check`` it (names, shapes, dtypes; answered in ``checked``), and
+  answers ``go`` or ``abort`` (the same text to everyone), so a bad sync is refused
+  before any byte moves.
 
 Every wait is bounded (followers wait ``_GRACE`` longer than the leader, so the leader
 reports first and can name the silent rank). Messages are JSON; boxes are fixed per leader
@@ -30,6 +33,7 @@ from typing import Any, Optional
 
 from weightsync.core.errors import (PeerFailed, PlanMismatch, SyncTimeout, TopologyError,
                                     WeightSyncError)
+from weightsync.integrations.swift.layout import layout_mismatch
 from weightsync.transport.base import validate_topology, worker_kwargs
 from weightsync.transport.control.server import StoreTimeout
 
@@ -80,13 +84,16 @@ class Channel:
                 logger.debug("could not tell %s", box, exc_info=True)
 
 
-def _gather(engine: Any, box: str, what: str) -> dict[int, dict]:
-    """Leader: one message from each rollout rank 1..n (bounded by the engine's timeout)."""
+def _gather(engine: Any, box: str, what: str,
+            ranks: Optional[list[int]] = None) -> dict[int, dict]:
+    """Leader: one message from each rollout rank of ``ranks`` (default 1..n), bounded by
+    the engine's timeout."""
     n = engine.world_size - 1
+    ranks = list(range(1, n + 1)) if ranks is None else ranks
     got: dict[int, dict] = {}
     deadline = time.monotonic() + engine.timeout
-    while len(got) < n:
-        missing = [r for r in range(1, n + 1) if r not in got]
+    while len(got) < len(ranks):
+        missing = [r for r in ranks if r not in got]
         try:
             msg = engine.chan.pop(box, deadline - time.monotonic(), waiting_for=what,
                                   peer=f"ms-swift rank {missing[0]}")
@@ -95,9 +102,9 @@ def _gather(engine: Any, box: str, what: str) -> dict[int, dict]:
             raise SyncTimeout(f"{exc.detail}: nothing from {names}", peer=exc.peer,
                               phase=exc.phase, version=engine.version) from None
         rank = msg.get("rank")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= n \
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank not in ranks \
                 or rank in got:
-            raise TopologyError(f"rank {rank!r} reported twice or outside 1..{n}",
+            raise TopologyError(f"rank {rank!r} reported twice or outside {ranks}",
                                 phase="rendezvous", version=engine.version)
         got[rank] = msg
     return got
@@ -177,30 +184,82 @@ def _problems(engine: Any, ready: dict[int, dict]) -> list[str]:
     return out
 
 
+def _check_layout(engine: Any, ready: dict[int, dict]) -> Optional[PlanMismatch]:
+    """Leader: the rollouts that have not accepted this sync's layout check it now."""
+    layout = engine.layout
+    need = [r for r, msg in sorted(ready.items()) if msg.get("accepted") != layout.digest]
+    if not need:
+        return None
+    ask = {"check": layout.entries, "digest": layout.digest, "source": layout.source}
+    for r in need:
+        engine.chan.push(f"go/{r}", ask)
+    checked = _gather(engine, "checked", f"the layout check of {len(need)} rollout(s)", need)
+    bad = {engine.name_of(r): msg["problems"] for r, msg in sorted(checked.items())
+           if msg.get("problems")}
+    errors = [f"{engine.name_of(r)}: checking the layout failed: {msg['error']}"
+              for r, msg in sorted(checked.items()) if msg.get("error")]
+    if errors:
+        return PlanMismatch("; ".join(errors), phase="validate", version=engine.version)
+    if bad:
+        kind = _kind(engine.intent.get("adapter_only"))
+        return layout_mismatch(bad, kind, engine.version)
+    return None
+
+
 def lead_transfer(engine: Any) -> Optional[PlanMismatch]:
     """Rank 0 before sending: the refusal (nothing moved) or ``None`` to go ahead."""
     boxes = [f"go/{r}" for r in range(1, engine.world_size)]
     try:
         ready = _gather(engine, "ready", "receive_checkpoint_weights of every rollout")
+        problems = _problems(engine, ready)
+        if engine.intent.get("error"):
+            problems.insert(0, str(engine.intent["error"]))
+        refused = PlanMismatch("; ".join(problems), phase="validate",
+                               version=engine.version) if problems else None
+        if refused is None and engine.layout is not None:
+            refused = _check_layout(engine, ready)
     except BaseException as exc:
         engine.chan.tell_all(boxes, {"abort": f"trainer rank 0: {exc}", "failed": True})
         raise
-    problems = _problems(engine, ready)
-    if problems:
-        text = "; ".join(problems)
-        engine.chan.tell_all(boxes, {"abort": text})
-        return PlanMismatch(text, phase="validate", version=engine.version)
+    if refused is not None:
+        engine.chan.tell_all(boxes, {"abort": refused.detail})
+        return refused
     engine.chan.tell_all(boxes, {"go": True})
     return None
 
 
+def _run_check(engine: Any, ask: dict) -> dict:
+    """A rollout: check rank 0's layout with the actor's check (``expect(check=...)``)."""
+    check, key = engine.intent.get("check"), engine.intent.get("key")
+    out: dict = {"rank": engine.rank, "problems": None, "error": None}
+    if not callable(check):
+        return out
+    engine.stats["checks"] += 1
+    try:
+        problems = check(ask["check"])
+    except Exception as exc:  # a failing check refuses the sync, it does not crash it
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        return out
+    out["problems"] = [[str(p[0]), str(p[1])] for p in problems] if problems else None
+    if not problems and key is not None:
+        engine.accepted[key] = ask["digest"]
+    return out
+
+
 def follow_transfer(engine: Any) -> Optional[PlanMismatch]:
-    """A rollout before receiving: report, wait for rank 0's answer."""
+    """A rollout before receiving: report, check rank 0's layout if asked, wait for its
+    answer."""
+    key = engine.intent.get("key")
     engine.chan.push("ready", {"rank": engine.rank, "has_base": engine.has_base,
                                "adapter_only": engine.intent.get("adapter_only"),
-                               "error": engine.intent.get("error")})
-    reply = engine.chan.pop(f"go/{engine.rank}", engine.timeout + GRACE, peer="trainer rank 0",
-                            waiting_for="trainer rank 0's go")
+                               "error": engine.intent.get("error"),
+                               "accepted": engine.accepted.get(key) if key else None})
+    while True:     # rank 0 may gather every ready, then every check: twice its timeout
+        reply = engine.chan.pop(f"go/{engine.rank}", 2 * engine.timeout + GRACE,
+                                peer="trainer rank 0", waiting_for="trainer rank 0's go")
+        if "check" not in reply:
+            break
+        engine.chan.push("checked", _run_check(engine, reply))
     if reply.get("failed"):     # not a refusal: the sync broke (e.g. another rollout is gone)
         raise PeerFailed(str(reply["abort"]), peer="trainer rank 0", phase="validate",
                          version=engine.version)
