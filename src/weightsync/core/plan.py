@@ -18,11 +18,12 @@ bucket, aligned up to ``alignment``:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -35,6 +36,8 @@ __all__ = [
     "Bucket",
     "WeightPlan",
     "PlanBuilder",
+    "Replay",
+    "ReplayBuilder",
     "build_plan",
     "bucket_digest",
     "plan_signature",
@@ -141,13 +144,19 @@ class Bucket:
     nbytes: int
     entries: tuple[TensorMeta, ...]
 
+    @functools.cached_property
+    def digest(self) -> str:
+        """Short stable hash of the layout (computed once per Bucket object: a replayed
+        plan keeps its Bucket objects, so a steady sync hashes nothing)."""
+        h = hashlib.sha256(json.dumps([self.index, self.nbytes,
+                                       [e.to_list() for e in self.entries]],
+                                      separators=(",", ":")).encode())
+        return h.hexdigest()[:24]
+
 
 def bucket_digest(bucket: Bucket) -> str:
     """Short stable hash of one bucket's layout (checked before a cached layout is used)."""
-    h = hashlib.sha256(json.dumps([bucket.index, bucket.nbytes,
-                                   [e.to_list() for e in bucket.entries]],
-                                  separators=(",", ":")).encode())
-    return h.hexdigest()[:24]
+    return bucket.digest
 
 
 @dataclass(frozen=True)
@@ -181,10 +190,9 @@ class WeightPlan:
 def plan_signature(bucket_size: int, buckets: Iterable[Bucket]) -> str:
     """Stable hash of a layout: equal across processes and Python runs."""
     h = hashlib.sha256()
-    h.update(f"weightsync-plan-v1|{int(bucket_size)}|".encode())
+    h.update(f"weightsync-plan-v2|{int(bucket_size)}|".encode())
     for b in buckets:
-        h.update(json.dumps([b.index, b.nbytes, [e.to_list() for e in b.entries]],
-                            separators=(",", ":")).encode())
+        h.update(b.digest.encode())
     return h.hexdigest()[:32]
 
 
@@ -245,6 +253,82 @@ class PlanBuilder:
         if self._entries:
             self._close()
         return WeightPlan(self.bucket_size, tuple(self.closed), self.alignment)
+
+
+class Replay:
+    """An earlier plan made ready to replay (once per layout, not once per sync): its
+    buckets, and per tensor its ``(name, shape, dtype)`` and pieces in arrival order."""
+
+    def __init__(self, buckets: Sequence[Bucket]) -> None:
+        self.buckets = tuple(buckets)
+        items: list[tuple[tuple, list[tuple[int, TensorMeta]]]] = []
+        for b in self.buckets:
+            for e in b.entries:
+                if e.chunk_offset == 0:
+                    items.append(((e.name, e.shape, e.dtype), []))
+                items[-1][1].append((b.index, e))
+        self.items = items
+
+
+class ReplayBuilder:
+    """A :class:`PlanBuilder` that replays the layout of an earlier sync.
+
+    While the tensors arrive as they did when ``previous`` was built (same names, shapes
+    and dtypes in the same order), ``add`` returns that plan's pieces and ``closed`` holds
+    that plan's own :class:`Bucket` objects, so nothing is laid out or hashed again. At the
+    first difference it becomes a real builder (the items so far are laid out once more)
+    and goes on as one; ``replayed`` says whether the whole sync matched.
+    """
+
+    def __init__(self, bucket_size: int, alignment: int,
+                 previous: "Replay | Sequence[Bucket]") -> None:
+        self.bucket_size, self.alignment = bucket_size, alignment
+        replay = previous if isinstance(previous, Replay) else Replay(previous)
+        self._prev, self._items = replay.buckets, replay.items
+        self._k = 0                         # tensors replayed so far
+        self._real: Optional[PlanBuilder] = None
+        self.closed: list[Bucket] = []
+
+    @property
+    def open_index(self) -> int:
+        if self._real is not None:
+            return self._real.open_index
+        return len(self.closed)
+
+    @property
+    def replayed(self) -> bool:
+        return self._real is None and self._k == len(self._items)
+
+    def add(self, name: str, shape: Sequence[int], dtype: str) -> list[tuple[int, TensorMeta]]:
+        if self._real is None:
+            if self._k < len(self._items):
+                key, pieces = self._items[self._k]
+                if key[0] == name and key[2] == dtype and key[1] == tuple(shape):
+                    self._k += 1
+                    last = pieces[-1][0]
+                    if last > len(self.closed):    # every bucket before its last piece's
+                        self.closed.extend(self._prev[len(self.closed):last])  # is full
+                    return pieces
+            self._diverge()
+        return self._real.add(name, shape, dtype)
+
+    def _diverge(self) -> None:
+        real = PlanBuilder(self.bucket_size, self.alignment)
+        for key, _ in self._items[: self._k]:
+            real.add(*key)
+        # the replay closes buckets no earlier than a real builder would: keep the ones
+        # already handed out (equal by value), then the real builder's own
+        real.closed = self.closed + real.closed[len(self.closed):]
+        self._real = real
+        self.closed = real.closed
+
+    def finish(self) -> WeightPlan:
+        if self._real is None and self._k == len(self._items):
+            self.closed[:] = self._prev
+            return WeightPlan(self.bucket_size, self._prev, self.alignment)
+        if self._real is None:
+            self._diverge()
+        return self._real.finish()
 
 
 def build_plan(

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["copy_into", "can_memmove", "cma_read", "cma_available", "copy_threads"]
+__all__ = ["copy_into", "memmove_at", "memmove_from", "can_memmove", "cma_read", "cma_available", "copy_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,23 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             _memmove(dst.data_ptr(), src.data_ptr(), n)
         return
     dst.copy_(src.reshape(dst.shape) if src.shape != dst.shape else src)
+
+
+def memmove_at(buf: torch.Tensor, offset: int, src: torch.Tensor, nbytes: int) -> None:
+    """``nbytes`` of contiguous CPU ``src`` to byte ``offset`` of contiguous CPU ``buf``
+    (the caller vouches for both; bounds are checked here), by ``memmove``."""
+    if offset < 0 or offset + nbytes > buf.numel() * buf.element_size() \
+            or nbytes > src.numel() * src.element_size():
+        raise ValueError(f"memmove_at: {nbytes} bytes at {offset} do not fit")
+    _memmove(buf.data_ptr() + offset, src.data_ptr(), nbytes)
+
+
+def memmove_from(dst: torch.Tensor, buf: torch.Tensor, offset: int, nbytes: int) -> None:
+    """``nbytes`` from byte ``offset`` of contiguous CPU ``buf`` to contiguous CPU ``dst``."""
+    if offset < 0 or offset + nbytes > buf.numel() * buf.element_size() \
+            or nbytes > dst.numel() * dst.element_size():
+        raise ValueError(f"memmove_from: {nbytes} bytes at {offset} do not fit")
+    _memmove(dst.data_ptr(), buf.data_ptr() + offset, nbytes)
 
 
 class _IoVec(ctypes.Structure):

@@ -12,7 +12,7 @@ try:  # optional, faster
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
-__all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes"]
+__all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu"]
 
 #: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -46,6 +46,12 @@ def wire_dtype(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
     if cast is not None and tensor.dtype in CASTABLE:
         return cast
     return tensor.dtype
+
+
+def plain_cpu(t: torch.Tensor) -> bool:
+    """A dense, contiguous CPU tensor whose bytes can be moved as they are."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ import platform
 import socket
 from typing import Any, Optional
 
+from weightsync.tools.bench.workloads import tensors_of
+
 __all__ = ["build_report", "format_table", "format_goals", "format_markdown", "plot", "SCHEMA",
            "machine_info", "validate"]
 
@@ -178,11 +180,20 @@ def format_table(doc: dict) -> str:
             note = x["note"] if x["status"] == "ok" else f"{x['status']}: {x['note']}"
             if x["status"] == "ok" and not x["ok"]:
                 note = "WRONG BYTES " + note
+            note = _per_tensor(x) + note
             lines.append(f"{x['method']:<16} {x['kind']:<10} {_fmt(x['cold_s'], '8.3f')} "
                          f"{_fmt(x['warm_median_s'], '8.3f')} {_fmt(x['gbps'], '6.2f')} "
                          f"{_fmt(rel, '8.2f')} {_fmt(None if extra is None else extra / 2**20, '9.0f')}"
                          f"  {note}")
     return "\n".join(lines).lstrip("\n")
+
+
+def _per_tensor(x: dict) -> str:
+    """``"12.3 us/tensor; "`` for a tiny workload's row, else nothing."""
+    n = tensors_of(x["workload"])
+    if not n or x["status"] != "ok" or not x["warm_median_s"]:
+        return ""
+    return f"{x['warm_median_s'] / n * 1e6:.1f} us/tensor; "
 
 
 def format_goals(doc: dict) -> str:

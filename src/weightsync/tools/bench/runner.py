@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional
 
-from weightsync.tools.bench.workloads import GiB, MiB, Workload, hf_qwen2, parse_size, synthetic
+from weightsync.tools.bench.workloads import (GiB, MiB, Workload, hf_qwen2, parse_size, synthetic,
+                                             tiny)
 from weightsync.tools.bench.worker import worker_main
 
 __all__ = ["BenchConfig", "run_bench", "ALL_METHODS", "DEFAULT_METHODS"]
@@ -48,6 +49,7 @@ class BenchConfig:
     paired: bool = True                 # run each goal's limit right before each step
     consume: str = "into"               # receivers: "into" (receive_into, the tuned path) or
                                         # "copy" (README: async for + params[name].copy_)
+    tiny: int = 0                       # > 0: also N tensors of 16 elements (us per tensor)
 
     def __post_init__(self) -> None:
         bad = set(self.methods) - set(ALL_METHODS)
@@ -73,6 +75,8 @@ class BenchConfig:
             raise ValueError(f"timeout must be positive, got {self.timeout!r}")
         for s in self.sizes:
             parse_size(s)
+        if isinstance(self.tiny, bool) or not isinstance(self.tiny, int) or self.tiny < 0:
+            raise ValueError(f"tiny must be a tensor count >= 0, got {self.tiny!r}")
 
 
 def mem_available() -> int:
@@ -186,6 +190,8 @@ def _workloads(cfg: BenchConfig, notes: list[str]) -> list[Workload]:
     for size in cfg.sizes:
         for dtype in cfg.dtypes:
             out.append(synthetic(parse_size(size), dtype, bucket_size=cfg.bucket_size))
+    if cfg.tiny:
+        out += [tiny(cfg.tiny, dtype) for dtype in cfg.dtypes]
     if cfg.hf:
         for dtype in cfg.dtypes:
             w, why = hf_qwen2(dtype)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Workload", "synthetic", "hf_qwen2", "parse_size", "materialize", "zeros_like_spec",
+__all__ = ["Workload", "synthetic", "tiny", "tensors_of", "hf_qwen2", "parse_size", "materialize", "zeros_like_spec",
            "GiB", "MiB"]
 
 GiB = 1 << 30
@@ -108,6 +108,22 @@ def synthetic(nbytes: int, dtype: str, *, bucket_size: int) -> Workload:
     tensors.append(("model.norm.weight", (hidden,)))
     return Workload(f"synthetic-{_size_label(nbytes)}", dtype, tuple(tensors),
                     note=f"hidden {hidden}, {layers} layers, vocab {vocab}")
+
+
+def tiny(count: int, dtype: str) -> Workload:
+    """``count`` tensors of 16 elements: what a sync costs per tensor, not per byte."""
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"the tiny workload needs a positive tensor count, got {count!r}")
+    return Workload(f"tiny-{count}", dtype,
+                    tuple((f"model.layers.{i // 8}.t{i % 8}", (16,)) for i in range(count)),
+                    note=f"{count} tensors of 16 elements (per-tensor overhead)")
+
+
+def tensors_of(workload_name: str) -> Optional[int]:
+    """The tensor count of a tiny workload, from its name (None for other workloads)."""
+    if workload_name.startswith("tiny-"):
+        return int(workload_name.split("-", 1)[1])
+    return None
 
 
 def hf_qwen2(dtype: str = "bfloat16") -> tuple[Optional[Workload], str]:

@@ -17,8 +17,8 @@ from weightsync.core.errors import (IntegrityError, PlanMismatch, SyncTimeout, V
 from weightsync.core.plan import Bucket, TensorMeta, bucket_digest, dtype_from_name, plan_signature
 from weightsync.core.remote import error_msg, normalize_version, raise_remote
 from weightsync.core.wire import DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
-from weightsync.transport.fastcopy import copy_into
-from weightsync.transport.tensors import checksum
+from weightsync.transport.fastcopy import copy_into, memmove_from
+from weightsync.transport.tensors import checksum, plain_cpu
 
 __all__ = ["ReceiverMixin"]
 
@@ -346,6 +346,9 @@ class ReceiverMixin:
                 state.seen.add(meta.name)
                 state.tensors += 1
                 state.nbytes += meta.nbytes
+                if dest is not None and buf.device.type == "cpu" and plain_cpu(dest):
+                    memmove_from(dest, buf, meta.offset, meta.nbytes)  # no views made
+                    return meta.name, dest
                 view = buf[meta.offset: meta.offset + meta.nbytes]
                 if dest is not None:
                     copy_into(dest.view(-1).view(torch.uint8) if dest.dim() else

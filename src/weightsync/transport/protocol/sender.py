@@ -30,11 +30,12 @@ from typing import Any, Optional
 import torch
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
-from weightsync.core.plan import Bucket, PlanBuilder, TensorMeta, bucket_digest, dtype_name, plan_signature
+from weightsync.core.plan import (Bucket, PlanBuilder, Replay, ReplayBuilder, TensorMeta, bucket_digest,
+                                  dtype_name, plan_signature)
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
-from weightsync.transport.fastcopy import can_memmove, copy_into
-from weightsync.transport.tensors import aiter_items, as_bytes, checksum, wire_dtype
+from weightsync.transport.fastcopy import can_memmove, copy_into, memmove_at
+from weightsync.transport.tensors import aiter_items, as_bytes, checksum, plain_cpu, wire_dtype
 from weightsync.transport.protocol.ownership import Ownership
 from weightsync.transport.base import CheckpointEngine
 
@@ -54,7 +55,7 @@ def _best_effort(tell: Any) -> None:
 class _SendState:
     seq: int
     version: Any
-    builder: PlanBuilder
+    builder: Any                 # PlanBuilder or ReplayBuilder
     open_slot: Optional[int] = None
     published: int = 0
     tensors: int = 0
@@ -75,12 +76,6 @@ def direct_header(engine: Any, state: Any, name: str, tensor: torch.Tensor,
     return BucketMsg(version=wire_version(state.version), seq=state.seq, stream=engine._rank,
                      index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
                      layout="direct", entries=(meta,))
-
-
-def plain_cpu(t: torch.Tensor) -> bool:
-    """A dense, contiguous CPU tensor whose bytes can be moved as they are."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg())
 
 
 def direct_min_bytes(env: str, default: int) -> int:
@@ -262,8 +257,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         dev = torch.device(self.config.device)
         self._tx_copy_stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         self._seq += 1
-        state = _SendState(self._seq, version, PlanBuilder(self.config.bucket_size,
-                                                           self.config.alignment))
+        state = _SendState(self._seq, version, self._builder())
         start = time.perf_counter()
         try:
             self._check_usable(version)
@@ -284,6 +278,17 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             raise
         return self._report(state, time.perf_counter() - start)
 
+    def _builder(self) -> Any:
+        """The plan builder of one sync: a replay of the last sync's layout when there is
+        one (nothing laid out or hashed again while the weight set is the same)."""
+        if not self._tx_plan:
+            return PlanBuilder(self.config.bucket_size, self.config.alignment)
+        replay = self.__dict__.get("_tx_replay")
+        if replay is None or len(replay.buckets) != len(self._tx_plan) or \
+                any(a is not b for a, b in zip(replay.buckets, self._tx_plan)):
+            replay = self.__dict__["_tx_replay"] = Replay(self._tx_plan)
+        return ReplayBuilder(self.config.bucket_size, self.config.alignment, replay)
+
     async def _pack(self, state: _SendState, name: str, tensor: torch.Tensor) -> None:
         dtype = wire_dtype(tensor, self.config.dtype)
         if self._tx_direct_ok(tensor, dtype):
@@ -293,7 +298,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         pieces = state.builder.add(name, tensor.shape, dtype_name(dtype))
         state.tensors += 1
         for index, meta in pieces:
-            await self._flush(state, upto=index)
+            if state.published < len(state.builder.closed):
+                await self._flush(state, upto=index)
             if state.open_slot is None:
                 state.open_slot = index % self.config.num_slots
                 await self._blocking(self._tx_wait_free, state.open_slot, state)
@@ -305,11 +311,14 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                     dtype: torch.dtype) -> None:
         if meta.nbytes == 0:
             return
+        if not meta.is_chunk and tensor.dtype == dtype and buf.device.type == "cpu" \
+                and plain_cpu(tensor):
+            # the hot path of small tensors: bytes to bytes, no views made, no torch thread
+            # pool (see fastcopy); the plan put exactly this many bytes at this offset
+            memmove_at(buf, meta.offset, tensor, meta.nbytes)
+            return
         dst = buf[meta.offset: meta.offset + meta.nbytes]
         if not meta.is_chunk:
-            if tensor.dtype == dtype and plain_cpu(tensor) and dst.device.type == "cpu":
-                copy_into(dst, as_bytes(tensor))  # no torch thread pool (see _fastcopy)
-                return
             dst.view(dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
             return
         src = tensor if tensor.dtype == dtype else tensor.to(dtype)
@@ -335,7 +344,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
 
     def _publish(self, state: _SendState, bucket: Bucket, slot: int) -> None:
         cached = self._tx_plan[bucket.index] if bucket.index < len(self._tx_plan) else None
-        entries = None if cached == bucket else bucket.entries
+        entries = None if cached is bucket or cached == bucket else bucket.entries
         if entries is not None:
             state.changed += 1
         buf = self._tx_buffer(slot)
