@@ -25,6 +25,17 @@ median minus the offline one; ``rtt`` is the median round trip of ``GET /is_paus
 
     export "$(scripts/vllm_env.sh)"; export WEIGHTSYNC_LIBIOMP5="$(scripts/vllm_env.sh --path)"
     .venv/bin/python benchmarks/vllm_native_sync.py --models demo,0.5b --dtype bfloat16
+
+``--manager`` compares the two replicas the manager drives instead, in one run:
+``CheckpointEngineManager`` syncs (``update_weights``: validation, pause, begin_sync,
+transfer, prefix-cache reset, resume) from a trainer worker in this process into a
+``VLLMRolloutReplica`` (vLLM's default process model, digests on) and, with a second
+trainer worker holding the same weights, into a ``VLLMServerReplica`` (a ``vllm serve``
+process driven over HTTP, digests on), alternating, every tensor changed each round, the
+first round left out. *Sync time* is ``report.total_seconds`` (the whole call), *transfer*
+``report.seconds`` (the send/receive round alone)::
+
+    .venv/bin/python benchmarks/vllm_native_sync.py --manager --models demo --repeats 9
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ SRC = os.path.realpath(os.path.join(HERE, "..", "src"))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != SRC] + [SRC]
 
 METHODS = ("replica-stream", "replica-staged", "offline", "served")
+MANAGER_METHODS = ("manager-replica", "manager-server")
 
 
 def _source(tensors: dict):
@@ -183,6 +195,111 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+class ManagerBench:
+    """Two managers, each with its own trainer worker (same weights): one into a
+    ``VLLMRolloutReplica``, one into a ``VLLMServerReplica``."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        self.name, self.args = name, args
+        self.trainers: dict = {}
+        self.workers: dict = {}
+        self.managers: dict = {}
+        self.start_seconds: dict = {}
+
+    def start(self) -> None:
+        import torch
+
+        from weightsync.integrations.ray.vllm_workers import VLLMRolloutWorker, VLLMServerWorker
+        from weightsync.integrations.ray.workers import ToyTrainerWorker
+        from weightsync.orchestration.manager import CheckpointEngineManager
+        from weightsync.rollout.vllm.replica import VLLMOptions
+        from weightsync.rollout.vllm.server_replica import VLLMServerOptions
+
+        cfg, a = _config(self.name), self.args
+        dtype = getattr(torch, a.dtype)
+        t = time.perf_counter()
+        self.workers["manager-replica"] = VLLMRolloutWorker(
+            cfg, dtype=dtype, seed=0, name="vllm", options=VLLMOptions(
+                multiprocess=True, max_model_len=512, timeout=a.timeout))
+        self.start_seconds["manager-replica"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.workers["manager-server"] = VLLMServerWorker(
+            cfg, dtype=dtype, seed=0, name="vllm-server", options=VLLMServerOptions(
+                timeout=a.timeout, start_timeout=600.0))
+        self.start_seconds["manager-server"] = time.perf_counter() - t
+        engine_kw = {} if dtype == torch.float32 else {"dtype": dtype}
+        for m in MANAGER_METHODS:
+            trainer = self.trainers[m] = ToyTrainerWorker()
+            trainer.build(cfg, seed=0)
+            self.managers[m] = CheckpointEngineManager(
+                "shm", [trainer], [self.workers[m]], bucket_size=a.bucket_mb << 20,
+                timeout=a.timeout, **engine_kw)
+
+    def change(self, r: int) -> None:
+        """Every tensor of both trainers changes alike."""
+        import torch
+
+        with torch.no_grad():
+            for trainer in self.trainers.values():
+                for p in trainer.model.parameters():
+                    p.mul_(1.0 + 2.0 ** -7 * (1 if r % 2 else -1))
+
+    def sync(self, method: str, version: int) -> dict:
+        time.sleep(self.args.gap)
+        report = self.managers[method].update_weights(version)
+        if not report.ok:
+            raise RuntimeError(f"{method}: sync {version} failed: {report.summary()}")
+        return {"seconds": report.total_seconds, "transfer": report.seconds,
+                "bytes": report.bytes}
+
+    def close(self) -> None:
+        for step in [getattr(m, "shutdown", None) for m in self.managers.values()] + \
+                [getattr(w, "close", None) for w in self.workers.values()]:
+            try:
+                if step is not None:
+                    step()
+            except Exception as exc:  # keep going: the rest must still be released
+                print(f"  close: {exc}", file=sys.stderr)
+
+
+def run_manager(name: str, args: argparse.Namespace) -> dict:
+    bench = ManagerBench(name, args)
+    try:
+        bench.start()
+        runs: dict = {m: [] for m in MANAGER_METHODS}
+        for r in range(args.repeats):
+            bench.change(r)
+            for i, method in enumerate(MANAGER_METHODS):
+                runs[method].append(bench.sync(method, 10 * r + i + 1))
+            print(f"  {name} round {r}: " + ", ".join(
+                f"{m} {runs[m][-1]['seconds']:.3f}s" for m in MANAGER_METHODS), flush=True)
+        return {"model": name, "dtype": args.dtype, "bytes": runs[MANAGER_METHODS[0]][0]["bytes"],
+                "start_seconds": bench.start_seconds, "runs": runs}
+    finally:
+        bench.close()
+
+
+def _manager_table(results: list) -> None:
+    print(f"\n{'model':>5} {'MiB':>7} " + " ".join(f"{m:>24}" for m in MANAGER_METHODS) +
+          f" {'server/replica':>14} {'server-replica':>14}")
+    for r in results:
+        warm = {m: r["runs"][m][1:] for m in MANAGER_METHODS}
+        s = {m: statistics.median(x["seconds"] for x in v) for m, v in warm.items()}
+        tr = {m: statistics.median(x["transfer"] for x in v) for m, v in warm.items()}
+        pairs = list(zip(*(warm[m] for m in MANAGER_METHODS)))
+        ratio = statistics.median(b["seconds"] / a["seconds"] for a, b in pairs)
+        diff = statistics.median(b["seconds"] - a["seconds"] for a, b in pairs)
+        r["summary"] = {**{m: s[m] for m in MANAGER_METHODS},
+                        **{f"{m} transfer": tr[m] for m in MANAGER_METHODS},
+                        "server/replica": ratio, "server-replica": diff}
+        print(f"{r['model']:>5} {r['bytes'] / 2**20:7.1f} " +
+              " ".join(f"{s[m]:9.3f} (transfer {tr[m]:6.3f})" for m in MANAGER_METHODS) +
+              f" {ratio:14.2f} {diff:14.3f}")
+    print("(seconds: medians of the warm rounds of update_weights (whole call) and of its "
+          "transfer round; server/replica, server-replica: median per-round ratio and "
+          "difference)")
+
+
 def _summary(r: dict) -> dict:
     """Medians (and minima) of the warm rounds, and the per-round paired comparisons."""
     warm = {m: [x["seconds"] for x in r["runs"][m][1:]] for m in METHODS}
@@ -222,13 +339,19 @@ def main(argv=None) -> int:
                         "for 1 s after their last message)")
     p.add_argument("--tmp", default=None, help="where the model folder is written")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--manager", action="store_true",
+                   help="compare VLLMRolloutReplica and VLLMServerReplica under the manager")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     if [m for m in models if m not in MODELS] or args.repeats < 2:
         p.error(f"models are {list(MODELS)}; --repeats must be >= 2")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    results = [run_model(m, args) for m in models]
-    _table(results)
+    if args.manager:
+        results = [run_manager(m, args) for m in models]
+        _manager_table(results)
+    else:
+        results = [run_model(m, args) for m in models]
+        _table(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1)

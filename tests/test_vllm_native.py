@@ -18,8 +18,6 @@ where vLLM's greedy tokens equal HF's.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 
 import pytest
@@ -36,13 +34,12 @@ from weightsync.integrations.vllm_native.server import VLLMServer  # noqa: E402
 from weightsync.integrations.vllm_native.trainer import free_port  # noqa: E402
 from weightsync.rollout.hf import build_causal_lm, greedy_generate  # noqa: E402
 from weightsync.rollout.vllm.util import env_set, host_process_kept  # noqa: E402
-from weightsync.testing.toymodel import random_prompts, tiny_qwen2_config  # noqa: E402
+from weightsync.testing.toymodel import random_prompts  # noqa: E402
 from weightsync.transport.rendezvous import connect  # noqa: E402
+from vllmhelpers import CFG, VOCAB, vllm_home  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
-VOCAB, NEW = 1000, 6
-CFG = {**tiny_qwen2_config(vocab_size=VOCAB), "max_position_embeddings": 512,
-       "initializer_range": 0.2}
+NEW = 6
 PROMPTS = random_prompts(2, 6, vocab_size=VOCAB)
 LONG = random_prompts(1, 300, vocab_size=VOCAB, seed=3)     # > 2 KV blocks of 128
 OPTS = dict(bucket_size=1 << 20, timeout=30)
@@ -51,16 +48,8 @@ OPTS = dict(bucket_size=1 << 20, timeout=30)
 @pytest.fixture(scope="module")
 def home():
     """vLLM writes caches under HOME: a temp one for the module (and the server)."""
-    root = tempfile.mkdtemp(prefix="wsvllm-native-")
-    old = {k: os.environ.get(k) for k in ("HOME", "XDG_CACHE_HOME", "VLLM_NO_USAGE_STATS")}
-    os.environ.update(HOME=root, XDG_CACHE_HOME=os.path.join(root, ".cache"),
-                      VLLM_NO_USAGE_STATS="1")
-    folder = os.path.join(root, "model")
-    build_causal_lm(CFG, seed=1).save_pretrained(folder)
-    yield folder
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    shutil.rmtree(root, ignore_errors=True)
+    with vllm_home(CFG, seed=1, prefix="wsvllm-native-") as folder:
+        yield folder
 
 
 def _offline(folder: str, backend: str):
@@ -247,12 +236,18 @@ def test_served_sync_over_http(server):
         engine.shutdown()
 
 
-def _http_error(fn, *needles):
+def _http_error(fn, *needles, status, kind=None):
+    """``fn`` fails with HTTP ``status`` (weightsync's plugin answers bad input with a
+    4xx, not vLLM's blanket 500) and, for errors of weightsync's backend, the error type
+    ``kind`` in the marker; the message says each of ``needles``."""
     with pytest.raises(VLLMServerError) as info:
         fn()
-    assert info.value.status >= 400
+    assert info.value.status == status, (info.value.status, info.value.message)
     for needle in needles:
         assert needle in info.value.message, info.value.message
+    if kind is not None:
+        assert info.value.error is not None and info.value.error["type"] == kind, \
+            info.value.message
     return info.value
 
 
@@ -265,10 +260,11 @@ def test_served_bad_input_keeps_old_weights(server):
     init = {"backend": "weightsync-shm", "address": f"127.0.0.1:{free_port()}",
             "token": "t" * 32, "rollout_world_size": 1}
     _http_error(lambda: client.init_weight_transfer_engine({**init, "backend": "weightsync-x"}),
-                "unknown weightsync backend")
-    _http_error(lambda: client.init_weight_transfer_engine({"address": 5}), "init_info")
+                "unknown weightsync backend", status=400, kind="ValueError")
+    _http_error(lambda: client.init_weight_transfer_engine({"address": 5}), "init_info",
+                status=400, kind="ValueError")
     _http_error(lambda: client.init_weight_transfer_engine({**init, "engine": {"bogus": 1}}),
-                "unknown engine option")
+                "unknown engine option", status=400, kind="ValueError")
     # wrong token: a trainer store is up at the address, the worker's token is not its own
     def other_trainer():
         try:
@@ -278,19 +274,21 @@ def test_served_bad_input_keeps_old_weights(server):
 
     trainer = threading.Thread(target=other_trainer, daemon=True)
     trainer.start()
-    _http_error(lambda: client.init_weight_transfer_engine(init), "rejected the token")
+    _http_error(lambda: client.init_weight_transfer_engine(init), "rejected the token",
+                status=403, kind="AuthenticationError")
     trainer.join(15)
     _http_error(lambda: client.update_weights({"phase": "receive", "version": 1}),
-                "start_weight_update must be called")
-    _http_error(lambda: client.finish_weight_update("nope"), "without a matching")
+                "start_weight_update must be called", status=409)
+    _http_error(lambda: client.finish_weight_update("nope"), "without a matching", status=409)
     client.start_weight_update()
     _http_error(lambda: client.update_weights({"phase": "receive", "version": 1}),
-                "successful phase 'check'")
+                "successful phase 'check'", status=400, kind="ValueError")
     client.start_weight_update()
     bad = {"phase": "check", "version": 2, "names": ["model.embed_tokens.weight"],
            "shapes": [[5, 5]], "dtypes": ["float32"]}
-    _http_error(lambda: client.update_weights(bad), "does not fit the model",
-                "shape (5, 5) sent")
+    err = _http_error(lambda: client.update_weights(bad), "does not fit the model",
+                      "shape (5, 5) sent", status=422, kind="PlanMismatch")
+    assert err.error["phase"] == "validate" and err.error["version"] == 2
     assert _served(client) == ref and client.weight_version() == "ok"
     good.load_state_dict(build_causal_lm(CFG, seed=11).state_dict())
     engine.send_weights(weight_version="ok2")     # failed inits left its group joined

@@ -20,9 +20,12 @@ from typing import Any, Callable, Optional
 
 __all__ = ["DemoOptions", "run_demo", "add_arguments", "run_from_args", "ROLLOUTS"]
 
-#: rollout kind -> "module:function" creating ``n`` replica actors (n, config, dtype=...)
+#: rollout kind -> "module:function" creating ``n`` replicas (n, config, dtype=...): Ray
+#: actors, or workers in this process (``vllm-server``: each drives a ``vllm serve``
+#: process over HTTP); whatever has a ``close()`` is closed at the end
 ROLLOUTS = {"hf": "weightsync.integrations.ray.cluster:hf_replicas",
-            "vllm": "weightsync.integrations.ray.vllm_workers:vllm_replicas"}
+            "vllm": "weightsync.integrations.ray.vllm_workers:vllm_replicas",
+            "vllm-server": "weightsync.integrations.ray.vllm_workers:vllm_server_replicas"}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -57,6 +60,9 @@ class DemoOptions:
             raise ValueError(f"--dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.hidden % 8:
             raise ValueError(f"--hidden must be a multiple of 8, got {self.hidden}")
+        if self.rollout == "vllm-server" and self.lora:
+            raise ValueError("--lora needs adapter syncs, which --rollout vllm-server cannot "
+                             "apply (vLLM's weight-transfer API syncs full weight sets only)")
 
 
 def _factory(rollout: str) -> Callable[..., list]:
@@ -67,6 +73,20 @@ def _factory(rollout: str) -> Callable[..., list]:
         return getattr(importlib.import_module(module), fn)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--rollout {rollout} is not available here: {exc}") from None
+
+
+def _close_local(handles: list) -> None:
+    """``close()`` the replicas that live in this process (server replicas stop their
+    ``vllm serve``); Ray actors are killed instead."""
+    from weightsync.orchestration.calls import is_ray_handle
+
+    for h in handles:
+        close = None if is_ray_handle(h) else getattr(h, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as exc:  # keep going: the others must be closed too
+                print(f"note: closing a replica failed: {exc}")
 
 
 def _compare(gens: list, ref: dict, version: int, atol: float = 0.0) -> dict:
@@ -120,7 +140,8 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
         trainers = trainer_group(opts.trainers, cfg, fsdp=True, timeout=opts.timeout,
                                  lora=lora_config() if opts.lora else None)
         actors += trainers
-        replicas = factory(opts.replicas, cfg, dtype=dtype)
+        extra = {"backend": opts.backend} if opts.rollout == "vllm-server" else {}
+        replicas = factory(opts.replicas, cfg, dtype=dtype, **extra)
         actors += replicas
         engine_kw: dict[str, Any] = {} if dtype == torch.float32 else {"dtype": dtype}
         manager = CheckpointEngineManager(
@@ -137,6 +158,7 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
     finally:
         if manager is not None:
             manager.shutdown()
+        _close_local(actors)
         kill_actors(actors)
         if own_ray:
             ray.shutdown()

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import warnings
 from typing import Any, Optional
 
 from weightsync.transport import CheckpointEngine, CheckpointEngineRegistry
-from weightsync.transport.control.store import close_store, connect_store
+from weightsync.transport.control.store import close_store, connect_store, new_token
 from weightsync.transport.control.server import ControlClient, ControlServer, StoreTimeout
 from weightsync.transport.base import validate_topology, worker_kwargs
 from weightsync.core.config import env_value
 from weightsync.core.errors import PeerFailed, SyncTimeout
 
-__all__ = ["connect"]
+__all__ = ["connect", "RolloutRelay"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,12 @@ def _job_token(token: Optional[str]) -> str:
         warnings.warn(f"a job token of fewer than {MIN_TOKEN_CHARS} characters is easy to "
                       "guess; use e.g. secrets.token_hex(16)", RuntimeWarning, stacklevel=3)
     return token
+
+
+def _key(backend: str, what: str, role: str, rank: int) -> str:
+    """The store key of one worker's ``what`` (``meta``: its ``prepare()``, ``kw``: its
+    ``init_process_group`` keywords, ``joined``)."""
+    return f"weightsync/{backend}/{what}/{role}/{rank}"
 
 
 def _wait(store: ControlClient, keys: list[str], timeout: float, what: str) -> None:
@@ -115,12 +122,11 @@ def _rendezvous(store: ControlClient, engine: CheckpointEngine, backend: str, ro
                 timeout: float) -> None:
     """Publish ``prepare()``, (trainer rank 0:) build and publish the topology, join."""
     master = role == "trainer" and rank == 0
-    prefix = f"weightsync/{backend}"
-    store.set(f"{prefix}/meta/{role}/{rank}", json.dumps(engine.prepare()))
+    store.set(_key(backend, "meta", role, rank), json.dumps(engine.prepare()))
     workers = [("trainer", i) for i in range(trainer_world_size)] + \
               [("rollout", j) for j in range(rollout_world_size)]
     if master:
-        keys = [f"{prefix}/meta/{r}/{i}" for r, i in workers]
+        keys = [_key(backend, "meta", r, i) for r, i in workers]
         _wait(store, keys, timeout, "prepare() results")
         metas = [json.loads(store.get(k)) for k in keys]
         tk, rk = type(engine).build_topology(trainer_world_size, rollout_world_size, metas)
@@ -128,10 +134,89 @@ def _rendezvous(store: ControlClient, engine: CheckpointEngine, backend: str, ro
         validate_topology(backend, "rollout", rk, rollout_world_size)
         for r, i in workers:
             kw = worker_kwargs(tk if r == "trainer" else rk, i)
-            store.set(f"{prefix}/kw/{r}/{i}", json.dumps(kw))
-    _wait(store, [f"{prefix}/kw/{role}/{rank}"], timeout, "the topology")
-    kwargs = json.loads(store.get(f"{prefix}/kw/{role}/{rank}"))
-    store.set(f"{prefix}/joined/{role}/{rank}", b"1")
+            store.set(_key(backend, "kw", r, i), json.dumps(kw))
+    _wait(store, [_key(backend, "kw", role, rank)], timeout, "the topology")
+    kwargs = json.loads(store.get(_key(backend, "kw", role, rank)))
+    store.set(_key(backend, "joined", role, rank), b"1")
     engine.init_process_group(**kwargs)
     if master:  # keep the store up until everybody has read its entry
-        _wait(store, [f"{prefix}/joined/{r}/{i}" for r, i in workers], timeout, "joins")
+        _wait(store, [_key(backend, "joined", r, i) for r, i in workers], timeout, "joins")
+
+
+class RolloutRelay:
+    """The store side of :func:`connect` for rollout workers whose group someone else builds.
+
+    A process that cannot call ``prepare`` / ``init_process_group`` on its receiving
+    engines itself (they live in another process it reaches only through a call that runs
+    ``connect(role="rollout", rank=j, rollout_world_size=len(ranks), address=self.address,
+    token=self.token)`` there, e.g. a ``vllm serve`` process's weight-transfer backend)
+    hosts this store instead of trainer rank 0: :meth:`metas` returns the workers'
+    ``prepare()`` results (for the caller's own ``build_topology``, e.g. the manager's),
+    :meth:`publish` hands each worker its ``init_process_group`` keywords, and the workers
+    then join the caller's group. ``ranks`` is the number of workers that join here
+    (their ranks in ``connect`` are 0..ranks-1). Every wait is bounded; the store binds
+    ``host`` only and checks a random per-relay token; :meth:`close` makes every worker
+    still waiting fail at once (``PeerFailed``: the store went away).
+    """
+
+    def __init__(self, backend: str, ranks: int, *, timeout: float,
+                 host: str = "127.0.0.1") -> None:
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.backend, self.ranks, self.timeout = backend, ranks, float(timeout)
+        self.token = new_token()
+        server = ControlServer(host, self.token.encode())
+        self._store: Optional[ControlClient] = ControlClient(host, server.port,
+                                                             self.token.encode(),
+                                                             self.timeout, server=server)
+        self.address = f"{host}:{server.port}"
+
+    def _keys(self, what: str) -> list[str]:
+        return [_key(self.backend, what, "rollout", j) for j in range(self.ranks)]
+
+    def _client(self) -> ControlClient:
+        if self._store is None:
+            raise RuntimeError("the relay is closed")
+        return self._store
+
+    def _wait_for(self, what: str, keys: list[str], timeout: float, abort: Any) -> None:
+        """Wait (bounded) for ``keys``, in slices; ``abort()`` raising stops early."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._client().wait(keys, min(0.2, max(0.0, deadline - time.monotonic())))
+                return
+            except StoreTimeout:
+                if abort is not None:
+                    abort()
+                if time.monotonic() >= deadline:
+                    missing = [k.rsplit("/", 1)[-1] for k in keys if not self._client().check([k])]
+                    raise SyncTimeout(f"rendezvous: {what} of rollout rank(s) {missing} did not "
+                                      f"arrive within {timeout:.0f} s", phase="rendezvous",
+                                      peer=f"rollout rank {missing[0]}" if missing else None
+                                      ) from None
+
+    def metas(self, timeout: Optional[float] = None, abort: Any = None) -> list[dict]:
+        """Every worker's ``prepare()`` result, in rank order (bounded by ``timeout``)."""
+        keys = self._keys("meta")
+        self._wait_for("prepare() results", keys, self.timeout if timeout is None else timeout,
+                       abort)
+        return [json.loads(self._client().get(k)) for k in keys]
+
+    def publish(self, kwargs_list: list, timeout: Optional[float] = None,
+                abort: Any = None) -> None:
+        """Hand worker ``j`` its ``init_process_group`` keywords ``kwargs_list[j]`` and wait
+        (bounded) until every worker has read them."""
+        if not isinstance(kwargs_list, (list, tuple)) or len(kwargs_list) != self.ranks:
+            raise ValueError(f"publish needs {self.ranks} keyword dicts (one per worker), "
+                             f"got {kwargs_list!r:.200}")
+        for key, kw in zip(self._keys("kw"), kwargs_list):
+            self._client().set(key, json.dumps(dict(kw)))
+        self._wait_for("joins", self._keys("joined"),
+                       self.timeout if timeout is None else timeout, abort)
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        close_store(store)

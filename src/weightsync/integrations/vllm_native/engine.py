@@ -24,6 +24,20 @@ reach through ``collective_rpc``:
   (``finish_weight_update(weight_version=...)`` sets it on the engine core), and the prefix
   cache is reset by the engine core right after (:mod:`.plugin`).
 
+**Digests** (opt-in per update: ``digests=True`` in the check chunk; the server replica
+:class:`~weightsync.rollout.vllm.server_replica.VLLMServerReplica` sets it): every tensor
+is hashed as it arrives (cast to the dtype vLLM holds it in, as ``verify``'s trainer side
+hashes), and :meth:`WeightsyncWeightTransferEngine.report` gives the digests of the last
+complete version, plus live digests of the parameters that can be read back exactly
+(embeddings, norms), as :class:`~weightsync.rollout.vllm.VLLMRolloutReplica` does. A
+version received without digests drops the old ones.
+
+**Errors** leave every entry point with weightsync's error marker appended to their text
+(:func:`weightsync.rollout.vllm.serve.mark_error`: type, HTTP status, peer, phase,
+version), since vLLM's RPC keeps only the text; the plugin's API-server side answers HTTP
+requests with that status (:mod:`.plugin`), and clients rebuild the error from it. Calls
+out of order raise :class:`SessionStateError` (HTTP 409).
+
 Not covered: a failure *inside* vLLM's loader after the whole version passed every check
 (never seen; it would leave layers of two versions, and this engine has no way to stop
 vLLM from generating, so it logs an error and reports the model torn in ``state()``).
@@ -34,10 +48,11 @@ not either); LoRA adapters are not synced by this path.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -49,12 +64,29 @@ from weightsync.integrations.vllm_native.info import (WeightsyncInitInfo, Weight
                                                       weightsync_backend)
 from weightsync.rollout.vllm.apply import (CheckedStream, apply_weights, checkpoint_header,
                                            pick_loader)
-from weightsync.rollout.vllm.checks import check_offered
+from weightsync.rollout.vllm.checks import calibrate_live, check_offered, live_digests
+from weightsync.rollout.vllm.serve import mark_error
 from weightsync.transport.rendezvous import connect
 
-__all__ = ["WeightsyncWeightTransferEngine", "WorkerView"]
+__all__ = ["WeightsyncWeightTransferEngine", "WorkerView", "SessionStateError"]
 
 logger = logging.getLogger(__name__)
+
+
+class SessionStateError(RuntimeError):
+    """A weight-transfer call out of order (init during an update, update without a
+    joined trainer, ...): HTTP 409 over the server."""
+
+
+def _marked(fn: Callable) -> Callable:
+    """Raise whatever ``fn`` raises with weightsync's error marker in its text."""
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as exc:
+            raise mark_error(exc)
+    return wrapper
 
 
 class WorkerView:
@@ -83,6 +115,7 @@ class _Session:
     def __init__(self) -> None:
         self.version: Any = None
         self.offer: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
+        self.digests = False
         self.applied: Any = None
 
 
@@ -103,6 +136,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         self.version: Any = None
         self.torn: Optional[str] = None
         self.stats: dict = {}
+        self.digests: Optional[dict] = None   # of the last complete version (see report)
         self._header: Any = False       # False: not read yet; None: no safetensors folder
 
     # -- identity -----------------------------------------------------------------------
@@ -131,7 +165,27 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         return {"backend": self.backend, "rank": self.rank, "connected": self.transport is not None,
                 "version": self.version, "torn": self.torn, "stats": dict(self.stats)}
 
+    def report(self) -> dict:
+        """:meth:`state`, plus ``updating`` (a session is open) and ``digests``: None, or
+        ``{"version", "digests", "dtypes", "live"}`` of the last complete version received
+        with digests on (``live``: digests of the live parameters that read back exactly,
+        hashed now)."""
+        out = {**self.state(), "updating": self.session is not None, "digests": None}
+        d = self.digests
+        if d is not None and self.torn is None:
+            header = self.header() or {}
+            manifest = {n: shape for n, (shape, _) in header.items()}
+            live = live_digests(self.model, d["live"], manifest, d["dtypes"]) if manifest else {}
+            out["digests"] = {"version": d["version"], "digests": dict(d["digests"]),
+                              "dtypes": dict(d["dtypes"]), "live": live}
+        return out
+
     # -- lifecycle ----------------------------------------------------------------------
+    @_marked
+    def parse_init_info(self, init_dict: dict[str, Any]) -> WeightsyncInitInfo:
+        return super().parse_init_info(init_dict)
+
+    @_marked
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if weightsync_backend(init_info.backend) != self.backend:
             raise ValueError(f"the trainer asked for {init_info.backend!r}, but this vLLM "
@@ -140,7 +194,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
             raise ValueError(f"rollout_world_size is {init_info.rollout_world_size}, but this "
                              f"vLLM has {self.world_size} workers (see /get_world_size)")
         if self.session is not None:
-            raise RuntimeError("init_weight_transfer_engine during a weight update")
+            raise SessionStateError("init_weight_transfer_engine during a weight update")
         options = dict(init_info.engine)
         options.setdefault("device", str(self.device))
         joined = connect(self.backend, role="rollout", rank=self.rank,
@@ -152,12 +206,14 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         logger.info("weightsync: %s joined the %s group of %s", self.peer, self.backend,
                     init_info.address)
 
+    @_marked
     def start_weight_update(self) -> None:
         if self.transport is None:
-            raise RuntimeError("weightsync: init_weight_transfer_engine first (no trainer "
-                               "group joined)")
+            raise SessionStateError("weightsync: init_weight_transfer_engine first (no "
+                                    "trainer group joined)")
         self.session = _Session()
 
+    @_marked
     def update_weights(self, update_info: dict) -> None:
         # vLLM's base synchronizes torch.accelerator, which raises on CPU
         try:
@@ -171,12 +227,13 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         session = self.session
         if session is None or self.transport is None:
-            raise RuntimeError("weightsync: update_weights without start_weight_update")
+            raise SessionStateError("weightsync: update_weights without start_weight_update")
         if update_info.phase == "check":
             self._check(session, update_info)
         else:
             self._receive(session, update_info)
 
+    @_marked
     def finish_weight_update(self) -> None:
         session, self.session = self.session, None
         if session is None or session.applied is None:
@@ -185,9 +242,10 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
             return
         self.version = session.applied
 
+    @_marked
     def shutdown(self) -> None:
         if self.session is not None:
-            raise RuntimeError("weightsync: shutdown during a weight update")
+            raise SessionStateError("weightsync: shutdown during a weight update")
         self._release()
 
     def _release(self) -> None:
@@ -219,6 +277,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
                                version=info.version)
         session.version = info.version
         session.offer = {n: (tuple(s), d) for n, s, d in offered}
+        session.digests = bool(info.digests)
 
     # -- receive + apply ----------------------------------------------------------------
     def _receive(self, session: _Session, info: WeightsyncUpdateInfo) -> None:
@@ -236,7 +295,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
                                 phase="receive", version=version, peer=self.peer)
         header = self.header()
         manifest = None if header is None else {n: s for n, (s, _) in header.items()}
-        checked = CheckedStream(items, manifest, version=version, peer=self.peer, copy=False)
+        checked = CheckedStream(items, manifest, version=version, peer=self.peer, copy=False,
+                                digest_dtype=self.model_config.dtype if session.digests else None)
         staged = collections.deque(checked)
         missing = sorted(set(session.offer) - checked.seen) or checked.missing()
         if missing:
@@ -249,11 +309,15 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
                                   version=version, peer=self.peer)
         except BaseException as exc:
             self.torn = f"vLLM's loader failed on version {version!r}: {exc}"
+            self.digests = None
             logger.error("weightsync: %s; the model may hold layers of two versions",
                          self.torn)
             raise
         self.torn = None
         session.applied = version
+        self.digests = None if not session.digests else {
+            "version": version, "digests": checked.digests, "dtypes": checked.dtypes,
+            "live": calibrate_live(self.model, checked.digests, manifest, checked.dtypes)}
         done = time.perf_counter()
         self.stats = {"version": version, "tensors": checked.count, "bytes": checked.nbytes,
                       "transport_seconds": received - start, "load_seconds": done - received,

@@ -11,7 +11,8 @@ methods), and the trainer-side init infos that select a backend in vLLM's
   listens (``address``), the job token, the world sizes and the engine options.
 * :class:`WeightsyncUpdateInfo`: one ``update_weights`` chunk. ``phase="check"``
   describes the weight set (names, shapes, wire dtypes; no bytes) and is validated
-  against the checkpoint; ``phase="receive"`` then moves the bytes of that version.
+  against the checkpoint (``digests=True``: also hash every tensor of the version as it
+  arrives, for ``verify``); ``phase="receive"`` then moves the bytes of that version.
 * :class:`WeightsyncTrainerInitInfo` and its per-backend subclasses (trainer side).
 """
 
@@ -112,13 +113,17 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     names: Optional[list] = None
     shapes: Optional[list] = None
     dtypes: Optional[list] = None
+    digests: bool = False
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r:.80}")
         check_version(self.version)
+        if not isinstance(self.digests, bool):
+            raise ValueError(f"digests must be a bool, got {self.digests!r:.80}")
         if self.phase == "receive":
-            if any(v is not None for v in (self.names, self.shapes, self.dtypes)):
+            if any(v is not None for v in (self.names, self.shapes, self.dtypes)) \
+                    or self.digests:
                 raise ValueError("phase 'receive' takes only the version (the weight set "
                                  "was described by phase 'check')")
             return

@@ -20,7 +20,19 @@ It does two things:
   ``vllm.v1.engine.core.EngineCore.collective_rpc``, the one method through which the
   offline ``LLM``, ``AsyncLLM`` (HTTP) and Ray reach the workers; other backends and other
   methods pass through untouched. Running requests are preempted if the cache cannot be
-  reset otherwise (they are recomputed with the new weights).
+  reset otherwise (they are recomputed with the new weights);
+* answers bad HTTP input to the weight-transfer endpoints with a 4xx instead of vLLM's
+  blanket 500 (:func:`install_http_statuses`). vLLM's RPC from the workers keeps only an
+  error's text, so the worker side (:mod:`.engine`) appends weightsync's error marker
+  (type, HTTP status, peer, phase, version) to it; in the API server the weight-transfer
+  methods of ``AsyncLLM`` (``init_weight_transfer_engine``, ``start_weight_update``,
+  ``update_weights``, ``finish_weight_update``, ``shutdown_weight_transfer_engine``) re-raise
+  a marked failure as vLLM's ``GracefulHTTPError`` with that status and the worker's own
+  message (marker kept, so clients can rebuild the error): 400 malformed init or update
+  info, 403 a token the trainer's store refused, 409 calls out of order, 422 a weight set
+  that does not fit the model; failures of a transfer stay 500. vLLM's own out-of-order
+  errors of its worker (update without start, ...) carry no marker; for a weightsync
+  backend they are recognised by their text and answered 409 as well.
 """
 
 from __future__ import annotations
@@ -28,16 +40,29 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import re
 from typing import Any
 
 from weightsync.integrations.vllm_native.info import BACKENDS, PREFIX
+from weightsync.rollout.vllm.serve import ERROR_STATUS, error_fields
 
-__all__ = ["register", "available_backends", "install_prefix_cache_reset"]
+__all__ = ["register", "available_backends", "install_prefix_cache_reset",
+           "install_http_statuses", "http_error"]
 
 logger = logging.getLogger(__name__)
 _ENGINE = ("weightsync.integrations.vllm_native.engine", "WeightsyncWeightTransferEngine")
 _TRAINER = ("weightsync.integrations.vllm_native.trainer", "WeightsyncTrainerEngine")
 _MARK = "_weightsync_prefix_cache_reset"
+_HTTP_MARK = "_weightsync_http_statuses"
+_HTTP_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                 "finish_weight_update", "shutdown_weight_transfer_engine")
+#: vLLM 0.32's own worker errors for weight-transfer calls out of order (no marker).
+_VLLM_SESSION = ("start_weight_update must be called before update_weights",
+                 "finish_weight_update called without a matching start_weight_update",
+                 "start_weight_update called while a weight update is already active",
+                 "Cannot release a trainer connection during a weight update")
+_WORKER_TEXT = re.compile(r"Worker failed with error '(.*)', please check the stack trace",
+                          re.S)
 
 
 def available_backends() -> list[str]:
@@ -68,6 +93,7 @@ def register() -> None:
             except ValueError:       # "already registered": a second call, keep the first
                 pass
     install_prefix_cache_reset()
+    install_http_statuses()
 
 
 def _is_weightsync(core: Any) -> bool:
@@ -106,4 +132,60 @@ def install_prefix_cache_reset() -> bool:
 
     setattr(collective_rpc, _MARK, True)
     EngineCore.collective_rpc = collective_rpc
+    return True
+
+
+def http_error(exc: BaseException, weightsync_backend: bool = True) -> Any:
+    """The ``GracefulHTTPError`` to answer ``exc`` (a failed weight-transfer call, as the
+    API server sees it) with, or None to keep vLLM's answer (500)."""
+    text = str(exc)
+    fields = error_fields(text)
+    if fields is not None:
+        status = int(fields.get("status") or ERROR_STATUS.get(fields["type"], 500))
+    elif weightsync_backend and any(m in text for m in _VLLM_SESSION):
+        status = ERROR_STATUS["SessionStateError"]
+    else:
+        return None
+    if not 400 <= status < 500:
+        return None
+    from http import HTTPStatus
+
+    from vllm.exceptions import GracefulHTTPError
+
+    inner = _WORKER_TEXT.search(text)
+    return GracefulHTTPError(inner.group(1) if inner else text, HTTPStatus(status))
+
+
+def _engine_is_weightsync(engine: Any) -> bool:
+    config = getattr(getattr(engine, "vllm_config", None), "weight_transfer_config", None)
+    return str(getattr(config, "backend", "")).startswith(PREFIX)
+
+
+def _answering(original: Any) -> Any:
+    @functools.wraps(original)
+    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(self, *args, **kwargs)
+        except Exception as exc:
+            answer = http_error(exc, _engine_is_weightsync(self))
+            if answer is None:
+                raise
+            raise answer from exc
+    return method
+
+
+def install_http_statuses() -> bool:
+    """Wrap ``AsyncLLM``'s weight-transfer methods once (see the module docstring); True
+    if done now, False if already done or this vLLM has no ``AsyncLLM``."""
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:  # pragma: no cover - another vLLM layout
+        return False
+    if getattr(AsyncLLM, _HTTP_MARK, False):
+        return False
+    for name in _HTTP_METHODS:
+        original = getattr(AsyncLLM, name, None)
+        if original is not None:
+            setattr(AsyncLLM, name, _answering(original))
+    setattr(AsyncLLM, _HTTP_MARK, True)
     return True

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import socket
 import threading
 import time
 from dataclasses import asdict
@@ -44,15 +43,10 @@ from weightsync.core.plan import dtype_name
 from weightsync.integrations.vllm_native.info import (WeightsyncInitInfo,
                                                       WeightsyncTrainerInitInfo, check_version,
                                                       weightsync_backend)
+from weightsync.rollout.vllm.serve import free_port
 from weightsync.transport.rendezvous import connect
 
 __all__ = ["WeightsyncTrainerEngine", "as_source", "free_port"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def as_source(source: Any) -> WeightSource:

@@ -160,6 +160,31 @@ class WeightSyncWorkerExtension:
                 "manifest": None if state.manifest is None else len(state.manifest)}
 
     @_guard
+    def weightsync_transfer_state(self) -> dict:
+        """The state of this worker's vLLM weight-transfer backend when it is weightsync's
+        (``weight_transfer_config`` ``weightsync-<backend>``, the ``vllm serve`` path of
+        :class:`~weightsync.rollout.vllm.server_replica.VLLMServerReplica`): its
+        ``report()`` (version, torn, an update open, digests of the last complete version),
+        plus this worker's pid and what a client of the server must know of the engine
+        (``config``: model, dtype, vocabulary size, max_model_len, sleep mode, logprobs
+        mode, the weight-transfer backend)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        report = getattr(engine, "report", None)
+        if not callable(report):
+            raise RuntimeError("this vLLM was not started with a weightsync weight-transfer "
+                               "backend (--weight-transfer-config '{\"backend\": "
+                               "\"weightsync-shm\"}'), so it has no weightsync transfer state")
+        out = dict(report())
+        mc = self.model_config
+        out.update(pid=os.getpid(), config={
+            "model": str(mc.model), "dtype": str(mc.dtype).replace("torch.", ""),
+            "vocab_size": int(mc.get_vocab_size()), "max_model_len": int(mc.max_model_len),
+            "enable_sleep_mode": bool(mc.enable_sleep_mode),
+            "logprobs_mode": str(mc.logprobs_mode), "max_logprobs": int(mc.max_logprobs),
+            "backend": str(self.vllm_config.weight_transfer_config.backend)})
+        return out
+
+    @_guard
     def weightsync_zero_kv_cache(self) -> int:
         from weightsync.rollout.vllm.apply import zero_kv_cache
 
