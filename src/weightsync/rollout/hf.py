@@ -339,6 +339,11 @@ class HFRolloutReplica(StagedSync, LocalEngineRollout):
                        version: Any) -> tuple[int, int]:
         got: set[int] = set()
         count = nbytes = 0
+        land = getattr(weights, "land_in", None)
+        landed: dict[str, torch.Tensor] = {}
+        if land is not None:   # the engine writes straight into the weights (receive_into)
+            landed = {name: t.detach() for name, t in targets.items()}
+            land(landed)
         async for name, tensor in weights:
             dst = targets.get(name)
             if dst is None:
@@ -347,8 +352,9 @@ class HFRolloutReplica(StagedSync, LocalEngineRollout):
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise PlanMismatch(f"{name}: shape {tuple(tensor.shape)} sent, the model has "
                                    f"{tuple(dst.shape)}", phase="receive", version=version)
-            with torch.no_grad():
-                dst.data.copy_(tensor)
+            if tensor is not landed.get(name):   # else already in place
+                with torch.no_grad():
+                    dst.data.copy_(tensor)
             self._parking.loaded(dst)
             got.add(id(dst))
             count += 1

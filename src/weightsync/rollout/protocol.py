@@ -70,7 +70,7 @@ from weightsync.core.errors import SyncTimeout, WeightSyncError
 
 __all__ = ["RolloutAdapter", "LocalEngineRollout", "Generation", "GenerationGate", "SyncFence",
            "ReplicaControls", "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS", "check_tags",
-           "execute_on_engine"]
+           "execute_on_engine", "ReceiveStream"]
 
 
 def check_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
@@ -303,6 +303,38 @@ class ReplicaControls:
         return {"version": self.current_version(), "fenced": self._fence.blocked}
 
 
+class ReceiveStream:
+    """The ``(name, tensor)`` stream of one receive, handed to ``load_weights``.
+
+    It is the engine's ``receive_weights(version)``, unless the consumer says where the
+    tensors go (``land_in(targets)``, before it iterates): then ``receive_into(targets,
+    version)``, which lands the bytes in those tensors (no copy left to the consumer; a
+    tensor that does not fit them comes as ``receive_weights`` would give it)."""
+
+    def __init__(self, engine: Any, version: Any) -> None:
+        self._engine, self._version = engine, version
+        self._into: Optional[dict] = None
+        self._it: Any = None
+
+    def land_in(self, targets: dict) -> None:
+        if self._it is not None:
+            raise RuntimeError("land_in after the stream started")
+        self._into = targets
+
+    def __aiter__(self) -> "ReceiveStream":
+        return self
+
+    async def __anext__(self) -> tuple:
+        if self._it is None:
+            self._it = (self._engine.receive_weights(self._version) if self._into is None
+                        else self._engine.receive_into(self._into, self._version))
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        if self._it is not None:
+            await self._it.aclose()
+
+
 class LocalEngineRollout(ReplicaControls, abc.ABC):
     """Base for adapters that receive in their own process with one checkpoint engine."""
 
@@ -363,7 +395,7 @@ class LocalEngineRollout(ReplicaControls, abc.ABC):
         return stats
 
     async def _receive(self, version: Any, kind: str, adapter_config: Optional[dict]) -> dict:
-        stream = self._engine.receive_weights(version)
+        stream = ReceiveStream(self._engine, version)
         self._in_flight += 1
         try:
             return await self.load_weights(stream, version=version, kind=kind,
