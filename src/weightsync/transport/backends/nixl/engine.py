@@ -64,6 +64,10 @@ from weightsync.transport.tensors import aiter_items, wire_dtype
 __all__ = ["NixlEngine"]
 
 logger = logging.getLogger(__name__)
+
+#: tensors up to this size are staged on the caller's loop (a copy of at most a few
+#: microseconds); bigger ones in the engine's thread, so the loop stays free
+_INLINE_PUT_BYTES = 64 << 10
 _SERVE = ("auto", "staging", "params")
 
 
@@ -145,7 +149,11 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             count = 0
             async for name, tensor in aiter_items(named_tensors, shards=True):
                 dtype = wire_dtype(tensor, self.config.dtype)
-                await loop.run_in_executor(pool, self._arena.put, name, tensor, dtype)
+                if tensor.device.type == "cpu" and \
+                        tensor.numel() * dtype.itemsize <= _INLINE_PUT_BYTES:
+                    self._arena.put(name, tensor, dtype)   # a hop would cost more than this
+                else:
+                    await loop.run_in_executor(pool, self._arena.put, name, tensor, dtype)
                 count += 1
             served = await loop.run_in_executor(pool, self._serve, seq, version)
         except BaseException as exc:

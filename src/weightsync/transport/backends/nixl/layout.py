@@ -29,6 +29,8 @@ import torch
 
 from weightsync.core.plan import dtype_name
 from weightsync.core.xferplan import HeldRange
+from weightsync.transport.fastcopy import memmove_at
+from weightsync.transport.tensors import plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
 
 __all__ = ["Arena", "held_part", "held_of"]
@@ -131,7 +133,10 @@ class Arena:
         self._entries.append(key + (region, offset))
         if nbytes:
             block = self._blocks[region][0]
-            block[offset:offset + nbytes].view(dtype).view(local.shape).copy_(local)
+            if local.dtype == dtype and block.device.type == "cpu" and plain_cpu(local):
+                memmove_at(block, offset, local, nbytes)   # no views, no torch thread pool
+            else:
+                block[offset:offset + nbytes].view(dtype).view(local.shape).copy_(local)
 
     def _serve_own(self, name: str, local: torch.Tensor, dtype: torch.dtype) -> bool:
         if self._mode == "staging" or dtype != local.dtype or not local.is_contiguous() \
