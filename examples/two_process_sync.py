@@ -22,8 +22,8 @@ def rollout(backend: str) -> None:
     model = {"w": torch.zeros(1024, 1024), "b": torch.zeros(1024)}
 
     async def receive():
-        async for name, tensor in engine.receive_weights(version=1):
-            model[name].copy_(tensor)        # the only copy on this side
+        async for name, tensor in engine.receive_into(model, version=1):
+            pass                             # tensor is model[name], written in place
 
     asyncio.run(receive())
     print("rollout got", {k: float(v.sum()) for k, v in model.items()})
