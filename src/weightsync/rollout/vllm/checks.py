@@ -38,7 +38,7 @@ from weightsync.core.digests import check_weight_set, tensor_digest
 from weightsync.core.plan import dtype_name
 from weightsync.rollout.protocol import WEIGHT_KINDS, SyncFence
 
-__all__ = ["check_offered", "calibrate_live", "live_digests", "VLLMChecks"]
+__all__ = ["normalize_offered", "merge_problems", "check_offered", "calibrate_live", "live_digests", "VLLMChecks"]
 
 logger = logging.getLogger(__name__)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -140,6 +140,29 @@ def calibrate_live(model: torch.nn.Module, digests: dict, manifest: Optional[dic
 
 
 # -- in the driver ----------------------------------------------------------------------------
+def normalize_offered(offered: Any) -> list:
+    """A weight description (``[[name, shape, dtype], ...]``) in plain types, or a
+    ``ValueError``."""
+    if not isinstance(offered, (list, tuple)):
+        raise ValueError("offered must be a list of [name, shape, dtype], got "
+                         f"{offered!r:.200}")
+    bad = [e for e in offered if not (isinstance(e, (list, tuple)) and len(e) == 3)]
+    if bad:
+        raise ValueError(f"bad weight description {bad[0]!r:.200}: want [name, shape, dtype]")
+    return [[str(n), [int(d) for d in s], str(dt)] for n, s, dt in offered]
+
+
+def merge_problems(replies: Sequence) -> list:
+    """The workers' ``[name, why]`` problems, each once, in order."""
+    problems, seen = [], set()
+    for reply in replies:
+        for name, why in reply:
+            if (name, why) not in seen:
+                seen.add((name, why))
+                problems.append([name, why])
+    return problems
+
+
 class VLLMChecks:
     """The replica's optional hooks ``check_weights`` and ``weight_digests`` (mixed into
     ``VLLMRolloutReplica``; ``begin_sync``, ``fence``, ``sync_state`` come with
@@ -161,22 +184,8 @@ class VLLMChecks:
         tensor) as ``kind``, checked in every vLLM worker; nothing is changed."""
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
-        if not isinstance(offered, (list, tuple)):
-            raise ValueError("offered must be a list of [name, shape, dtype], got "
-                             f"{offered!r:.200}")
-        bad = [e for e in offered if not (isinstance(e, (list, tuple)) and len(e) == 3)]
-        if bad:
-            raise ValueError(f"bad weight description {bad[0]!r:.200}: want [name, shape, "
-                             "dtype]")
-        offered = [[str(n), [int(d) for d in s], str(dt)] for n, s, dt in offered]
-        replies = self._rpc("weightsync_check", offered, kind, phase="validate")
-        problems, seen = [], set()
-        for reply in replies:
-            for name, why in reply:
-                if (name, why) not in seen:
-                    seen.add((name, why))
-                    problems.append([name, why])
-        return problems
+        offered = normalize_offered(offered)
+        return merge_problems(self._rpc("weightsync_check", offered, kind, phase="validate"))
 
     def weight_digests(self, kind: str = "full") -> dict:
         """``{"digests": {name: xxh3}, "dtypes": {name: dtype}, "version", "live"}``: the

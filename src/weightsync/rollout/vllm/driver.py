@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
-from weightsync.rollout.vllm.util import (EXTENSION, VLLMOptions, env_set, error_from_reply, host_process_kept,
+from weightsync.rollout.vllm.util import (EXTENSION, VLLMOptions, check_prompts, env_set, error_from_reply, host_process_kept,
                          max_positions)
 from weightsync.rollout.protocol import Generation, GenerationGate, ReplicaControls, SyncFence
 
@@ -214,20 +214,8 @@ class VLLMDriver(ReplicaControls):
 
     # -- generation -------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        out = []
-        for p in prompts:
-            p = [int(t) for t in p]
-            if not p:
-                raise ValueError("prompts must not be empty")
-            if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {p[:8]}")
-            if len(p) + max_new_tokens > self.max_model_len:
-                raise ValueError(f"prompt of {len(p)} + {max_new_tokens} new tokens exceeds "
-                                 f"max_model_len {self.max_model_len}")
-            out.append(p)
+        out = check_prompts(prompts, max_new_tokens, vocab_size=self.vocab_size,
+                            max_model_len=self.max_model_len)
         return out
 
     def _generate(self, prompts: list, max_new_tokens: int, return_logits: bool) -> list:

@@ -95,7 +95,8 @@ from weightsync.rollout.protocol import (SLEEP_LEVELS, WEIGHT_KINDS, Generation,
                                          check_tags)
 from weightsync.rollout.vllm.serve import (HTTPWeightSyncClient, VLLMServer, VLLMServerError,
                                            error_fields)
-from weightsync.rollout.vllm.util import EXTENSION, max_positions
+from weightsync.rollout.vllm.checks import merge_problems, normalize_offered
+from weightsync.rollout.vllm.util import EXTENSION, check_prompts, max_positions
 from weightsync.transport.rendezvous import RolloutRelay
 
 __all__ = ["VLLMServerReplica", "VLLMServerOptions", "PREFIX", "BACKENDS"]
@@ -501,21 +502,8 @@ class VLLMServerReplica(ReplicaControls):
             raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         if kind != "full":
             raise ValueError(f"{self.name}: only full syncs: {self._reasons()['lora']}")
-        if not isinstance(offered, (list, tuple)):
-            raise ValueError(f"offered must be a list of [name, shape, dtype], got "
-                             f"{offered!r:.200}")
-        bad = [e for e in offered if not (isinstance(e, (list, tuple)) and len(e) == 3)]
-        if bad:
-            raise ValueError(f"bad weight description {bad[0]!r:.200}: want [name, shape, "
-                             "dtype]")
-        offered = [[str(n), [int(d) for d in s], str(dt)] for n, s, dt in offered]
-        replies = self._rpc("weightsync_check", offered, kind, phase="validate")
-        problems, seen = [], set()
-        for reply in replies:
-            for name, why in reply:
-                if (name, why) not in seen:
-                    seen.add((name, why))
-                    problems.append([name, why])
+        offered = normalize_offered(offered)
+        problems = merge_problems(self._rpc("weightsync_check", offered, kind, phase="validate"))
         self._offered = None if problems else offered
         return problems
 
@@ -753,20 +741,8 @@ class VLLMServerReplica(ReplicaControls):
 
     # -- generation ---------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        out = []
-        for p in prompts:
-            p = [int(t) for t in p]
-            if not p:
-                raise ValueError("prompts must not be empty")
-            if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {p[:8]}")
-            if len(p) + max_new_tokens > self.max_model_len:
-                raise ValueError(f"prompt of {len(p)} + {max_new_tokens} new tokens exceeds "
-                                 f"max_model_len {self.max_model_len}")
-            out.append(p)
+        out = check_prompts(prompts, max_new_tokens, vocab_size=self.vocab_size,
+                            max_model_len=self.max_model_len)
         if not out:
             raise ValueError("no prompts")
         return out

@@ -14,7 +14,7 @@ from weightsync.core import errors as _errors
 from weightsync.core.config import env_value, parse_bool
 from weightsync.core.errors import PeerFailed
 
-__all__ = ["EXTENSION", "VLLMOptions", "error_from_reply", "model_folder_from_config", "env_set",
+__all__ = ["EXTENSION", "VLLMOptions", "check_prompts", "error_from_reply", "model_folder_from_config", "env_set",
            "host_process_kept", "max_positions"]
 
 _APPLY = ("stream", "staged")
@@ -131,3 +131,23 @@ def env_set(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+def check_prompts(prompts: Any, max_new_tokens: int, *, vocab_size: int,
+                  max_model_len: int) -> list:
+    """Token-id prompts as lists of ints, or a ``ValueError`` saying what is wrong."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    out = []
+    for p in prompts:
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError("prompts must not be empty")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"token ids must be in [0, {vocab_size}), got {p[:8]}")
+        if len(p) + max_new_tokens > max_model_len:
+            raise ValueError(f"prompt of {len(p)} + {max_new_tokens} new tokens exceeds "
+                             f"max_model_len {max_model_len}")
+        out.append(p)
+    return out
