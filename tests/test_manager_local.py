@@ -209,3 +209,34 @@ def test_keep_group_false_rebuilds_every_sync_and_execute_checkpoint_engine():
             replicas[0].execute_checkpoint_engine("_release")
         manager.update_weights(4)      # layouts re-sent after the reset
         assert_matches(_gen(replicas[0]), trainer.reference(PROMPTS, 5), 4)
+
+
+def test_validation_is_cached_by_weight_set_and_redone_when_needed():
+    """A replica that accepted a weight set is not asked again for the same set; a
+    changed set (LoRA's adapter round), revalidate() and a stale replica are checked
+    again."""
+    trainer = _trainer()
+    replicas = [HFRolloutWorker(CFG, seed=5 + i) for i in range(2)]
+    counts = [0, 0]
+    for i, r in enumerate(replicas):
+        real = r.rollout.check_weights
+
+        def counted(*a, _i=i, _real=real, **kw):
+            counts[_i] += 1
+            return _real(*a, **kw)
+        r.rollout.check_weights = counted
+    with CheckpointEngineManager("inproc", [trainer], replicas, bucket_size=1 << 20,
+                                 timeout=30) as manager:
+        def step(v):
+            trainer.train_step(v)
+            report = manager.update_weights(v)
+            assert report.ok
+            return report.validated
+        assert step(1) == ["replica-0", "replica-1"] and counts == [1, 1]
+        assert step(2) == [] and counts == [1, 1]        # the same set: not asked again
+        manager.revalidate()
+        assert step(3) == ["replica-0", "replica-1"] and counts == [2, 2]
+        manager._replicas.mark_stale(manager._replicas.managed()[1])
+        assert step(4) == ["replica-1"] and counts == [2, 3]
+        for r in replicas:
+            assert_matches(_gen(r), trainer.reference(PROMPTS, 5), 4)

@@ -24,6 +24,7 @@ the trainer's weights. The trainer side is computed once per weight set and dtyp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any, Optional
@@ -52,10 +53,20 @@ def run_validate(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport, 
                 if entry[0] not in seen:
                     seen.add(entry[0])
                     offered.append(entry)
-        targets = replicas.managed()
+        # a replica that accepted this very weight set before is not asked again (the
+        # description is re-made every sync, so a changed set is always checked)
+        key = hashlib.sha256(json.dumps([kind, cfg, offered], sort_keys=True,
+                                        default=str).encode()).hexdigest()
+        targets = [r for r in replicas.managed() if r.checked.get(kind) != key]
+        report.validated = sorted(set(report.validated) | {r.name for r in targets})
+        if not targets:
+            continue
         answers = group.replica_step(report, "validate", "ws_check_weights",
                                      (offered, kind, cfg), targets=targets, record=False)
         bad = {r.name: [list(p) for p in a] for r, a in zip(targets, answers) if a}
+        for r, a in zip(targets, answers):
+            if not a:
+                r.checked[kind] = key
         if bad:
             raise _mismatch(bad, kind, report.version)
 

@@ -18,7 +18,9 @@ knows the transport only through :class:`~weightsync.transport.CheckpointEngineR
 2. **Validation before bytes**: every trainer rank describes what it will send (names,
    shapes, dtypes, from metadata only) and every replica checks that against its model;
    a mismatch raises ``PlanMismatch`` listing the offending names before anything is
-   paused or sent, and every replica keeps its weights.
+   paused or sent, and every replica keeps its weights. A replica that already accepted
+   the very same description (digest) is not asked again; a stale, isolated or re-added
+   replica is, and ``revalidate()`` makes the next sync ask every replica.
 3. **Sync** (``update_weights``): pause/abort generation -> ``begin_sync`` (fences
    generation until the whole version is applied) -> (colocated: sleep, offload the
    trainer if asked, wake ``weights``) -> send on every trainer rank and receive on every
@@ -384,6 +386,11 @@ class CheckpointEngineManager:
                           phase="resume", version=report.version):
             if not o.ok:
                 logger.warning("weightsync: resume on %s failed: %s", o.label, o.error)
+
+    def revalidate(self) -> None:
+        """Make the next sync check its weight set on every replica again (e.g. after a
+        replica's model was changed outside the manager)."""
+        self._replicas.forget_checks()
 
     # -- integrity and generation -----------------------------------------------------
     def verify(self, *, fence: bool = True) -> VerifyReport:

@@ -40,6 +40,8 @@ class ReplicaRecord:
     error: Optional[str] = None            # why it failed (state "failed")
     status: Optional[ReplicaStatus] = None  # its part of the sync in progress (or the last)
     fenced: bool = False                   # told begin_sync by the sync in progress
+    checked: dict = field(default_factory=dict)  # kind -> digest of the weight set its
+                                                 # check_weights accepted (validation cache)
 
 
 class ReplicaSet:
@@ -79,6 +81,7 @@ class ReplicaSet:
         self._managed.remove(record)
         record.state, record.error = "failed", why
         record.version, record.weights, record.caps, record.fenced = None, None, {}, False
+        record.checked = {}
         self._failed[name] = record
         return record
 
@@ -153,6 +156,11 @@ class ReplicaSet:
                 raise ValueError(f"{r.name} cannot apply {bad} syncs"
                                  f"{': ' + why if why else ''}")
 
+    def forget_checks(self) -> None:
+        """The next validation asks every managed replica again."""
+        for r in self._managed:
+            r.checked = {}
+
     def forget_weights(self) -> None:
         """No managed replica is known to hold a weight set (the next sync sends all)."""
         for r in self._managed:
@@ -161,6 +169,7 @@ class ReplicaSet:
     def mark_stale(self, record: ReplicaRecord) -> None:
         """``record`` does not hold what the trainer has (fenced until the next sync)."""
         record.state, record.weights = "stale", None
+        record.checked = {}
 
     # -- the sync in progress ---------------------------------------------------------
     def begin_sync(self, report: SyncReport) -> None:

@@ -52,10 +52,18 @@ class SyncReport:
     isolated: list = field(default_factory=list)    # names of replicas removed by this sync
     retries: int = 0                                # re-runs after isolating a replica
     atomic: bool = False                            # two-phase: stage on all, then commit
+    validated: list = field(default_factory=list)   # replicas whose check_weights ran (the
+                                                    # others had accepted this weight set)
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def manager_seconds(self) -> float:
+        """Everything of the sync but the transfer: validation, pause, fence, sleep/wake,
+        cache reset, resume and the calls that carry them."""
+        return max(0.0, self.total_seconds - self.seconds)
 
     @property
     def ok(self) -> bool:
@@ -88,7 +96,8 @@ class SyncReport:
         if self.atomic:
             status += f" (atomic, staging {self.staged_bytes / 1e6:.2f} MB)"
         return (f"version {self.version} [{'+'.join(self.kinds)}]: {self.bytes / 1e6:.2f} MB in "
-                f"{self.seconds:.3f} s ({self.gbps:.2f} GB/s), total {self.total_seconds:.3f} s, "
+                f"{self.seconds:.3f} s ({self.gbps:.2f} GB/s), total {self.total_seconds:.3f} s "
+                f"(manager {self.manager_seconds * 1e3:.0f} ms), "
                 f"{len(self.replicas)} replicas {status}")
 
 

@@ -100,7 +100,7 @@ def _compare(gens: list, ref: dict, version: int, atol: float = 0.0) -> dict:
 
 
 class _Table:
-    COLS = ("step", "loss", "version", "sent", "MB", "sync s", "GB/s", "total s", "tokens",
+    COLS = ("step", "loss", "version", "sent", "MB", "sync s", "GB/s", "total s", "mgr ms", "tokens",
             "logits", "versions", "check")
 
     def __init__(self, out: Callable[[str], None]) -> None:
@@ -207,7 +207,8 @@ def _loop(opts: DemoOptions, manager: Any, trainers: list, replicas: list, cfg: 
         diff = ref.get("trainer_max_abs_diff")
         table.row([step, f"{sum(losses) / len(losses):.4f}", report.version,
                    "+".join(report.kinds), f"{report.bytes / 1e6:.2f}", f"{report.seconds:.3f}",
-                   f"{report.gbps:.2f}", f"{report.total_seconds:.3f}", _mark(agg["tokens"]),
+                   f"{report.gbps:.2f}", f"{report.total_seconds:.3f}",
+                   f"{report.manager_seconds * 1e3:.0f}", _mark(agg["tokens"]),
                    _mark(agg["logits"]) if not atol else ("close" if agg["logits"] else "DIFF"),
                    "ok" if agg["versions"] else "STALE",
                    "PASS" if ok else "FAIL"])
