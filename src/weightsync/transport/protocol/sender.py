@@ -186,6 +186,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         # the stream the caller's thread packs buckets on (CUDA; set by each send_weights):
         # the waits in this engine's own thread order on it, not on that thread's stream
         self._tx_copy_stream: Any = None
+        self._tx_replay: Optional[Replay] = None   # self._tx_plan, ready to replay
 
     # -- data path supplied by subclasses ---------------------------------------------
     @abc.abstractmethod
@@ -229,6 +230,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
 
     def reset_plan(self) -> None:
         self._tx_plan = []
+        self._tx_replay = None
         self._rx_plans = {}
         if self._ownership is not None:
             self._ownership.reset()
@@ -283,11 +285,9 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         one (nothing laid out or hashed again while the weight set is the same)."""
         if not self._tx_plan:
             return PlanBuilder(self.config.bucket_size, self.config.alignment)
-        replay = self.__dict__.get("_tx_replay")
-        if replay is None or len(replay.buckets) != len(self._tx_plan) or \
-                any(a is not b for a, b in zip(replay.buckets, self._tx_plan)):
-            replay = self.__dict__["_tx_replay"] = Replay(self._tx_plan)
-        return ReplayBuilder(self.config.bucket_size, self.config.alignment, replay)
+        if self._tx_replay is None:      # made again only when the layout changed
+            self._tx_replay = Replay(self._tx_plan)
+        return ReplayBuilder(self.config.bucket_size, self.config.alignment, self._tx_replay)
 
     async def _pack(self, state: _SendState, name: str, tensor: torch.Tensor) -> None:
         dtype = wire_dtype(tensor, self.config.dtype)
@@ -369,6 +369,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
     def _finish_stream(self, state: _SendState) -> None:
         plan = tuple(state.builder.closed)
         self._tx_plan = list(plan)
+        if not getattr(state.builder, "replayed", False):
+            self._tx_replay = None       # a new layout: its replay is compiled next sync
         done = DoneMsg(version=wire_version(state.version), seq=state.seq, stream=self._rank,
                        num_buckets=len(plan), num_tensors=state.tensors, nbytes=state.nbytes,
                        signature=plan_signature(self.config.bucket_size, plan))
