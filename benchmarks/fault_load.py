@@ -133,17 +133,13 @@ def _rollout_main(conn, backend: str, kw: dict) -> None:
             asyncio.run(_receive(rx, version, fault, conn, slow, params, res))
             if params is not None:
                 res["hwm"] = _rss_kib("VmHWM")  # before the check below allocates
-                want = dict(_model(version, *cmd_shape(params)))
+                first = next(iter(params.values()))
+                want = dict(_model(version, len(params), first.numel()))
                 res["wrong"] = any(not torch.equal(params[k], want[k]) for k in want)
         except (WeightSyncError, RuntimeError, asyncio.CancelledError) as exc:
             res["exc"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         res["end"] = time.monotonic()
         conn.send(res)
-
-
-def cmd_shape(params: dict) -> tuple[int, int]:
-    first = next(iter(params.values()))
-    return len(params), first.numel()
 
 
 # -- the trainer side ----------------------------------------------------------------------
@@ -237,7 +233,8 @@ class Pair:
         try:
             if self.proc.is_alive():
                 self.conn.send(("close",))
-                self.conn.poll(3 * TIMEOUT) and self.conn.recv()
+                if self.conn.poll(3 * TIMEOUT):
+                    self.conn.recv()
         except (OSError, EOFError):
             pass
         self.proc.join(5)
