@@ -218,6 +218,31 @@ def test_receive_refuses_to_share_a_link_with_a_live_pump(monkeypatch):
         _close(tr, rx)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["shm", "collective"])
+def test_a_complete_receive_leaves_no_pump_behind(monkeypatch, backend):
+    """A pump that delivered its Done may still be returning when the consumer sees the
+    last tensor; the receive ends only once it has (CI caught a pump alive at finalize)."""
+    monkeypatch.setenv(ENV[backend], str(1 << 40))
+    tr, rx = _pair(backend)
+    orig = rx._pump
+
+    def slow_exit(stream, state):
+        orig(stream, state)
+        time.sleep(0.5)                      # the thread lingers after its last put
+    rx._pump = slow_exit
+    try:
+        t, out = _in_thread(lambda: _send(tr, 1))
+        got = asyncio.run(_collect(rx, 1))
+        left = [th.name for th in threading.enumerate() if th.name.startswith("weightsync-rx")]
+        t.join(TIMEOUT * 3)
+        assert "exc" not in out, out
+        assert _exact(got, 1)
+        assert not left, f"pump threads alive after a complete receive: {left}"
+    finally:
+        _close(tr, rx)
+
+
 # -- items 3 and 4: no default-executor threads, nothing blocking on the caller's loop ----
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "collective"])

@@ -133,6 +133,10 @@ class ReceiverMixin:
             raise
         finally:
             state.stop.set()   # every pump wait looks at it; the next receive reaps them
+        # every stream delivered its Done: each pump has returned or is returning right now,
+        # so the receive ends with no thread of its own left behind
+        for t in pumps:
+            t.join(timeout=_REAP_S)
         seconds = time.perf_counter() - start
         logger.info("weightsync %s: rollout rank %d received version %s: %d tensors, %d bytes "
                     "in %.4f s (%.2f GB/s)", self.backend_name, self._rank, version,
