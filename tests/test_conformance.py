@@ -11,8 +11,12 @@ BUCKET = 64 * 1024
 
 
 def cpu_backends():
+    """Every backend that runs on CPU, the codec's delta layers included; not the FP8
+    ones ("lossy": they deliver quantized values and scales, checked against the reference
+    quantizer in test_codec)."""
     return [n for n in CheckpointEngineRegistry.names()
-            if "cpu" in CheckpointEngineRegistry.get(n).capabilities]
+            if "cpu" in CheckpointEngineRegistry.get(n).capabilities
+            and "lossy" not in CheckpointEngineRegistry.get(n).capabilities]
 
 
 BACKENDS = cpu_backends()
@@ -20,6 +24,10 @@ BACKENDS = cpu_backends()
 
 def test_builtin_cpu_backends_are_registered():
     assert {"inproc", "shm", "collective"} <= set(BACKENDS)
+
+
+def _is_codec(backend):
+    return "codec" in CheckpointEngineRegistry.get(backend).capabilities
 
 
 def _spec(backend, **kw):
@@ -39,7 +47,13 @@ def test_one_trainer_many_receivers(backend, receivers, shm_segments):
     leaked = [s for s in shm_segments() if s.split("-")[1] in pids]
     assert not leaked, leaked
     trainer = results[0]["steps"]
-    if backend == "nixl":
+    if _is_codec(backend):
+        # first sync dense (no base anywhere), then deltas where they pay (the harness's
+        # tensors change entirely every step, so each tensor goes dense inside them)
+        modes = [s["codec"]["mode"] for s in trainer]
+        assert modes == ["dense", "delta", "delta"], modes
+        assert [s["codec"]["resent"] for s in trainer] == [0, 0, 0]
+    elif backend == "nixl":
         # plan replay: the layout goes out once, later syncs are one message per rank
         assert [s["layout_sent"] for s in trainer] == [True, False, False]
     elif backend != "inproc":
@@ -56,7 +70,7 @@ def test_two_trainers(backend, pattern):
     spec = _spec(backend, trainers=2, receivers=2, steps=3, pattern=pattern)
     results = run_group(spec)
     assert_clean(results, spec)
-    if backend == "inproc":
+    if backend == "inproc" or _is_codec(backend):
         return
     if backend == "nixl":
         # every receiver pulled everything; ranks holding the same bytes share the serving

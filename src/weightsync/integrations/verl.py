@@ -309,10 +309,11 @@ class WeightsyncVerlEngine(_VerlEngine):
 
 def register_backend(name: str) -> type:
     """Register weightsync backend ``name`` in verl's registry as ``weightsync-<name>``."""
-    if name in _SKIP:
+    if name.split("+")[-1] in _SKIP:       # "delta+inproc" is inproc underneath
         raise ValueError(f"weightsync backend {name!r} cannot connect verl's processes")
     _WsRegistry.get(name)  # BackendUnavailable / ValueError now, not on first use
-    cls_name = "Weightsync" + "".join(p.capitalize() for p in name.split("_")) + "Engine"
+    cls_name = "Weightsync" + "".join(p.capitalize() for p in name.replace("+", "_").split("_")) \
+        + "Engine"
     cls = type(cls_name, (WeightsyncVerlEngine,), {"weightsync_backend": name,
                                                    "__module__": __name__,
                                                    "__qualname__": cls_name})
@@ -340,5 +341,5 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 for _name in _WsRegistry.names():
-    if _name not in _SKIP:
+    if _name.split("+")[-1] not in _SKIP:
         register_backend(_name)

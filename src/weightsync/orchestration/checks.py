@@ -36,14 +36,24 @@ from weightsync.orchestration.replicas import ReplicaRecord, ReplicaSet
 from weightsync.core.errors import PlanMismatch
 from weightsync.core.digests import MAX_LISTED, combine_digests, compare_digests
 from weightsync.orchestration.report import SyncReport, VerifyReport
+from weightsync.transport.codec import Quantizer
 
 __all__ = ["run_validate", "run_verify"]
 
 
+def _quantizer(codec: Any) -> Optional[Quantizer]:
+    """The FP8 quantizer the engines run with (codec options), or None."""
+    if codec is None or not getattr(codec, "quantize", None):
+        return None
+    return Quantizer(codec.quantize, skip=codec.quantize_skip)
+
+
 def run_validate(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport, rounds: list,
-                 dtype: Optional[str]) -> None:
+                 dtype: Optional[str], codec: Any = None) -> None:
     """Every round's weight set, described by the trainer ranks, checked by every managed
-    replica (``PlanMismatch`` before anything moves)."""
+    replica (``PlanMismatch`` before anything moves). With FP8 on the fly (``codec``), the
+    set as the replicas will get it: FP8 weights and their scale tensors."""
+    quantizer = _quantizer(codec)
     for kind, cfg in rounds:
         described = group.run(group.trainer_calls("ws_describe", kind, dtype),
                               "validate", report.version)
@@ -53,6 +63,8 @@ def run_validate(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport, 
                 if entry[0] not in seen:
                     seen.add(entry[0])
                     offered.append(entry)
+        if quantizer is not None:
+            offered = quantizer.describe(offered)
         # a replica that accepted this very weight set before is not asked again (the
         # description is re-made every sync, so a changed set is always checked)
         key = hashlib.sha256(json.dumps([kind, cfg, offered], sort_keys=True,
@@ -87,9 +99,13 @@ def _sets(record: ReplicaRecord) -> list[str]:
 
 
 def run_verify(group: ReplicaGroup, replicas: ReplicaSet, version: Any, dtype: Optional[str],
-               *, fence: bool) -> VerifyReport:
+               *, fence: bool, codec: Any = None) -> VerifyReport:
     """Every managed replica's digests against the trainer's; ``fence``: those that
-    differ are fenced and marked stale."""
+    differ are fenced and marked stale. With FP8 on the fly (``codec``), the trainer
+    hashes its weights quantized as the engines quantize them (bit-exact: the quantizer
+    is deterministic), and their scales."""
+    quantizer = _quantizer(codec)
+    extra = (quantizer.scheme, list(quantizer.skip)) if quantizer is not None else ()
     start = time.perf_counter()
     report = VerifyReport(version=version)
     records = replicas.managed()
@@ -100,7 +116,8 @@ def run_verify(group: ReplicaGroup, replicas: ReplicaSet, version: Any, dtype: O
     for (name, kind), value in held.items():
         key = (kind, json.dumps(value["dtypes"], sort_keys=True))
         if key not in trainer:
-            parts = group.run(group.trainer_calls("ws_digest", kind, value["dtypes"], dtype),
+            parts = group.run(group.trainer_calls("ws_digest", kind, value["dtypes"], dtype,
+                                                  *extra),
                               "verify", version, timeout=group.call_timeout)
             merged: dict[str, str] = {}
             for part in parts:

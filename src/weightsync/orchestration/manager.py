@@ -72,6 +72,7 @@ from weightsync.orchestration.replicas import ReplicaSet
 from weightsync.core.remote import normalize_version
 from weightsync.core.config import EngineConfig, env_value, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry
+from weightsync.transport.codec import codec_options, resolve_backend
 from weightsync.core.errors import WeightSyncError
 from weightsync.core.plan import dtype_name
 from weightsync.orchestration.report import ReplicaStatus, SyncReport, VerifyReport
@@ -112,10 +113,16 @@ class CheckpointEngineManager:
                  bucket_size: Optional[int] = None, timeout: Optional[float] = None,
                  keep_group: bool = True, offload_trainer: bool = False,
                  isolate_failures: bool = True, atomic: Optional[bool] = None,
+                 delta: Any = None, quantize: Optional[str] = None,
                  **engine_kwargs: Any) -> None:
         if not isinstance(backend, str):
             raise ValueError(f"backend must be a backend name (str), got {backend!r}")
+        # delta / FP8: the codec layer over the backend ("shm" + delta=True: "delta+shm");
+        # None: WEIGHTSYNC_DELTA / WEIGHTSYNC_QUANTIZE, else the name's defaults
+        backend, codec_kw = resolve_backend(backend, delta=delta,
+                                            quantize="unset" if quantize is None else quantize)
         engine_cls = CheckpointEngineRegistry.get(backend)  # unknown -> clear error
+        self.codec = codec_options(engine_cls, codec_kw)
         trainers = _trainer_list(trainer)
         if isinstance(replicas, (str, bytes)) or not isinstance(replicas, (list, tuple)):
             raise ValueError("replicas must be a list of rollout worker handles")
@@ -132,7 +139,7 @@ class CheckpointEngineManager:
         self._replicas = ReplicaSet()
         self._group = ReplicaGroup(
             backend, engine_cls, {"bucket_size": config.bucket_size, "timeout": config.timeout,
-                                  **engine_kwargs},
+                                  **engine_kwargs, **codec_kw},
             trainers, self._replicas, timeout=config.timeout,
             call_timeout=2 * config.timeout + 60, settle=config.timeout + 5.0,
             isolate_failures=bool(isolate_failures), abort_on_failure=self.atomic)
@@ -317,7 +324,7 @@ class CheckpointEngineManager:
         self._replicas.check_kinds(report.kinds)
         if self.atomic:
             check_staging(self._replicas, report.kinds)
-        run_validate(g, self._replicas, report, rounds, self._dtype)
+        run_validate(g, self._replicas, report, rounds, self._dtype, self.codec)
         g.replica_step(report, "pause", "ws_pause", kwargs={"abort": True})
         self._replicas.mark_fenced()
         g.replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
@@ -399,7 +406,7 @@ class CheckpointEngineManager:
         ``fence``: a replica that differs is fenced and marked stale until the next sync."""
         with self._lock:
             return run_verify(self._group, self._replicas, self.version, self._dtype,
-                              fence=fence)
+                              fence=fence, codec=self.codec)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, replica: Optional[int] = None,
                  **kwargs: Any) -> list:

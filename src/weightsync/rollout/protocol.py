@@ -65,6 +65,7 @@ import torch
 
 from weightsync.core.aio import AsyncRunner
 from weightsync.transport.registry import CheckpointEngineRegistry
+from weightsync.transport.codec import carry_codec_state
 from weightsync.core.config import SLEEP_LEVELS, WAKE_TAGS, WEIGHT_KINDS
 from weightsync.core.errors import SyncTimeout, WeightSyncError
 
@@ -361,12 +362,14 @@ class LocalEngineRollout(ReplicaControls, abc.ABC):
     # -- engine lifecycle -----------------------------------------------------------------
     def engine_prepare(self, backend: str, engine_kwargs: dict) -> list:
         self._record("engine_prepare")
-        if self._engine is not None:
+        old = self._engine
+        if old is not None:
             self._check_idle("replace")
-            self._engine.finalize()
+            old.finalize()
         kwargs = dict(engine_kwargs)
         kwargs.setdefault("device", self.device)
         self._engine = CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
+        carry_codec_state(old, self._engine)    # delta bases outlive a rebuilt group
         return [self._engine.prepare()]
 
     def engine_init(self, kwargs_list: list) -> None:

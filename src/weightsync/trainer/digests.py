@@ -8,13 +8,14 @@ itself lives in :mod:`weightsync.core.digests`. Called by the Ray trainer mixin.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from weightsync.core.digests import tensor_digest
 from weightsync.core.plan import dtype_from_name, dtype_name
 from weightsync.trainer.export import export_weights, plan_export
+from weightsync.transport.codec.fp8 import DEFAULT_SKIP, Quantizer
 
 __all__ = ["describe_export", "export_digests"]
 
@@ -33,16 +34,29 @@ def describe_export(model: torch.nn.Module, kind: str = "full",
 
 def export_digests(model: torch.nn.Module, *, kind: str = "full",
                    dtype: Optional[torch.dtype] = None, group: Any = None,
-                   cast_to: Optional[dict[str, str]] = None) -> dict[str, str]:
+                   cast_to: Optional[dict[str, str]] = None, quantize: Optional[str] = None,
+                   quantize_skip: Optional[Sequence[str]] = None) -> dict[str, str]:
     """Digests of the tensors this rank exports (every rank of the export group must call
     it: FSDP2 shards move to their owners as in a sync), each cast to ``cast_to[name]``
-    first when given (the dtype the replica holds it in)."""
+    first when given (the dtype the replica holds it in). ``quantize`` (an FP8 scheme of
+    the codec): the tensors it quantizes are hashed as FP8 weight and scale, as the
+    replica got them (the quantizer is deterministic)."""
+    quantizer = None
+    if quantize:
+        quantizer = Quantizer(quantize, skip=DEFAULT_SKIP if quantize_skip is None
+                              else tuple(quantize_skip))
     out = {}
+    # as in a sync: the export (cast to ``dtype``) is what the codec quantizes
     for name, t in export_weights(model, kind=kind, dtype=dtype, group=group):
-        want = (cast_to or {}).get(name)
-        if want is not None:
-            held = dtype_from_name(want)
-            if t.dtype != held:
-                t = t.to(held)
-        out[name] = tensor_digest(t)
+        pieces = quantizer.expand(name, t) if quantizer is not None else [(name, t)]
+        for piece_name, piece in pieces:
+            if piece is not t:                        # FP8 weight or scale: as held
+                out[piece_name] = tensor_digest(piece)
+                continue
+            want = (cast_to or {}).get(piece_name)
+            if want is not None:
+                held = dtype_from_name(want)
+                if piece.dtype != held:
+                    piece = piece.to(held)
+            out[piece_name] = tensor_digest(piece)
     return out

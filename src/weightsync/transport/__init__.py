@@ -20,3 +20,10 @@ for _name, _module in (
     ("nixl", "weightsync.transport.backends.nixl.engine"),
 ):
     CheckpointEngineRegistry.register_lazy(_name, _module)
+
+# the codec layer over each of them (delta updates, FP8 on the fly): ``delta+shm``,
+# ``fp8+shm``, ``delta+fp8+shm``, ... (weightsync.transport.codec)
+for _inner in ("inproc", "shm", "collective", "cuda_ipc", "nixl"):
+    for _prefix in ("delta", "fp8", "delta+fp8"):
+        CheckpointEngineRegistry.register_lazy(f"{_prefix}+{_inner}",
+                                               f"weightsync.transport.codec.wrapped.{_inner}")

@@ -84,6 +84,9 @@ def connect(backend: str, *, role: str, rank: int = 0, trainer_world_size: int =
     """Create an engine of ``backend`` and join it to its group; returns it ready to sync.
 
     ``token`` (or ``WEIGHTSYNC_TOKEN``) is required: the same secret in every process.
+    ``delta=True|False|"auto"`` and ``quantize="fp8-block"|"fp8-tensor"|None`` (or
+    ``WEIGHTSYNC_DELTA`` / ``WEIGHTSYNC_QUANTIZE``) put the codec layer over ``backend``
+    (``"shm"`` with ``delta=True`` is ``"delta+shm"``); every process must agree.
     ``timeout`` defaults to ``WEIGHTSYNC_TIMEOUT`` (else 300 s), like the engine's own."""
     if role not in ("trainer", "rollout"):
         raise ValueError(f"role must be 'trainer' or 'rollout', got {role!r}")
@@ -94,7 +97,10 @@ def connect(backend: str, *, role: str, rank: int = 0, trainer_world_size: int =
     token = _job_token(token)
     if timeout is not None:
         engine_kwargs["timeout"] = timeout
-    engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs)
+    from weightsync.transport.codec import resolve_backend
+    backend, codec_kw = resolve_backend(backend, delta=engine_kwargs.pop("delta", None),
+                                        quantize=engine_kwargs.pop("quantize", "unset"))
+    engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs, **codec_kw)
     timeout = engine.config.timeout      # keyword, else WEIGHTSYNC_TIMEOUT, else default
     store: Optional[ControlClient] = None
     try:

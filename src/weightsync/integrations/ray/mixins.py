@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 from weightsync.core.aio import AsyncRunner
 from weightsync.transport.registry import CheckpointEngineRegistry
+from weightsync.transport.codec import carry_codec_state
 from weightsync.trainer.digests import describe_export, export_digests
 from weightsync.core.plan import dtype_from_name
 from weightsync.trainer.export import KINDS, export_weights
@@ -69,9 +70,11 @@ class TrainerWorkerMixin:
 
     def ws_prepare(self, backend: str, engine_kwargs: dict) -> dict:
         side = self._ws()
-        if side.engine is not None:
-            side.engine.finalize()
+        old = side.engine
+        if old is not None:
+            old.finalize()
         side.engine = CheckpointEngineRegistry.new(backend, role="trainer", **engine_kwargs)
+        carry_codec_state(old, side.engine)     # delta bases outlive a rebuilt group
         side.last_kind = None
         return side.engine.prepare()
 
@@ -108,12 +111,15 @@ class TrainerWorkerMixin:
         return describe_export(self.weightsync_model(), kind, self._export_dtype(dtype))
 
     def ws_digest(self, kind: str = "full", cast_to: Optional[dict] = None,
-                  dtype: Optional[str] = None) -> dict:
+                  dtype: Optional[str] = None, quantize: Optional[str] = None,
+                  quantize_skip: Optional[list] = None) -> dict:
         """Digests of the tensors this rank exports (every rank must call it; see
-        :func:`weightsync.trainer.digests.export_digests`)."""
+        :func:`weightsync.trainer.digests.export_digests`); ``quantize``: as the codec's
+        FP8 quantizer turns them into weights and scales."""
         return export_digests(self.weightsync_model(), kind=kind,
                               dtype=self._export_dtype(dtype),
-                              group=self.weightsync_group(), cast_to=cast_to)
+                              group=self.weightsync_group(), cast_to=cast_to,
+                              quantize=quantize, quantize_skip=quantize_skip)
 
     def _export_dtype(self, dtype: Optional[str]) -> Any:
         if dtype is not None:

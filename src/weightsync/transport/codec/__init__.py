@@ -12,17 +12,18 @@ This package owns the codec layer, which sits above every transport backend:
 * :mod:`.fp8`: block (128 x 128, ``weight_scale_inv``) and per-tensor FP8 quantization;
 * :mod:`.control`: the small per-sync control exchange; :mod:`.options`: options + env.
 
-Importing this package registers the codec names with the registry (lazily: nothing is
-imported until a name is asked for).
+The codec names are registered with the registry by :mod:`weightsync.transport` itself
+(lazily: nothing here is imported until a name is asked for).
 """
 
-from weightsync.transport.codec.engine import CodecEngine, PREFIXES, codec_backend_name
+from weightsync.transport.codec.engine import (CodecEngine, PREFIXES, carry_codec_state,
+                                               codec_backend_name, codec_options, resolve_backend,
+                                               split_backend_name)
 from weightsync.transport.codec.fp8 import Quantizer
 from weightsync.transport.codec.options import CodecOptions
-from weightsync.transport.registry import CheckpointEngineRegistry
 
 __all__ = ["CodecEngine", "CodecOptions", "Quantizer", "codec_backend_name", "INNER_BACKENDS",
-           "codec_names"]
+           "codec_names", "codec_options", "carry_codec_state", "resolve_backend", "split_backend_name"]
 
 INNER_BACKENDS = ("inproc", "shm", "collective", "cuda_ipc", "nixl")
 
@@ -30,9 +31,3 @@ INNER_BACKENDS = ("inproc", "shm", "collective", "cuda_ipc", "nixl")
 def codec_names() -> list[str]:
     """Every codec backend name (registered or not yet loaded)."""
     return [f"{p}+{b}" for b in INNER_BACKENDS for p in PREFIXES]
-
-
-for _backend in INNER_BACKENDS:
-    for _prefix in PREFIXES:
-        CheckpointEngineRegistry.register_lazy(f"{_prefix}+{_backend}",
-                                               f"weightsync.transport.codec.wrapped.{_backend}")

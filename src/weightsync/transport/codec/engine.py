@@ -34,7 +34,9 @@ from weightsync.core.errors import BackendUnavailable, TopologyError
 from weightsync.transport.base import CheckpointEngine, check_topology
 from weightsync.transport.codec.control import CodecLink
 from weightsync.transport.codec.fp8 import Quantizer
-from weightsync.transport.codec.options import split_options
+from weightsync.core.config import env_value
+from weightsync.transport.codec.options import (CodecOptions, parse_delta, parse_quantize,
+                                                split_options)
 from weightsync.transport.codec.receiver import CodecReceiver
 from weightsync.transport.codec.sender import CodecSender
 from weightsync.transport.codec.state import ReceiverBases, SenderBases
@@ -43,7 +45,8 @@ from weightsync.transport.control.store import close_store, connect_store, host_
 from weightsync.transport.protocol.receiver import patience
 from weightsync.transport.registry import CheckpointEngineRegistry
 
-__all__ = ["CodecEngine", "register_wrapped", "PREFIXES", "codec_backend_name"]
+__all__ = ["CodecEngine", "register_wrapped", "PREFIXES", "codec_backend_name",
+           "resolve_backend", "split_backend_name", "codec_options", "carry_codec_state"]
 
 #: name prefix -> (delta, quantize) defaults of the engines registered under it.
 PREFIXES = {"delta": (True, None), "fp8": (False, "fp8-block"), "delta+fp8": (True, "fp8-block")}
@@ -202,6 +205,59 @@ def codec_backend_name(backend: str, *, delta: Any = False, quantize: Optional[s
     return f"{prefix}+{backend}" if prefix else backend
 
 
+def carry_codec_state(old: Any, new: Any) -> bool:
+    """When a worker replaces its engine (a rebuilt group) by one of the same codec
+    backend, ``new`` takes ``old``'s bases and held ids, so deltas go on instead of one
+    dense sync per rebuild (receivers still check every base by digest). True if taken."""
+    if (isinstance(old, CodecEngine) and isinstance(new, CodecEngine)
+            and type(old) is type(new) and old.config.role == new.config.role):
+        new.adopt_codec_state(old)
+        return True
+    return False
+
+
+def codec_options(engine_cls: type, kwargs: dict[str, Any]) -> Optional[CodecOptions]:
+    """The options an engine of ``engine_cls`` built with ``kwargs`` will run with (the
+    environment read now, as the engine reads it); ``None`` for a plain transport."""
+    if not (isinstance(engine_cls, type) and issubclass(engine_cls, CodecEngine)):
+        return None
+    return split_options(dict(kwargs), delta=engine_cls.default_delta,
+                         quantize=engine_cls.default_quantize)[0]
+
+
+def split_backend_name(name: str) -> tuple[str, str]:
+    """``(codec prefix or "", inner backend)`` of a registered name (``"delta+fp8+shm"`` ->
+    ``("delta+fp8", "shm")``)."""
+    for prefix in sorted(PREFIXES, key=len, reverse=True):
+        if name.startswith(prefix + "+"):
+            return prefix, name[len(prefix) + 1:]
+    return "", name
+
+
+def resolve_backend(backend: str, *, delta: Any = None, quantize: Any = "unset"
+                    ) -> tuple[str, dict[str, Any]]:
+    """The backend name an entry point should build, and the codec keywords to give it.
+
+    ``delta`` / ``quantize`` as the caller gave them (``None`` / ``"unset"``: not given,
+    then ``WEIGHTSYNC_DELTA`` / ``WEIGHTSYNC_QUANTIZE``, read now). A plain transport name
+    with delta or FP8 asked for becomes its codec name (``"shm"`` + ``delta=True`` ->
+    ``"delta+shm"``); a codec name stays, with the given options as its keywords (they
+    override the name's defaults). ``ValueError`` for a bad value."""
+    given: dict[str, Any] = {}
+    if delta is not None:
+        given["delta"] = parse_delta(delta)
+    if quantize != "unset":
+        given["quantize"] = parse_quantize(quantize)
+    prefix, inner = split_backend_name(backend)
+    if prefix:
+        return backend, given
+    d = given.get("delta", env_value("DELTA", parse_delta, False))
+    q = given["quantize"] if "quantize" in given else env_value("QUANTIZE", parse_quantize, None)
+    if not d and not q:
+        return backend, {}
+    return codec_backend_name(backend, delta=d, quantize=q), {"delta": d, "quantize": q}
+
+
 def register_wrapped(inner_name: str) -> list[str]:
     """Register ``delta+``, ``fp8+`` and ``delta+fp8+`` of ``inner_name``; the names.
     ``ImportError`` if the inner backend cannot be loaded (the registry keeps it)."""
@@ -214,7 +270,10 @@ def register_wrapped(inner_name: str) -> list[str]:
         name = f"{prefix}+{inner_name}"
         if name not in _WRAPPED:
             attrs = {"inner_cls": inner, "default_delta": d, "default_quantize": q,
-                     "capabilities": frozenset(inner.capabilities) - {"shards"},
+                     # "codec": a layer over a transport; "lossy": FP8 changes the values
+                     # and adds scale tensors (bit-exact checks compare with the quantizer)
+                     "capabilities": (frozenset(inner.capabilities) - {"shards"})
+                     | {"codec"} | ({"lossy"} if q else set()),
                      "__module__": __name__,
                      "__doc__": f"``{name}``: {inner_name} with the codec (delta={d}, "
                                 f"quantize={q})."}
