@@ -72,6 +72,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", type=int, default=0, metavar="N",
                    help="also sync N tensors of 16 elements and print the time per tensor "
                         "(the per-tensor overhead; e.g. 10000)")
+    p.add_argument("--changed", type=float, default=0.0, metavar="F",
+                   help="per sync, change this fraction of every tensor's elements (default 0: "
+                        "one element per tensor); e.g. 0.005 with --methods delta+shm,shm")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="write a GB/s plot (needs matplotlib)")
     p.add_argument("--markdown", metavar="PATH", help="write the tables and goals as Markdown")
@@ -125,7 +128,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = BenchConfig(sizes=args.sizes, dtypes=args.dtypes, receivers=args.receivers,
                           methods=args.methods, hf=not args.no_hf, warm=args.warm,
                           bucket_size=args.bucket_size, timeout=args.timeout,
-                          threads=args.threads, consume=args.consume, tiny=args.tiny)
+                          threads=args.threads, consume=args.consume, tiny=args.tiny,
+                          changed=args.changed)
         progress = _Progress(args.quiet)
         try:
             doc = run_bench(cfg, progress=progress, total_cb=progress.total_cb)

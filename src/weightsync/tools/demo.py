@@ -47,6 +47,8 @@ class DemoOptions:
     hidden: int = 256
     layers: int = 4
     vocab: int = 4096
+    delta: bool = False             # the codec's delta layer over the backend
+    lr: Optional[float] = None      # the trainers' AdamW lr (None: 1e-5 with delta, else 0.05)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "steps", "trainers", "prompts", "new_tokens", "hidden",
@@ -58,6 +60,9 @@ class DemoOptions:
             raise ValueError(f"--rollout must be one of {sorted(ROLLOUTS)}, got {self.rollout!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"--dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
+                                    or not 0 < self.lr < 1):
+            raise ValueError(f"--lr must be a number in (0, 1), got {self.lr!r}")
         if self.hidden % 8:
             raise ValueError(f"--hidden must be a multiple of 8, got {self.hidden}")
         if self.rollout == "vllm-server" and self.lora:
@@ -137,8 +142,9 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
     actors: list = []
     manager = None
     try:
+        lr = opts.lr if opts.lr is not None else (1e-5 if opts.delta else 0.05)
         trainers = trainer_group(opts.trainers, cfg, fsdp=True, timeout=opts.timeout,
-                                 lora=lora_config() if opts.lora else None)
+                                 lora=lora_config() if opts.lora else None, lr=lr)
         actors += trainers
         extra = {"backend": opts.backend} if opts.rollout == "vllm-server" else {}
         replicas = factory(opts.replicas, cfg, dtype=dtype, **extra)
@@ -147,12 +153,12 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
         manager = CheckpointEngineManager(
             opts.backend, trainers, replicas, colocated=opts.colocated,
             sleep_level=opts.sleep_level, bucket_size=opts.bucket_size, timeout=opts.timeout,
-            **engine_kw)
+            **({"delta": True} if opts.delta else {}), **engine_kw)
         setup = time.perf_counter() - t_start
-        out(f"weightsync demo: backend={opts.backend} rollout={opts.rollout} "
+        out(f"weightsync demo: backend={manager.backend} rollout={opts.rollout} "
             f"trainers={opts.trainers} (FSDP2, gloo) replicas={opts.replicas} "
             f"steps={opts.steps} colocated={opts.colocated} lora={opts.lora} "
-            f"dtype={opts.dtype}; set-up {setup:.1f} s")
+            f"dtype={opts.dtype} lr={lr:g}; set-up {setup:.1f} s")
         failures = _loop(opts, manager, trainers, replicas, cfg, out,
                          random_prompts(opts.prompts, 12, vocab_size=opts.vocab))
     finally:
@@ -212,6 +218,15 @@ def _loop(opts: DemoOptions, manager: Any, trainers: list, replicas: list, cfg: 
                    _mark(agg["logits"]) if not atol else ("close" if agg["logits"] else "DIFF"),
                    "ok" if agg["versions"] else "STALE",
                    "PASS" if ok else "FAIL"])
+        codec = [m["codec"] for m in report.trainer if isinstance(m, dict) and m.get("codec")]
+        if codec:
+            dense = sum(c["dense_bytes"] for c in codec)
+            changed = [c["changed_fraction"] for c in codec if c["changed_fraction"] is not None]
+            out(f"  codec: {'+'.join(sorted({c['mode'] for c in codec}))}, "
+                f"{report.bytes / 1e6:.3f} MB sent for {dense / 1e6:.2f} MB of weights "
+                f"({dense / max(report.bytes, 1):.1f} x fewer)"
+                + (f", {100 * max(changed):.2f} % of the elements changed" if changed else "")
+                + f", {sum(c['resent'] for c in codec)} resent")
         if atol and step == 1:
             out(f"note: {opts.rollout} computes with its own kernels: logits compared within "
                 f"{atol:g}, tokens exactly")
@@ -238,11 +253,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype the weights are synced (and the rollout runs) in")
     p.add_argument("--bucket-size", type=int, default=4 << 20, help="bytes per bucket")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any step may wait")
+    p.add_argument("--delta", action="store_true",
+                   help="delta updates: send only the changed elements (the codec over "
+                        "--backend; first sync dense); sets --lr 1e-5 unless given")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the trainers' AdamW learning rate (default 0.05; 1e-5 with --delta)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     opts = DemoOptions(backend=args.backend, replicas=args.replicas, steps=args.steps,
                        colocated=args.colocated, lora=args.lora, rollout=args.rollout,
                        trainers=args.trainers, dtype=args.dtype, sleep_level=args.sleep_level,
-                       bucket_size=args.bucket_size, timeout=args.timeout)
+                       bucket_size=args.bucket_size, timeout=args.timeout,
+                       delta=args.delta, lr=args.lr)
     return run_demo(opts, out=lambda line: print(line, flush=True))

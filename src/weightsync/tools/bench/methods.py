@@ -199,6 +199,30 @@ class Collective(WeightSync):
 class Nixl(WeightSync):
     backend = "nixl"
 
+
+class Delta(WeightSync):
+    """A backend with the codec's delta layer (``delta+<backend>``): run with
+    ``--changed F`` so that each sync changes a fraction of the elements, as training does."""
+
+    def info(self) -> dict:
+        if not self.metrics:
+            return {}
+        codec = self.metrics[-1].get("codec") or {}
+        return {k: codec.get(k) for k in ("mode", "dense_bytes", "record_bytes",
+                                          "sent_dense_bytes", "changed_fraction", "resent")}
+
+
+class DeltaShm(Delta):
+    backend = "delta+shm"
+
+
+class DeltaCollective(Delta):
+    backend = "delta+collective"
+
+
+class DeltaNixl(Delta):
+    backend = "delta+nixl"
+
     def info(self) -> dict:
         if not self.metrics:
             return {}
@@ -256,7 +280,9 @@ def method_table() -> dict[str, type[Method]]:
     if not _TABLE:
         from weightsync.tools.bench.baselines import BASELINES
         _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
-                       "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw})
+                       "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw,
+                       "delta+shm": DeltaShm, "delta+collective": DeltaCollective,
+                       "delta+nixl": DeltaNixl})
         _TABLE.update(BASELINES)
         _TABLE.update({"memcpy": Memcpy, "gloo-flat": GlooFlat,
                        "memcpy-parallel": MemcpyParallel})

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
                    "gloo-flat", "memcpy-parallel")
-ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw")
+ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw",
+                                 "delta+shm", "delta+collective", "delta+nixl")
 
 
 @dataclass(kw_only=True)
@@ -50,6 +51,8 @@ class BenchConfig:
     consume: str = "into"               # receivers: "into" (receive_into, the tuned path) or
                                         # "copy" (README: async for + params[name].copy_)
     tiny: int = 0                       # > 0: also N tensors of 16 elements (us per tensor)
+    changed: float = 0.0                # per sync, this fraction of every tensor's elements
+                                        # changes (0: one element per tensor); for delta+*
 
     def __post_init__(self) -> None:
         bad = set(self.methods) - set(ALL_METHODS)
@@ -77,6 +80,9 @@ class BenchConfig:
             parse_size(s)
         if isinstance(self.tiny, bool) or not isinstance(self.tiny, int) or self.tiny < 0:
             raise ValueError(f"tiny must be a tensor count >= 0, got {self.tiny!r}")
+        if isinstance(self.changed, bool) or not isinstance(self.changed, (int, float)) \
+                or not 0 <= self.changed <= 1:
+            raise ValueError(f"changed must be a fraction in [0, 1], got {self.changed!r}")
 
 
 def mem_available() -> int:
@@ -93,6 +99,8 @@ def mem_available() -> int:
 def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
     """Rough bytes a method needs beyond the models (for skipping what cannot fit)."""
     n, cap, big = w.nbytes, min(w.nbytes, GiB), w.largest
+    if method.startswith("delta+"):      # the trainer's base copy + the inner backend's
+        return n + method_memory(method[len("delta+"):], w, receivers, bucket)
     return {
         "shm": 2 * bucket + receivers * big + 2 * cap,
         "shm-buckets": 2 * bucket + receivers * big + 2 * cap,
@@ -215,7 +223,9 @@ def _durations(results: list[dict], key: str, part: str) -> list[float]:
 
 #: goals compare these pairs step by step (the limit runs right before each step)
 PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "shm-direct": "memcpy",
-         "collective": "gloo-flat", "nixl": "nixl-raw"}
+         "collective": "gloo-flat", "nixl": "nixl-raw",
+         # a delta sync against the dense sync of the same backend, step by step
+         "delta+shm": "shm", "delta+collective": "collective", "delta+nixl": "nixl"}
 
 
 def _summarize(w: Workload, method: str, receivers: int, results: list[dict],
@@ -325,7 +335,7 @@ def _run_pool(cfg: BenchConfig, receivers: int, works: list[Workload], ray_opts:
                 pair = PAIRS.get(method) if cfg.paired and PAIRS.get(method) in cfg.methods \
                     else None
                 opts = {"warm": cfg.warm, "bucket_size": cfg.bucket_size, "pair": pair,
-                        "into": cfg.consume == "into",
+                        "into": cfg.consume == "into", "changed": cfg.changed,
                         **ray_opts}
                 try:
                     res = pool.command(("run", method, opts), cfg.timeout * (cfg.warm + 3))

@@ -111,13 +111,18 @@ class Ctx:
             raise RuntimeError(f"bench rank {self.rank}: aborted by the parent ({payload})")
         return payload
 
-    def mark_version(self, version: int) -> None:
-        """Trainer: change a few bytes of every tensor so each sync carries new data."""
+    def mark_version(self, version: int, changed: float = 0.0) -> None:
+        """Trainer: change a few bytes of every tensor so each sync carries new data;
+        ``changed`` > 0: that fraction of each tensor's elements (a strided set that moves
+        with the version, as a training step touches elements all over a tensor)."""
         if not self.is_trainer:
             return
         for i, t in enumerate(self.params.values()):
             if t.numel():
                 t.view(-1)[0] = float((version * 31 + i) % 97) / 8.0
+                if changed > 0:
+                    stride = max(1, round(1 / changed))
+                    t.view(-1)[(version + i) % stride::stride] += 1
 
 
 def _build(ctx: Ctx, w: Workload) -> dict:
@@ -128,8 +133,8 @@ def _build(ctx: Ctx, w: Workload) -> dict:
     return {"rank": ctx.rank, "rss": rss_bytes()}
 
 
-def _timed(ctx: Ctx, method, version: int) -> tuple[float, float]:
-    ctx.mark_version(version)
+def _timed(ctx: Ctx, method, version: int, changed: float = 0.0) -> tuple[float, float]:
+    ctx.mark_version(version, changed)
     method.before_step(version)
     ctx.gather(None)
     t0 = time.perf_counter()
@@ -162,8 +167,8 @@ def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
         setup_s = time.perf_counter() - t_setup
         for it in range(1 + int(opts["warm"])):
             if paired is not None:
-                paired_times.append(_timed(ctx, paired, it + 1))
-            times.append(_timed(ctx, method, it + 1))
+                paired_times.append(_timed(ctx, paired, it + 1, opts.get("changed", 0.0)))
+            times.append(_timed(ctx, method, it + 1, opts.get("changed", 0.0)))
         peak = sampler.stop()
         ok = True
         if method.verify:
