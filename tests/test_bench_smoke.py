@@ -51,6 +51,27 @@ def test_bench_cli_smoke(tmp_path, capsys):
     assert md2.read_text() == md.read_text()
 
 
+@pytest.mark.timeout(300)
+def test_bench_delta_methods(tmp_path):
+    """``--methods delta+shm,shm --changed F``: the delta sync sends about F of the bytes,
+    replays its inner plan after the first sync, and delivers the exact tensors."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--sizes", "8MiB", "--dtypes", "bfloat16", "--receivers", "1",
+                 "--bucket-size", "1MiB", "--warm", "3", "--no-hf", "--quiet", "--timeout",
+                 "60", "--methods", "delta+shm,shm", "--changed", "0.01", "--json",
+                 str(out)]) == 0
+    by_method = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    delta = by_method["delta+shm"]
+    assert delta["status"] == "ok" and delta["ok"], delta
+    info = delta["info"]
+    assert info["mode"] == "delta" and info["resent"] == 0
+    assert all(abs(f - 0.01) < 0.002 for f in info["changed_per_sync"][1:]), info
+    assert info["record_bytes"] < 0.05 * info["dense_bytes"]
+    assert info["layout_resent"][1:] == [0] * (len(info["layout_resent"]) - 1), info
+    with pytest.raises(ValueError):
+        BenchConfig(changed=1.5)
+
+
 def test_workloads_and_config():
     assert parse_size("0.25") == 1 << 28 and parse_size("16MiB") == 16 << 20
     with pytest.raises(ValueError):

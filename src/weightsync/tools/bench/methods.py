@@ -199,6 +199,12 @@ class Collective(WeightSync):
 class Nixl(WeightSync):
     backend = "nixl"
 
+    def info(self) -> dict:
+        if not self.metrics:
+            return {}
+        last = self.metrics[-1]
+        return {k: last.get(k) for k in ("tensors", "layout_sent", "held_bytes")}
+
 
 class Delta(WeightSync):
     """A backend with the codec's delta layer (``delta+<backend>``): run with
@@ -207,9 +213,16 @@ class Delta(WeightSync):
     def info(self) -> dict:
         if not self.metrics:
             return {}
-        codec = self.metrics[-1].get("codec") or {}
-        return {k: codec.get(k) for k in ("mode", "dense_bytes", "record_bytes",
-                                          "sent_dense_bytes", "changed_fraction", "resent")}
+        last = self.metrics[-1]
+        codec = last.get("codec") or {}
+        out = {k: codec.get(k) for k in ("mode", "dense_bytes", "record_bytes",
+                                         "sent_dense_bytes", "changed_fraction", "resent")}
+        # did the inner transport replay its plan (a layout that moves every sync does not)
+        out["layout_resent"] = [m.get("layout_sent", m.get("buckets_with_layout"))
+                                for m in self.metrics[1:]]
+        out["changed_per_sync"] = [(m.get("codec") or {}).get("changed_fraction")
+                                   for m in self.metrics]
+        return out
 
 
 class DeltaShm(Delta):
@@ -222,12 +235,6 @@ class DeltaCollective(Delta):
 
 class DeltaNixl(Delta):
     backend = "delta+nixl"
-
-    def info(self) -> dict:
-        if not self.metrics:
-            return {}
-        last = self.metrics[-1]
-        return {k: last.get(k) for k in ("tensors", "layout_sent", "held_bytes")}
 
 
 class NixlRaw(Method):

@@ -96,6 +96,7 @@ class Ctx:
         self.timeout = timeout
         self.workload: Optional[Workload] = None
         self.params: dict[str, torch.Tensor] = {}
+        self._marks = 1
 
     @property
     def is_trainer(self) -> bool:
@@ -120,9 +121,10 @@ class Ctx:
         for i, t in enumerate(self.params.values()):
             if t.numel():
                 t.view(-1)[0] = float((version * 31 + i) % 97) / 8.0
-                if changed > 0:
+                if changed > 0:     # new positions and values at every call
                     stride = max(1, round(1 / changed))
-                    t.view(-1)[(version + i) % stride::stride] += 1
+                    t.view(-1)[(self._marks + i) % stride::stride] = float(self._marks % 251) / 64
+        self._marks += 1
 
 
 def _build(ctx: Ctx, w: Workload) -> dict:

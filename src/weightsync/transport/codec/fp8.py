@@ -44,7 +44,9 @@ def scale_name(name: str, scheme: str) -> str:
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # tensor / tensor: true division on every device (CUDA turns ``tensor / scalar`` into a
+    # multiplication by the reciprocal, off by an ulp from the CPU: the H200 run caught it)
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def quantize_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
