@@ -170,9 +170,18 @@ def pending_layers(model: torch.nn.Module) -> dict[str, list[int]]:
     return out
 
 
+#: Parameters vLLM's FP8 attention (``Fp8KVCacheMethod``) registers with defaults, which FP8
+#: checkpoints do not carry (DeepSeek-V3 / Kimi-K2 style block FP8 has none): a sync need not
+#: write them. Found loading such a checkpoint (every linear weight FP8 + weight_scale_inv)
+#: and reloading it through ``reload_weights``: the layerwise session brings them back.
+_DEFAULTED = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale")
+
+
 def _vllm_params(worker: Any, model: torch.nn.Module) -> set[str]:
+    """The parameters a sync must write (vLLM's names)."""
     lora = worker.vllm_config.lora_config is not None
-    return {n.replace(".base_layer.", ".") if lora else n for n, _ in model.named_parameters()}
+    return {n.replace(".base_layer.", ".") if lora else n for n, _ in model.named_parameters()
+            if not n.endswith(_DEFAULTED)}
 
 
 def apply_weights(worker: Any, items: Iterable, *, loader: str, version: Any,
