@@ -163,3 +163,20 @@ def test_delta_option_through_the_manager(cluster):
         # bf16 at lr 1e-5: a few % of the elements change per step
         assert max(sent[1], sent[2], sent[5]) < 0.5 * sent[0], sent
         assert on_all(replicas, "ws_version") == [6, 6]
+
+
+def test_fp8_option_is_checked_against_the_replicas_before_bytes(cluster):
+    """``quantize="fp8-block"``: the trainer's set is described as the replicas would get
+    it (FP8 weights + ``weight_scale_inv``); HF replicas of a bf16 model hold no scales,
+    so the sync is refused before anything moves, naming the tensors."""
+    from weightsync.core.errors import PlanMismatch
+
+    trainers, replicas = fresh(cluster)
+    with CheckpointEngineManager("shm", trainers, replicas, bucket_size=64 << 10, timeout=60,
+                                 quantize="fp8-block") as manager:
+        assert manager.backend == "fp8+shm" and manager.codec.quantize == "fp8-block"
+        on_all(trainers, "train_step", 1)
+        with pytest.raises(PlanMismatch, match="weight_scale_inv") as err:
+            manager.update_weights(1)
+        assert err.value.phase == "validate"
+        assert on_all(replicas, "ws_version") == [None, None]      # no byte moved
