@@ -426,6 +426,37 @@ def test_options_env_bound_and_names(codec, monkeypatch):
         w.step()
 
 
+def test_every_entry_point_resolves_the_options_alike(codec, monkeypatch):
+    """A plain backend with delta/FP8 asked for (keyword, else WEIGHTSYNC_*) becomes its
+    codec name; a codec name keeps its name and takes the keywords; bad values are
+    ValueErrors. The manager and connect() both go through resolve_backend."""
+    from weightsync.orchestration.manager import CheckpointEngineManager
+
+    resolve = codec.resolve_backend
+    assert resolve("shm") == ("shm", {})
+    assert resolve("shm", delta=True) == ("delta+shm", {"delta": True, "quantize": None})
+    assert resolve("nixl", quantize="fp8-block")[0] == "fp8+nixl"
+    assert resolve("collective", delta="auto", quantize="fp8-tensor") == \
+        ("delta+fp8+collective", {"delta": "auto", "quantize": "fp8-tensor"})
+    assert resolve("delta+shm", delta=False) == ("delta+shm", {"delta": False})
+    assert codec.split_backend_name("delta+fp8+cuda_ipc") == ("delta+fp8", "cuda_ipc")
+    with pytest.raises(ValueError):
+        resolve("shm", delta="maybe")
+    with pytest.raises(ValueError):
+        resolve("shm", quantize="int4")
+    monkeypatch.setenv("WEIGHTSYNC_DELTA", "1")
+    monkeypatch.setenv("WEIGHTSYNC_QUANTIZE", "fp8-block")
+    assert resolve("shm")[0] == "delta+fp8+shm"
+    assert resolve("shm", delta=False, quantize=None) == ("shm", {})   # keywords win
+    monkeypatch.delenv("WEIGHTSYNC_QUANTIZE")
+    m = CheckpointEngineManager("inproc", object(), [])
+    assert m.backend == "delta+inproc" and m.codec.delta is True and m.codec.quantize is None
+    monkeypatch.delenv("WEIGHTSYNC_DELTA")
+    m = CheckpointEngineManager("shm", object(), [], quantize="fp8-tensor")
+    assert m.backend == "fp8+shm" and m.codec.quantize == "fp8-tensor"
+    assert CheckpointEngineManager("shm", object(), []).codec is None
+
+
 # -- across processes, with the harness --------------------------------------------------
 @dataclass(kw_only=True)
 class CodecSpec(GroupSpec):

@@ -56,6 +56,45 @@ def test_connect_two_processes(backend):
     eng.finalize()
 
 
+def _delta_rollout(address, q):
+    try:
+        eng = weightsync.connect("shm", role="rollout", address=address, timeout=30,
+                                 bucket_size=1 << 16, delta=True)
+        params = {"w": torch.zeros(1 << 16)}
+
+        async def go(v):
+            async for _ in eng.receive_into(params, version=v):
+                pass
+        for v in (1, 2):
+            asyncio.run(go(v))
+        eng.finalize()
+        q.put((eng.backend_name, params["w"].tolist()))
+    except Exception as exc:  # reported to the test
+        q.put(repr(exc))
+
+
+@pytest.mark.timeout(120)
+def test_connect_with_delta_builds_the_codec_over_the_backend():
+    address = f"127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_delta_rollout, args=(address, q))
+    p.start()
+    eng = weightsync.connect("shm", role="trainer", address=address, timeout=30,
+                             bucket_size=1 << 16, delta=True)
+    assert eng.backend_name == "delta+shm"
+    w = torch.randn(1 << 16)
+    first = asyncio.run(eng.send_weights([("w", w)], version=1))
+    w[::1000] += 1.0
+    second = asyncio.run(eng.send_weights([("w", w)], version=2))
+    got = q.get(timeout=60)
+    p.join(30)
+    eng.finalize()
+    assert got == ("delta+shm", w.tolist())
+    assert first["codec"]["mode"] == "dense" and second["codec"]["mode"] == "delta"
+    assert second["bytes"] < 0.1 * first["bytes"]
+
+
 @pytest.mark.timeout(60)
 def test_peer_that_never_arrives_times_out():
     address = f"127.0.0.1:{_free_port()}"
