@@ -369,3 +369,20 @@ def test_calibration_rows_and_sender_bytes_exact():
            if len(r.get("bytes_per_sender", {}).get("measured", [])) == 2]
     assert two and two[0]["predicted"] == two[0]["measured"]
     assert "| case |" in calibrate.format_markdown(doc)
+
+
+def test_every_preset_file_is_package_data():
+    """The presets travel in the wheel: pyproject's package-data globs cover every file
+    under planner/presets (a non-editable install would miss one otherwise)."""
+    import fnmatch
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    conf = tomllib.loads((root / "pyproject.toml").read_text())
+    globs = conf["tool"]["setuptools"]["package-data"]["weightsync.tools.planner"]
+    pkg = root / "src" / "weightsync" / "tools" / "planner"
+    files = [p.relative_to(pkg).as_posix() for p in (pkg / "presets").rglob("*") if p.is_file()]
+    assert files
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
+    assert not missing, missing
