@@ -19,7 +19,8 @@ from weightsync.transport.base import worker_kwargs
 
 BUCKET = 64 * 1024
 TIMEOUT = 6.0
-ENV = {"shm": "WEIGHTSYNC_SHM_DIRECT_MIN", "collective": "WEIGHTSYNC_COLLECTIVE_DIRECT_MIN"}
+ENV = {"shm": "WEIGHTSYNC_SHM_DIRECT_MIN", "collective": "WEIGHTSYNC_COLLECTIVE_DIRECT_MIN",
+       "delta+shm": "WEIGHTSYNC_SHM_DIRECT_MIN", "delta+collective": "WEIGHTSYNC_COLLECTIVE_DIRECT_MIN"}
 
 
 def _pair(backend, **kw):
@@ -245,20 +246,21 @@ def test_a_complete_receive_leaves_no_pump_behind(monkeypatch, backend):
 
 # -- items 3 and 4: no default-executor threads, nothing blocking on the caller's loop ----
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["shm", "collective"])
+@pytest.mark.parametrize("backend", ["shm", "collective", "delta+shm", "delta+collective"])
 def test_send_and_receive_on_one_loop_with_one_default_thread(monkeypatch, backend):
     monkeypatch.setenv(ENV[backend], str(1 << 40))   # bucketed only
     tr, rx = _pair(backend)
     try:
-        async def both():
+        async def both(v):
             asyncio.get_running_loop().set_default_executor(
                 concurrent.futures.ThreadPoolExecutor(1))
-            _, got = await asyncio.gather(tr.send_weights(_model(1), version=1),
-                                          _collect(rx, 1))
+            _, got = await asyncio.gather(tr.send_weights(_model(v), version=v),
+                                          _collect(rx, v))
             return got
         start = time.monotonic()
-        got = asyncio.run(both())
-        assert _exact(got, 1)
+        for v in (1, 2):           # the codec's second sync has deltas (its control steps)
+            got = asyncio.run(both(v))
+            assert _exact(got, v)
         assert time.monotonic() - start < TIMEOUT, "starved on the default executor"
     finally:
         _close(tr, rx)

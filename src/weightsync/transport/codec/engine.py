@@ -43,6 +43,7 @@ from weightsync.transport.codec.state import ReceiverBases, SenderBases
 from weightsync.transport.control.server import ControlClient
 from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
 from weightsync.transport.protocol.receiver import patience
+from weightsync.transport.protocol.sender import Worker
 from weightsync.transport.registry import CheckpointEngineRegistry
 
 __all__ = ["CodecEngine", "register_wrapped", "PREFIXES", "codec_backend_name",
@@ -161,6 +162,7 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
             self._leave()
             close_store(self._server)
             self._server = None
+            self._stop_worker()
 
     def reset_plan(self) -> None:
         self.inner.reset_plan()
@@ -194,7 +196,21 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
 
     async def _gather(self, seq: int, what: str, side: str, version: Any) -> list[dict]:
         t = self.config.timeout if self.config.role == "trainer" else patience(self.config.timeout)
-        return await asyncio.to_thread(self._link.gather, seq, what, side, t, version)
+        return await self._offload(self._link.gather, seq, what, side, t, version)
+
+    async def _offload(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` (a bounded wait on peers, or an encode) off the caller's loop, in this
+        engine's own thread (one step of a sync at a time): never in the loop's default
+        executor, which the caller and the other engines on its loop may need."""
+        worker = self.__dict__.get("_codec_worker")
+        if worker is None:
+            worker = self._codec_worker = Worker(f"weightsync-codec-{self.config.role}")
+        return await asyncio.wrap_future(worker.submit(fn, *args))
+
+    def _stop_worker(self) -> None:
+        worker = self.__dict__.pop("_codec_worker", None)
+        if worker is not None:
+            worker.close(patience(self.config.timeout) + 5)
 
 
 def codec_backend_name(backend: str, *, delta: Any = False, quantize: Optional[str] = None) -> str:

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, AsyncIterator, Mapping, Optional
 
@@ -59,7 +58,7 @@ class CodecReceiver:
         self.last_receive = stats.as_dict()
         try:
             held, rx.held = (dict(rx.held) if self._delta_on else {}), {}
-            await asyncio.to_thread(link.post, seq, "held", {"held": held})
+            await self._offload(link.post, seq, "held", {"held": held})
             stage = "needs/1"
             modes = await self._gather(seq, "mode", "trainer", version)
             stats.lap("modes")
@@ -67,14 +66,14 @@ class CodecReceiver:
             async for pair in self._round_one(version, params, records, stats):
                 yield pair
             stats.lap("round1")
-            await asyncio.to_thread(link.post, seq, "needs/1", {"needs": stats.needs})
+            await self._offload(link.post, seq, "needs/1", {"needs": stats.needs})
             needs = await self._gather(seq, "needs/1", "rollout", version)
             stats.lap("needs")
             stage = "needs/2"
             if any(v.get("needs") for v in needs):
                 async for pair in self._round_two(version, params, records, stats):
                     yield pair
-                await asyncio.to_thread(link.post, seq, "needs/2", {"needs": stats.needs})
+                await self._offload(link.post, seq, "needs/2", {"needs": stats.needs})
                 if stats.needs:
                     raise IntegrityError(f"codec: {stats.needs[:10]} were not resent",
                                          phase="codec", version=version)

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -47,13 +46,13 @@ class CodecSender:
         stats, posted, rounds = SendStats(), False, []
         lap = stats.lap
         try:
-            await asyncio.to_thread(self.bases.wait_refresh)
+            await self._offload(self.bases.wait_refresh)
             lap("digests")
             held = await self._gather(seq, "held", "rollout", version)
             lap("held")
             allow, reason = self._decide(held)
             mode = {"delta": allow, "base": self.bases.id, "new": new_id(), "reason": reason}
-            await asyncio.to_thread(link.post, seq, "mode", mode)
+            await self._offload(link.post, seq, "mode", mode)
             posted = True
             modes = await self._gather(seq, "mode", "trainer", version)
             lap("modes")
@@ -99,7 +98,7 @@ class CodecSender:
         async for name, tensor in aiter_items(named_tensors):
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes >= _OFFLOAD_BYTES:
-                pieces = await asyncio.to_thread(self._encode_item, name, tensor, allow, wrap,
+                pieces = await self._offload(self._encode_item, name, tensor, allow, wrap,
                                                  stats)
             else:
                 pieces = self._encode_item(name, tensor, allow, wrap, stats)
