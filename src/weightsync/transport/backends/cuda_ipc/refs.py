@@ -12,7 +12,6 @@ unchanged until ``send_weights`` returns; the engine keeps them referenced until
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import weakref
 from dataclasses import dataclass
@@ -137,12 +136,12 @@ class ZeroCopyMixin:
         limit = self.options.ref_batch_bytes or \
             self.config.bucket_size << min(len(self._ref_plan_new), 20)
         if self._ref_bytes >= limit or len(self._ref_entries) >= _MAX_REF_ENTRIES:
-            await asyncio.to_thread(self._publish_refs, state)
+            await self._blocking(self._publish_refs, state)
 
     async def _new_ref(self, name: str, tensor: torch.Tensor) -> TensorMeta:
         rid = self._known_region(tensor)
         if rid is None:  # first use of this storage: export it (blocking store calls)
-            rid = await asyncio.to_thread(self._export_region, tensor)
+            rid = await self._blocking(self._export_region, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         offset = (rid << REGION_SHIFT) + tensor.storage_offset() * tensor.element_size()
         return TensorMeta(name, tuple(tensor.shape), dtype_name(tensor.dtype), offset, nbytes,
@@ -201,7 +200,7 @@ class ZeroCopyMixin:
     async def _flush(self, state: Any, upto: Optional[int] = None) -> None:
         await super()._flush(state, upto)
         if upto is None:  # the end of the tensor stream
-            await asyncio.to_thread(self._publish_refs, state)
+            await self._blocking(self._publish_refs, state)
 
     def _finish_stream(self, state: Any) -> None:
         super()._finish_stream(state)
