@@ -10,6 +10,7 @@ import os
 import threading
 from typing import Any, Optional
 
+from weightsync.core.errors import WeightSyncError
 from weightsync.orchestration.calls import Call, call_all, values_or_raise
 from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker
 
@@ -19,7 +20,8 @@ EXIT_CODE = 17
 class FaultyRollout(HFRolloutWorker):
     """``arm(mode, version, after)``: while receiving ``version`` (any version if None),
     after ``after`` tensors: ``"raise"`` an error, ``"hang"`` until ``release()``, or
-    ``"exit"`` the process. ``arm_init("hang")`` makes ``ws_init`` never return."""
+    ``"exit"`` the process; ``"raise-named"``: once every tensor is loaded, an error that
+    names the replica by its own name (as a vLLM replica's post-load step would). ``arm_init("hang")`` makes ``ws_init`` never return."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -31,9 +33,14 @@ class FaultyRollout(HFRolloutWorker):
         rollout, original = self.rollout, self.rollout.load_weights
 
         async def load(weights, *, version, **kw):
-            if self._mode is not None and self._at in (None, version):
+            armed = self._mode is not None and self._at in (None, version)
+            if armed and self._mode != "raise-named":
                 weights = self._faulty(weights, self._mode)
-            return await original(weights, version=version, **kw)
+            out = await original(weights, version=version, **kw)
+            if armed and self._mode == "raise-named":   # after every byte, as post-load
+                raise WeightSyncError("injected failure after loading", peer=rollout.name,
+                                      phase="load", version=version)
+            return out
 
         rollout.load_weights = load
 
@@ -50,7 +57,7 @@ class FaultyRollout(HFRolloutWorker):
             yield item
 
     def arm(self, mode: Optional[str], version: Any = None, after: int = 3) -> None:
-        if mode not in (None, "raise", "hang", "exit"):
+        if mode not in (None, "raise", "hang", "exit", "raise-named"):
             raise ValueError(f"unknown fault {mode!r}")
         self._mode, self._at, self._after = mode, version, after
 

@@ -93,3 +93,20 @@ def test_an_ack_timeout_names_the_silent_rollout_rank_as_origin():
               [_fail("replica-0", at_r0), _fail("replica-1", SyncTimeout("hung", peer="replica-1"))],
               OWNERS)
     assert list(v.culprits) == ["replica-1"] and v.trainer_fault is None
+
+
+def test_a_replica_naming_itself_by_its_adapters_name_is_the_culprit_at_once():
+    """A vLLM replica's driver raises with ``peer=self.name`` (its adapter's own name, not
+    the manager's): with that name known (``self_name`` in its capabilities) it is the
+    replica's own failure, isolated in this step, not a relay left for the trainer's
+    timeout. Unknown, the old reading stays (a relay); a trainer rank stays a trainer."""
+    own = WeightSyncError("the vLLM engine died while loading", peer="vllm-0", phase="load")
+    v = blame([_ok("trainer rank 0")], [_fail("replica-0", own), _ok("replica-1")], OWNERS,
+              {"replica-0": "vllm-0", "replica-1": "vllm-0"})
+    assert list(v.culprits) == ["replica-0"] and not v.relays
+    v = blame([_ok("trainer rank 0")], [_fail("replica-0", own)], OWNERS)
+    assert not v.culprits and v.relays == ["replica-0"]
+    told = PeerFailed("trainer rank 0 went away", peer="trainer rank 0")
+    v = blame([_ok("trainer rank 0")], [_fail("replica-1", told)], OWNERS,
+              {"replica-1": "vllm-1"})
+    assert not v.culprits and v.relays == ["replica-1"]

@@ -107,6 +107,25 @@ def test_rollout_process_killed_mid_sync(cluster, backend):
     kill_actors([victim, replacement])
 
 
+def test_replica_failing_in_its_own_name_after_the_bytes_is_isolated(cluster):
+    """Every byte arrived (the trainers succeed), then the replica's own post-load step
+    fails naming the replica its own way (``peer=`` its adapter's name, as the vLLM
+    replica does): that is its own failure, isolated; the others keep the version."""
+    classes, trainers, replicas = cluster
+    victim = faulty(classes)
+    with CheckpointEngineManager("shm", trainers, replicas + [victim], bucket_size=64 << 10,
+                                 timeout=T) as manager:
+        step(manager, trainers, 1)
+        on_all([victim], "arm", "raise-named", 2)
+        report, ref, took = step(manager, trainers, 2)
+        assert report.isolated == ["replica-2"], report.summary()
+        assert "after loading" in report.failed[0].error
+        assert report.completed == ["replica-0", "replica-1"]
+        check(manager, replicas, ref, 2)
+        assert took < T, took        # no wait for a timeout: the evidence was there
+    kill_actors([victim])
+
+
 def test_replica_dead_before_the_sync(cluster):
     classes, trainers, replicas = cluster
     victim = faulty(classes)

@@ -123,7 +123,8 @@ class ReplicaGroup:
               replicas: list[Outcome], phase: str) -> Verdict:
         """Isolate the replicas to blame for a failed step, or raise the root cause when
         nothing can be isolated (a trainer's fault, no culprit, no replica left)."""
-        verdict = blame(trainers, replicas, self._rank_owner if phase != "prepare" else {})
+        verdict = blame(trainers, replicas, self._rank_owner if phase != "prepare" else {},
+                        self.replicas.aliases())
         if not verdict.failed:
             return verdict
         isolating = self.isolate_failures and not self.abort_on_failure

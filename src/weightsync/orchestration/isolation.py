@@ -5,8 +5,9 @@ returns a :class:`Verdict`:
 
 * a replica is a *culprit* when its own call shows its own failure: it died, it did not
   answer in time (the manager's bound), or it raised an error that names no peer, names
-  itself, or names one of its own receiving ranks; or when a trainer rank's error names
-  one of its receiving ranks (``"rollout rank 3"``);
+  itself (by the manager's name, or by the name its adapter gives itself: ``self_name`` in
+  its capabilities), or names one of its own receiving ranks; or when a trainer rank's
+  error names one of its receiving ranks (``"rollout rank 3"``);
 * a trainer rank is at fault when it died, did not answer, or raised an error of its own
   (no peer, itself, another trainer rank): nothing can be isolated then;
 * an error that names a peer (``"trainer rank 0"`` on a replica) is a relay: that replica
@@ -57,14 +58,19 @@ def _owner(peer: Optional[str], rank_owner: dict[int, str]) -> Optional[str]:
 
 
 def blame(trainers: list[Outcome], replicas: list[Outcome],
-          rank_owner: dict[int, str]) -> Verdict:
+          rank_owner: dict[int, str], aliases: Optional[dict[str, str]] = None) -> Verdict:
     """The verdict on one step (see the module doc). ``rank_owner``: receiving rank ->
-    replica name, for the group the step ran in (empty when no group is involved)."""
+    replica name, for the group the step ran in (empty when no group is involved).
+    ``aliases``: replica name -> the name its own errors give it (its adapter's
+    ``self_name``)."""
     v = Verdict()
+    aliases = aliases or {}
     for o in replicas:
         if o.ok:
             continue
         peer = source_of(o.error)
+        if peer is not None and peer == aliases.get(o.label):
+            peer = o.label                      # the replica naming itself its own way
         named = _owner(peer, rank_owner)
         if peer in (None, o.label) or named == o.label:
             v.culprits[o.label] = describe_error(o.error)   # its own word beats a peer's

@@ -121,6 +121,16 @@ class ReplicaSet:
     def __len__(self) -> int:
         return len(self._managed)
 
+    def aliases(self) -> dict[str, str]:
+        """Managed replica name -> the name its adapter gives itself in its errors (the
+        ``self_name`` of its capabilities, learned when the group was built)."""
+        out = {}
+        for r in self._managed:
+            own = r.caps.get("self_name") if isinstance(r.caps, dict) else None
+            if isinstance(own, str) and own:
+                out[r.name] = own
+        return out
+
     # -- health -----------------------------------------------------------------------
     def healthy(self) -> list[ReplicaRecord]:
         return [r for r in self._managed if r.state == "healthy"]

@@ -284,7 +284,14 @@ class RolloutWorkerMixin:
         return fn() if fn is not None else {"version": rollout.current_version()}
 
     def ws_capabilities(self) -> dict:
-        return self.weightsync_rollout().capabilities()
+        """The rollout's capabilities, plus ``self_name``: the name its own errors give it
+        (``peer=``), so the manager's isolation reads them as this replica's own failure."""
+        rollout = self.weightsync_rollout()
+        caps = dict(rollout.capabilities())
+        name = getattr(rollout, "name", None)
+        if isinstance(name, str) and name:
+            caps.setdefault("self_name", name)
+        return caps
 
     def ws_call_log(self) -> list:
         return self.weightsync_rollout().call_log()
