@@ -90,3 +90,45 @@ def test_inbox_pop_names_its_host_not_the_expected_sender():
     assert info.value.phase == "send" and info.value.version == "v2"
     inbox.close()
     store.close()
+
+
+@pytest.mark.timeout(60)
+def test_trainer_rank_0_leaving_lets_the_others_finish_reading_its_store():
+    """Trainer rank 0 hosts the ownership store. Its end-of-sync agreement returns once
+    every rank posted its names; a rank a little behind still reads them. Rank 0's
+    teardown waits for that (bounded) before closing the store (CI caught
+    test_two_trainers[disjoint-shm] with trainer rank 1 losing the store mid-read)."""
+    from weightsync.transport.control.store import close_store, connect_store, host_store
+    from weightsync.transport.protocol.ownership import Ownership
+
+    token = "t" * 32
+    host = host_store("127.0.0.1", 10, token)
+    o0 = Ownership(host, "ws/x", 0, 2, 10)
+    client = connect_store("127.0.0.1", host.port, token, 10, peer="trainer rank 0",
+                           phase="init")
+    o1 = Ownership(client, "ws/x", 1, 2, 10)
+    slow = o1._store.get
+
+    def behind(*args, **kwargs):
+        time.sleep(0.3)
+        return slow(*args, **kwargs)
+    o1._store.get = behind
+    errors = []
+
+    def rank1():
+        try:
+            o1.agree(1, ["a", "b"])
+        except Exception as exc:  # inspected below
+            errors.append(exc)
+    t = threading.Thread(target=rank1)
+    t.start()
+    o0.agree(1, ["a", "b"])
+    start = time.monotonic()
+    o0.drain(5.0)                  # what rank 0's teardown does before closing the store
+    took = time.monotonic() - start
+    o0.close()
+    close_store(host)
+    t.join(10)
+    client.close()
+    assert not errors, errors
+    assert took < 5.0, took        # it waited for rank 1's reads, not for its bound

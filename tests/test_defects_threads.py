@@ -293,3 +293,30 @@ def test_direct_send_leaves_the_callers_loop_free(monkeypatch, backend):
         assert worst < 0.5, f"the caller's loop was blocked for {worst:.2f}s"
     finally:
         _close(tr, rx)
+
+
+@pytest.mark.timeout(120)
+def test_codec_trainer_leaving_lets_a_slow_receiver_finish_its_last_reads():
+    """The codec's trainer rank 0 hosts the codec store. Its send returns once it read
+    every receiver's ``needs``; a receiver a little behind still reads them. Finalize
+    waits for the receiver's ``done`` (bounded) before closing the store."""
+    tr, rx = _pair("delta+shm")
+    try:
+        gather = rx._link.gather
+
+        def behind(seq, what, *args):
+            if what == "needs/1":
+                time.sleep(0.5)
+            return gather(seq, what, *args)
+        rx._link.gather = behind
+        t, out = _in_thread(lambda: asyncio.run(_collect(rx, 1)))
+        _send(tr, 1)
+        start = time.monotonic()
+        tr.finalize()                 # right after the send, as a trainer that exits
+        took = time.monotonic() - start
+        t.join(30)
+        assert "exc" not in out, out
+        assert _exact(out["value"], 1)
+        assert took < 5.0, took       # it waited for the receiver, not for its bound
+    finally:
+        _close(tr, rx)

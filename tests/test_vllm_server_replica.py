@@ -181,19 +181,22 @@ def test_fenced_mid_sync_and_after_a_failed_sync(server):
 def test_pause_aborts_a_running_generation_and_pauses_the_server(server):
     rollout = server.rollout
     out: dict = {}
-    long = [[1, 2, 3]]
+    long = [[1, 2, 3 + i] for i in range(8)]     # 8 x 500 tokens: seconds, even quiet
 
     def run():
         out["g"] = rollout.generate(long, max_new_tokens=500)
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.3)                      # the request is running (500 tokens take > 0.5 s)
+    deadline = time.monotonic() + 30
+    while rollout.gate.active == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)                      # the request reached the server and is decoding
     try:
         rollout.pause(abort=True)
         t.join(30)
-        assert not t.is_alive() and out["g"][0].aborted, out
-        assert len(out["g"][0].tokens) < 500
+        assert not t.is_alive() and all(g.aborted for g in out["g"]), out
+        assert all(len(g.tokens) < 500 for g in out["g"])
         assert rollout.client.is_paused()
     finally:
         rollout.resume()

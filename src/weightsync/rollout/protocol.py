@@ -171,6 +171,12 @@ class GenerationGate:
             self._cond.notify_all()
 
     @property
+    def active(self) -> int:
+        """Generation calls inside the gate now."""
+        with self._cond:
+            return self._active
+
+    @property
     def paused(self) -> bool:
         return self._paused
 

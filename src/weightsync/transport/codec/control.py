@@ -8,6 +8,10 @@ Per sync ``seq`` (both sides count their syncs from ``init_process_group``)::
     trainer t  -> mode/t      {"delta": bool, "base": id | null, "new": id, "wrap": bool}
     rollout r  -> needs/1/r   {"needs": [names to resend dense]}    after round 1
     rollout r  -> needs/2/r   {"needs": [...]}                       after a resend round
+    any        -> done/<role>/i  {}                                after its last read
+
+Trainer rank 0 closes the store only once every other engine posted ``done`` for the
+last sync (bounded: :meth:`CodecLink.drain`), so none loses it in the middle of a read.
 
 Trainer ranks wait for every ``held`` before they encode, receivers for every ``mode``
 before they receive; everybody reads every ``needs/1``, so all agree whether a resend
@@ -49,6 +53,22 @@ class CodecLink:
             raise PeerFailed(f"lost the codec control store ({exc})", peer="trainer rank 0",
                              phase="codec") from None
         self._mine.append(key)
+
+    def done(self, seq: int) -> None:
+        """This side read everything of sync ``seq`` it needs from the store."""
+        self.post(seq, f"done/{self.role}", {})
+
+    def drain(self, seq: int, timeout: float) -> None:
+        """Trainer rank 0, whose process hosts the store, before closing it: wait (at most
+        ``timeout``) until every other engine of the group is done with sync ``seq``, so
+        one a little behind does not lose the store in the middle of its last reads."""
+        keys = [self._key(seq, "done/trainer", t) for t in range(self.world)
+                if not (self.role == "trainer" and t == self.rank)]
+        keys += [self._key(seq, "done/rollout", r) for r in range(self.receivers)]
+        try:
+            self._client.wait(keys, timeout)
+        except (StoreTimeout, OSError):   # one that failed, or the store is gone already
+            return
 
     def post_error(self, seq: int, what: str, exc: BaseException) -> None:
         """Best effort: tell whoever waits for this side's ``what`` that it failed."""

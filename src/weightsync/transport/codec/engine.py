@@ -55,6 +55,8 @@ _WRAPPED: dict[str, type] = {}
 #: The inner engine's buckets are at most this big (records are small; a receiver applies
 #: one bucket while the trainer encodes the next).
 DELTA_BUCKET = 8 << 20
+#: how long trainer rank 0 waits, leaving, for the others to finish reading its store
+_DRAIN_S = 10.0
 
 
 class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
@@ -86,6 +88,7 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
         self._link: Optional[CodecLink] = None
         self._group: dict[str, Any] = {}
         self._seq = 0
+        self._done_seq = 0         # the last sync this trainer completed (see finalize)
 
     # -- lifecycle ------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -146,7 +149,7 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
                                world=int(group["world"]), receivers=int(group["receivers"]))
         self.config.role = role
         self._group = group
-        self._seq = 0
+        self._seq = self._done_seq = 0
 
     def _leave(self) -> None:
         if self._link is not None:
@@ -156,6 +159,9 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
 
     def finalize(self) -> None:
         self.bases.wait_refresh()
+        if self._server is not None and self._link is not None and self._done_seq:
+            # this process hosts the codec store: the others finish their last reads first
+            self._link.drain(self._done_seq, min(self.config.timeout, _DRAIN_S))
         try:
             self.inner.finalize()
         finally:

@@ -81,6 +81,7 @@ class CodecReceiver:
             if self._delta_on:
                 rx.held = {str(t): str(m.get("new")) for t, m in enumerate(modes)}
             rx.version = version
+            await self._offload(link.done, seq)
         except BaseException as exc:
             rx.held = {}
             if stage is not None:

@@ -22,6 +22,9 @@ from weightsync.transport.base import check_topology, per_worker
 
 __all__ = ["StoreGroupMixin"]
 
+#: how long trainer rank 0 waits, leaving, for the other ranks to finish reading its store
+_DRAIN_S = 10.0
+
 
 class StoreGroupMixin:
     """prepare / build_topology / joining for engines whose trainers host a store."""
@@ -147,6 +150,8 @@ class StoreGroupMixin:
             if inbox is not None:
                 inbox.close()
         if getattr(self, "_ownership", None) is not None:
+            # rank 0 hosts the store: let the other trainer ranks finish reading it first
+            self._ownership.drain(min(self.config.timeout, _DRAIN_S))
             self._ownership.close()
         for client in getattr(self, "_clients", []):
             if client is not self._server:

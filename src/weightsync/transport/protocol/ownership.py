@@ -37,6 +37,7 @@ class Ownership:
         self._timeout = timeout
         self._owner: Optional[dict[str, int]] = None
         self._posted = -1        # the last seq this rank posted its names (or failure) for
+        self._agreed = 0         # the last seq whose agreement this rank read
 
     def reset(self) -> None:
         self._owner = None
@@ -51,6 +52,22 @@ class Ownership:
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/names/{seq}/{rank}"
+
+    def _read_key(self, seq: int, rank: int) -> str:
+        return f"{self._prefix}/read/{seq}/{rank}"
+
+    def drain(self, timeout: float) -> None:
+        """Trainer rank 0, whose process hosts the store, before it closes it: wait (at
+        most ``timeout``) until every other rank has read the last agreement, so a rank
+        that is a little behind does not lose the store in the middle of its reads. A rank
+        that never comes (it failed) only costs the bound."""
+        if self.rank != 0 or self.world < 2 or self._agreed < 1:
+            return
+        keys = [self._read_key(self._agreed, r) for r in range(1, self.world)]
+        try:
+            self._store.wait(keys, timeout)
+        except (StoreTimeout, OSError):    # a rank that never read, or the store is gone
+            return
 
     def fail(self, seq: int, msg: ErrorMsg) -> None:
         """This rank's sync ``seq`` failed before the exchange: post the failure in place
@@ -72,6 +89,11 @@ class Ownership:
             msgs = [decode(self._store.get(k)) for k in keys]
             if seq > 1:
                 self._store.delete_key(self._key(seq - 1, self.rank))
+            if self.rank != 0:     # done reading rank 0's store for this sync (see drain)
+                self._store.set(self._read_key(seq, self.rank), b"1")
+                if seq > 1:
+                    self._store.delete_key(self._read_key(seq - 1, self.rank))
+            self._agreed = seq
         except StoreTimeout:
             try:
                 missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
