@@ -6,6 +6,8 @@ exchange the names they yielded through a store; each name is then owned by one 
 ranks that yield it, picked by a stable hash, so ownership is spread over the ranks and
 every later sync sends each name once. If a rank stops yielding a name it owns, the sync
 fails with ``PlanMismatch`` (and the next sync agrees afresh) instead of losing the name.
+Trainer rank 0 hosts the store: the other ranks post when they have read an agreement, and
+rank 0 waits for that (bounded, :meth:`Ownership.drain`) before its store closes.
 """
 
 from __future__ import annotations
