@@ -67,6 +67,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
 
 from weightsync.core.config import env_value, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry as _WsRegistry
+from weightsync.transport.codec import split_backend_name
 from weightsync.core.errors import TopologyError
 
 __all__ = ["WeightsyncVerlEngine", "VerlOptions", "register_backend", "registered_backends",
@@ -307,9 +308,13 @@ class WeightsyncVerlEngine(_VerlEngine):
         return out
 
 
+def _skipped(name: str) -> bool:
+    return split_backend_name(name)[1] in _SKIP     # "delta+inproc" is inproc underneath
+
+
 def register_backend(name: str) -> type:
     """Register weightsync backend ``name`` in verl's registry as ``weightsync-<name>``."""
-    if name.split("+")[-1] in _SKIP:       # "delta+inproc" is inproc underneath
+    if _skipped(name):
         raise ValueError(f"weightsync backend {name!r} cannot connect verl's processes")
     _WsRegistry.get(name)  # BackendUnavailable / ValueError now, not on first use
     cls_name = "Weightsync" + "".join(p.capitalize() for p in name.replace("+", "_").split("_")) \
@@ -341,5 +346,5 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 for _name in _WsRegistry.names():
-    if _name.split("+")[-1] not in _SKIP:
+    if not _skipped(_name):
         register_backend(_name)

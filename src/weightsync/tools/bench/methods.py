@@ -216,7 +216,7 @@ class Delta(WeightSync):
         last = self.metrics[-1]
         codec = last.get("codec") or {}
         out = {k: codec.get(k) for k in ("mode", "dense_bytes", "record_bytes",
-                                         "sent_dense_bytes", "changed_fraction", "resent")}
+                                         "sent_dense_bytes", "resent")}
         # did the inner transport replay its plan (a layout that moves every sync does not)
         out["layout_resent"] = [m.get("layout_sent", m.get("buckets_with_layout"))
                                 for m in self.metrics[1:]]
@@ -225,16 +225,7 @@ class Delta(WeightSync):
         return out
 
 
-class DeltaShm(Delta):
-    backend = "delta+shm"
-
-
-class DeltaCollective(Delta):
-    backend = "delta+collective"
-
-
-class DeltaNixl(Delta):
-    backend = "delta+nixl"
+DELTA_OVER = ("shm", "collective", "nixl")      # the bench's delta+<backend> methods
 
 
 class NixlRaw(Method):
@@ -287,9 +278,9 @@ def method_table() -> dict[str, type[Method]]:
     if not _TABLE:
         from weightsync.tools.bench.baselines import BASELINES
         _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
-                       "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw,
-                       "delta+shm": DeltaShm, "delta+collective": DeltaCollective,
-                       "delta+nixl": DeltaNixl})
+                       "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw})
+        _TABLE.update({f"delta+{b}": type(f"Delta_{b}", (Delta,), {"backend": f"delta+{b}"})
+                       for b in DELTA_OVER})
         _TABLE.update(BASELINES)
         _TABLE.update({"memcpy": Memcpy, "gloo-flat": GlooFlat,
                        "memcpy-parallel": MemcpyParallel})

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 from weightsync.tools.bench.workloads import (GiB, MiB, Workload, hf_qwen2, parse_size, synthetic,
                                              tiny)
 from weightsync.tools.bench.worker import worker_main
+from weightsync.tools.bench.methods import DELTA_OVER
 
 __all__ = ["BenchConfig", "run_bench", "ALL_METHODS", "DEFAULT_METHODS"]
 
@@ -29,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
                    "gloo-flat", "memcpy-parallel")
-ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw",
-                                 "delta+shm", "delta+collective", "delta+nixl")
+ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw") + \
+    tuple(f"delta+{b}" for b in DELTA_OVER)
 
 
 @dataclass(kw_only=True)

@@ -41,7 +41,8 @@ from weightsync.transport.codec.receiver import CodecReceiver
 from weightsync.transport.codec.sender import CodecSender
 from weightsync.transport.codec.state import ReceiverBases, SenderBases
 from weightsync.transport.control.server import ControlClient
-from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
+from weightsync.transport.control.store import (DRAIN_S, close_store, connect_store, host_store,
+                                                new_token)
 from weightsync.transport.protocol.receiver import patience
 from weightsync.transport.protocol.sender import Worker
 from weightsync.transport.registry import CheckpointEngineRegistry
@@ -55,8 +56,6 @@ _WRAPPED: dict[str, type] = {}
 #: The inner engine's buckets are at most this big (records are small; a receiver applies
 #: one bucket while the trainer encodes the next).
 DELTA_BUCKET = 8 << 20
-#: how long trainer rank 0 waits, leaving, for the others to finish reading its store
-_DRAIN_S = 10.0
 
 
 class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
@@ -161,7 +160,7 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
         self.bases.wait_refresh()
         if self._server is not None and self._link is not None and self._done_seq:
             # this process hosts the codec store: the others finish their last reads first
-            self._link.drain(self._done_seq, min(self.config.timeout, _DRAIN_S))
+            self._link.drain(self._done_seq, min(self.config.timeout, DRAIN_S))
         try:
             self.inner.finalize()
         finally:
@@ -270,8 +269,7 @@ def resolve_backend(backend: str, *, delta: Any = None, quantize: Any = "unset"
         given["delta"] = parse_delta(delta)
     if quantize != "unset":
         given["quantize"] = parse_quantize(quantize)
-    prefix, inner = split_backend_name(backend)
-    if prefix:
+    if split_backend_name(backend)[0]:
         return backend, given
     d = given.get("delta", env_value("DELTA", parse_delta, False))
     q = given["quantize"] if "quantize" in given else env_value("QUANTIZE", parse_quantize, None)

@@ -73,7 +73,8 @@ class CodecSender:
                     raise IntegrityError(f"codec: {still[:10]} still wrong after a dense "
                                          "resend", phase="codec", version=version)
             self.bases.id = mode["new"] if self._delta_on else None
-            await self._offload(link.done, seq)
+            if self._server is None:     # rank 0 hosts the store: nobody waits for its done
+                await self._offload(link.done, seq)
             self._done_seq = seq
         except BaseException as exc:
             self.bases.id = None

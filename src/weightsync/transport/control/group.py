@@ -15,15 +15,13 @@ import socket
 from typing import Any, Optional
 
 from weightsync.core.errors import TopologyError
-from weightsync.transport.control.store import Inbox, close_store, connect_store, host_store, new_token
+from weightsync.transport.control.store import (DRAIN_S, Inbox, close_store, connect_store,
+                                                host_store, new_token)
 from weightsync.transport.control.server import ControlClient
 from weightsync.transport.protocol.ownership import Ownership
 from weightsync.transport.base import check_topology, per_worker
 
 __all__ = ["StoreGroupMixin"]
-
-#: how long trainer rank 0 waits, leaving, for the other ranks to finish reading its store
-_DRAIN_S = 10.0
 
 
 class StoreGroupMixin:
@@ -151,7 +149,7 @@ class StoreGroupMixin:
                 inbox.close()
         if getattr(self, "_ownership", None) is not None:
             # rank 0 hosts the store: let the other trainer ranks finish reading it first
-            self._ownership.drain(min(self.config.timeout, _DRAIN_S))
+            self._ownership.drain(min(self.config.timeout, DRAIN_S))
             self._ownership.close()
         for client in getattr(self, "_clients", []):
             if client is not self._server:

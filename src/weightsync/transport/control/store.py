@@ -16,7 +16,7 @@ from weightsync.core.errors import AuthenticationError, PeerFailed, SyncTimeout,
 from weightsync.core.wire import Message, decode, encode
 from weightsync.transport.control.server import ControlClient, ControlServer, StoreTimeout
 
-__all__ = ["Inbox", "connect_store", "host_store", "new_token"]
+__all__ = ["Inbox", "connect_store", "host_store", "new_token", "DRAIN_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ def connect_store(host: str, port: int, token: str, timeout: float, *, peer: str
         raise SyncTimeout(exc.detail, peer=peer, phase=phase) from None
     except PermissionError as exc:
         raise AuthenticationError(str(exc), peer=peer, phase=phase) from None
+
+
+#: How long the process hosting a store waits, leaving, for its peers to finish reading it
+#: (the ownership agreement, the codec's exchange).
+DRAIN_S = 10.0
 
 
 def close_store(client: Optional[ControlClient]) -> None:

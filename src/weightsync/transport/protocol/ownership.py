@@ -13,6 +13,7 @@ rank 0 waits for that (bounded, :meth:`Ownership.drain`) before its store closes
 from __future__ import annotations
 
 import hashlib
+import time
 import zlib
 from typing import Optional
 
@@ -55,8 +56,8 @@ class Ownership:
     def _key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/names/{seq}/{rank}"
 
-    def _read_key(self, seq: int, rank: int) -> str:
-        return f"{self._prefix}/read/{seq}/{rank}"
+    def _read_key(self, rank: int) -> str:
+        return f"{self._prefix}/read/{rank}"    # the last seq that rank read, overwritten
 
     def drain(self, timeout: float) -> None:
         """Trainer rank 0, whose process hosts the store, before it closes it: wait (at
@@ -65,10 +66,17 @@ class Ownership:
         that never comes (it failed) only costs the bound."""
         if self.rank != 0 or self.world < 2 or self._agreed < 1:
             return
-        keys = [self._read_key(self._agreed, r) for r in range(1, self.world)]
+        keys = [self._read_key(r) for r in range(1, self.world)]
+        deadline = time.monotonic() + timeout
         try:
-            self._store.wait(keys, timeout)
-        except (StoreTimeout, OSError):    # a rank that never read, or the store is gone
+            while True:
+                self._store.wait(keys, max(0.0, deadline - time.monotonic()))
+                if all(int(self._store.get(k)) >= self._agreed for k in keys):
+                    return
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.005)
+        except (StoreTimeout, OSError, ValueError):  # one never read, the store is gone
             return
 
     def fail(self, seq: int, msg: ErrorMsg) -> None:
@@ -91,10 +99,8 @@ class Ownership:
             msgs = [decode(self._store.get(k)) for k in keys]
             if seq > 1:
                 self._store.delete_key(self._key(seq - 1, self.rank))
-            if self.rank != 0:     # done reading rank 0's store for this sync (see drain)
-                self._store.set(self._read_key(seq, self.rank), b"1")
-                if seq > 1:
-                    self._store.delete_key(self._read_key(seq - 1, self.rank))
+            if self.rank != 0:     # done reading rank 0's store up to this sync (see drain)
+                self._store.set(self._read_key(self.rank), str(seq).encode())
             self._agreed = seq
         except StoreTimeout:
             try:
