@@ -187,6 +187,101 @@ def test_fsdp2_shards_are_served_as_they_are():
     assert abs(served[0] - served[1]) <= 0.1 * max(served), served
 
 
+def _slice_keep(rank):
+    """Rank 0 keeps row halves and a strided column box; rank 1 the other halves, nothing of
+    'odd', and 'bias' whole (not listed)."""
+    from weightsync.core.xferplan import Keep
+
+    rows = lambda n: ((0, n // 2),) if rank == 0 else ((n // 2, n),)  # noqa: E731
+    return Keep(boxes={"embed": ((rows(1001)[0], (0, 64)),),
+                       "q": (((0, 64), (0, 32) if rank == 0 else (32, 64)),),
+                       "odd": (((2, 5), (1, 3)),) if rank == 0 else (),
+                       "big": ((rows(512)[0], (0, 256)), ((0, 8), (100, 140)))},
+                notes=(f"rank {rank}",))
+
+
+def _slice_receiver(rank, conn):
+    import asyncio
+
+    from weightsync.transport.tensors import partial_boxes
+
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    seen = []
+    engine.keep_slices(lambda tensors: seen.append(tensors) or _slice_keep(rank))
+    keep, bad = _slice_keep(rank), []
+    into = {"q": torch.zeros(64, 64, dtype=torch.bfloat16)}
+    for step in range(2):
+        want = _fsdp_tensors(step)
+
+        async def go():
+            return {n: t async for n, t in (engine.receive_into(into, step) if step
+                                             else engine.receive_weights(step))}
+        got = asyncio.run(go())
+        for n, w in want.items():
+            boxes = keep.of(n, w.shape)
+            if n == "q" and step:
+                if got[n] is not into["q"] or partial_boxes(got[n]) is not None:
+                    bad.append(("not placed into the caller's", n))
+            elif boxes != ((tuple((0, d) for d in w.shape)),) and partial_boxes(got[n]) != \
+                    tuple(b for b in boxes if all(y > x for x, y in b)):
+                bad.append(("boxes", n, partial_boxes(got[n])))
+            for box in boxes:
+                idx = tuple(slice(a, b) for a, b in box)
+                if not torch.equal(got[n][idx], w[idx]):
+                    bad.append((step, n, box))
+    conn.send({"bad": bad, "plan": engine.last_plan.bytes_per_source(), "calls": len(seen),
+               "names": sorted(n for n, _, _ in seen[0]), "notes": list(engine.last_plan.notes)})
+    engine.finalize()
+
+
+@pytest.mark.timeout(200)
+def test_receivers_pull_only_the_boxes_they_keep_from_fsdp2_shards():
+    """keep_slices: each receiver reads only its boxes (rows, a strided column block, none
+    of a tensor, a tensor whole) from two FSDP2 ranks' Shard(0) rows; the boxes hold exactly
+    the version's bytes, fresh tensors are marked with their boxes, receive_into places them
+    into the caller's tensor, and the callable runs once per trainer layout."""
+    import math
+
+    from weightsync.transport.base import worker_kwargs
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes, procs = [], []
+    for i in range(2):
+        a, b = ctx.Pipe()
+        procs.append(ctx.Process(target=_fsdp_trainer, args=(i, port, b)))
+        pipes.append(a)
+    for j in range(2):
+        a, b = ctx.Pipe()
+        procs.append(ctx.Process(target=_slice_receiver, args=(j, b)))
+        pipes.append(a)
+    for p in procs:
+        p.start()
+    try:
+        metas = [c.recv() for c in pipes]
+        cls = CheckpointEngineRegistry.get("nixl")
+        tk, rk = cls.build_topology(2, 2, metas)
+        for i, c in enumerate(pipes):
+            c.send(worker_kwargs(tk, i) if i < 2 else worker_kwargs(rk, i - 2))
+        results = [c.recv() for c in pipes]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    shapes = {n: t.shape for n, t in _fsdp_tensors(0).items()}
+    for rank, r in enumerate(results[2:]):
+        assert r["bad"] == [], r
+        assert r["calls"] == 1 and r["names"] == sorted(shapes), r
+        keep = _slice_keep(rank)
+        kept = sum(2 * math.prod(b - a for a, b in box) for n, s in shapes.items()
+                   for box in keep.of(n, s))
+        assert sum(r["plan"].values()) == kept, (r["plan"], kept)   # nothing more is read
+        assert any(n.endswith(f"rank {rank}") for n in r["notes"]), r["notes"]
+
+
 def _free_port():
     import socket
     with socket.socket() as s:

@@ -8,7 +8,9 @@ a tensor of another shape, a dtype that cannot be cast into the model's (floatin
 integer, say), or, for a weight set that must cover the model, a tensor left out.
 
 *After a sync* :func:`tensor_digest` hashes one tensor (xxh3-64 of dtype, shape and
-bytes); :func:`combine_digests` folds ``{name: digest}`` into one value, in name order.
+bytes); a receiver that keeps only boxes of a tensor (a tensor-parallel worker) hashes
+each box under :func:`box_key` (``name[a:b,c:d]``), which the trainer side hashes too;
+:func:`combine_digests` folds ``{name: digest}`` into one value, in name order.
 The trainer side (:func:`weightsync.trainer.digests.export_digests`) hashes what the export yields, each tensor cast
 to the dtype the replica holds it in, exactly as the replica's ``copy_`` casts it, so a
 replica that received every byte correctly has the same digests, whatever the sharding
@@ -30,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
 __all__ = ["describe_tensors", "check_weight_set", "tensor_digest", "combine_digests",
-           "compare_digests", "MAX_LISTED"]
+           "compare_digests", "box_key", "parse_box_key", "MAX_LISTED"]
 
 #: How many offending names an error message lists (all are kept on the exception).
 MAX_LISTED = 20
@@ -110,3 +112,20 @@ def compare_digests(expected: dict[str, str], got: dict[str, str]) -> list[str]:
     bad = [n for n, d in expected.items() if got.get(n) != d]
     bad += [n for n in got if n not in expected]
     return sorted(bad)
+
+
+def box_key(name: str, box: Iterable[tuple[int, int]]) -> str:
+    """The digest key of box ``box`` (a ``(start, stop)`` per dimension) of ``name``."""
+    return f"{name}[{','.join(f'{int(a)}:{int(b)}' for a, b in box)}]"
+
+
+def parse_box_key(key: str) -> tuple[str, tuple[tuple[int, int], ...]] | None:
+    """``(name, box)`` of a :func:`box_key`, None for a plain name."""
+    if not key.endswith("]") or "[" not in key:
+        return None
+    name, _, body = key[:-1].rpartition("[")
+    try:
+        box = tuple((int(a), int(b)) for a, b in (p.split(":") for p in body.split(",")))
+    except ValueError:
+        return None
+    return (name, box) if name else None

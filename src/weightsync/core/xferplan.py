@@ -22,10 +22,10 @@ import numpy as np
 
 from weightsync.core.errors import PlanMismatch
 from weightsync.core.plan import DTYPES, itemsize
-from weightsync.core.xfertypes import (PLAN_FORMAT, DestLayout, HeldRange, Read, SourceLayout,
+from weightsync.core.xfertypes import (PLAN_FORMAT, DestLayout, HeldRange, Keep, Read, SourceLayout,
                                        TransferPlan, Want, _I64, _int)
 
-__all__ = ["HeldRange", "SourceLayout", "Want", "DestLayout", "Read", "TransferPlan",
+__all__ = ["HeldRange", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
            "compile_plan", "PLAN_FORMAT"]
 
 @dataclass

@@ -20,7 +20,7 @@ import numpy as np
 
 from weightsync.core.plan import DTYPES, itemsize
 
-__all__ = ["HeldRange", "SourceLayout", "Want", "DestLayout", "Read", "TransferPlan",
+__all__ = ["HeldRange", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
            "PLAN_FORMAT"]
 
 PLAN_FORMAT = "weightsync.xferplan/1"
@@ -132,6 +132,40 @@ class DestLayout:
 
     def __post_init__(self) -> None:
         _norm(self, worker="str", wants=Want, notes=str)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Keep:
+    """What a receiver keeps of each tensor: ``boxes[name]`` are the boxes (a ``(start,
+    stop)`` per dimension of the full tensor) it needs, ``()`` for none; a name absent
+    from ``boxes`` is kept whole. ``notes`` go into the plan (e.g. why a tensor is whole)."""
+
+    boxes: Mapping[str, tuple[tuple[tuple[int, int], ...], ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.boxes, Mapping):
+            raise ValueError(f"Keep.boxes must be a mapping of name -> boxes, got "
+                             f"{type(self.boxes).__name__}")
+        norm = {}
+        for name, boxes in self.boxes.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"Keep.boxes: a name must be a non-empty string, got {name!r}")
+            out = []
+            for box in _seq(boxes, f"Keep.boxes[{name!r}]"):
+                pairs = _seq(box, f"Keep.boxes[{name!r}]")
+                if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+                    raise ValueError(f"Keep.boxes[{name!r}] must hold boxes of (start, stop) pairs")
+                out.append(tuple((_int(a, f"Keep.boxes[{name!r}]", 0),
+                                  _int(b, f"Keep.boxes[{name!r}]", 0)) for a, b in pairs))
+            norm[name] = tuple(out)
+        object.__setattr__(self, "boxes", norm)
+        _norm(self, notes=str)
+
+    def of(self, name: str, shape: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """The boxes kept of ``name`` (the whole tensor when it is not listed)."""
+        got = self.boxes.get(name)
+        return (tuple((0, int(d)) for d in shape),) if got is None else got
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

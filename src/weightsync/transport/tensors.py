@@ -12,7 +12,8 @@ try:  # optional, faster
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
-__all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu"]
+__all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
+           "mark_partial", "partial_boxes"]
 
 #: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -67,3 +68,18 @@ def checksum(buf: torch.Tensor) -> int:
     if _xxhash is not None:
         return _xxhash.xxh3_64_intdigest(mv) & ((1 << 62) - 1)
     return zlib.crc32(mv)
+
+
+_PARTIAL = "weightsync_boxes"
+
+
+def mark_partial(t: torch.Tensor, boxes: tuple) -> torch.Tensor:
+    """Mark ``t`` (a fresh tensor the receiver owns) as holding the version's bytes only
+    in ``boxes`` (a ``(start, stop)`` per dimension each); its other elements are undefined."""
+    setattr(t, _PARTIAL, tuple(boxes))
+    return t
+
+
+def partial_boxes(t: torch.Tensor) -> tuple | None:
+    """The boxes of a tensor marked by :func:`mark_partial`, else None (a whole tensor)."""
+    return getattr(t, _PARTIAL, None)

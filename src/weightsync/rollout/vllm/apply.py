@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -33,7 +34,9 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from weightsync.core.digests import box_key
 from weightsync.core.errors import PlanMismatch
+from weightsync.transport.tensors import partial_boxes
 
 __all__ = ["checkpoint_header", "checkpoint_manifest", "CheckedStream", "pending_layers",
            "apply_weights", "heal_after_failure", "zero_kv_cache", "write_adapter",
@@ -86,6 +89,11 @@ class CheckedStream:
     this dtype first (the dtype vLLM holds them in), with
     :func:`weightsync.core.digests.tensor_digest` (as the trainer side of ``verify`` does):
     ``digests``/``dtypes`` by name.
+
+    A tensor kept in part (marked by :func:`~weightsync.transport.tensors.mark_partial`: a
+    fresh tensor of the full shape whose kept boxes hold the bytes) is yielded as it is (it
+    is owned already), hashed box by box (:func:`~weightsync.core.digests.box_key`), and
+    counted by its boxes' bytes (``partial`` counts such tensors).
     """
 
     def __init__(self, items: Iterable, expected: Optional[dict], *, version: Any,
@@ -98,13 +106,29 @@ class CheckedStream:
         self.digests: dict[str, str] = {}
         self.dtypes: dict[str, str] = {}
         self.seen: set[str] = set()
-        self.count = self.nbytes = 0
+        self.count = self.nbytes = self.partial = 0
         self.transport_seconds = 0.0
+        self._ahead: Optional[list] = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self
 
+    def prefetch(self) -> None:
+        """Take the first tensor now, before the loader opens its session: an engine that
+        pulls the whole version at once (``nixl``) records what this worker keeps then,
+        which runs vLLM's loaders on meta tensors (see :mod:`.slices`)."""
+        if self._ahead is None:
+            try:
+                self._ahead = [self._take()]
+            except StopIteration:
+                self._ahead = []
+
     def __next__(self) -> tuple[str, torch.Tensor]:
+        if self._ahead:
+            return self._ahead.pop()
+        return self._take()
+
+    def _take(self) -> tuple[str, torch.Tensor]:
         start = time.perf_counter()
         name, tensor = next(self._items)   # StopIteration ends the stream
         if self.expected is not None:
@@ -120,12 +144,21 @@ class CheckedStream:
             raise PlanMismatch(f"{name} arrived twice", peer=self.peer, phase="receive",
                                version=self.version)
         self.seen.add(name)
-        if self.copy:
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
-        if self.digest_dtype is not None:
-            self._digest(name, tensor)
+        boxes = partial_boxes(tensor)
+        if boxes is not None:          # kept in part: a fresh tensor, only its boxes hold bytes
+            if self.digest_dtype is not None:
+                for box in boxes:
+                    self._digest(box_key(name, box), tensor[tuple(slice(a, b) for a, b in box)])
+            self.partial += 1
+            self.nbytes += sum(math.prod(b - a for a, b in box) for box in boxes) * \
+                tensor.element_size()
+        else:
+            if self.copy:
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            if self.digest_dtype is not None:
+                self._digest(name, tensor)
+            self.nbytes += tensor.numel() * tensor.element_size()
         self.count += 1
-        self.nbytes += tensor.numel() * tensor.element_size()
         self.transport_seconds += time.perf_counter() - start
         return name, tensor
 
@@ -134,7 +167,8 @@ class CheckedStream:
         from weightsync.core.plan import dtype_name
 
         held = self.digest_dtype if tensor.is_floating_point() else tensor.dtype
-        self.digests[name] = tensor_digest(tensor if tensor.dtype == held else tensor.to(held))
+        t = tensor if tensor.dtype == held else tensor.to(held)
+        self.digests[name] = tensor_digest(t.contiguous())
         self.dtypes[name] = dtype_name(held)
 
     def missing(self) -> list[str]:

@@ -211,13 +211,16 @@ class VLLMChecks:
                                       f"version {r['version']!r}, the replica loaded {base!r}",
                                       phase="verify", version=version)
         digests: dict[str, str] = {}
-        for r in replies:            # tensor parallel: every worker received every tensor
+        dtypes: dict[str, str] = {}
+        # tensor parallel: a tensor each worker received whole, under its name (all must
+        # agree); or the boxes each one kept of it, under their box keys
+        for r in replies:
+            dtypes.update(r["dtypes"])
             for name, d in {**r["digests"], **r["live"]}.items():
                 if digests.setdefault(name, d) != d:
                     digests[name] = "workers-disagree"
         live = sorted(set.intersection(*(set(r["live"]) for r in replies)))
-        return {"digests": digests, "dtypes": dict(replies[0]["dtypes"]), "version": version,
-                "live": live}
+        return {"digests": digests, "dtypes": dtypes, "version": version, "live": live}
 
     def _adapter_digests(self, version: Any) -> dict:
         request = self._lora_request

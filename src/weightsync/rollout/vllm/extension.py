@@ -57,6 +57,7 @@ class _State:
         self.digests: Optional[dict] = None  # of the last complete version (see .checks)
         self.dtypes: dict = {}
         self.live: list = []            # names whose live parameters are hashed at verify
+        self.slices: Optional[bool] = None  # whether the engine pulls only kept slices
 
 
 def _error(exc: BaseException) -> dict:
@@ -118,6 +119,7 @@ class WeightSyncWorkerExtension:
         kwargs = dict(engine_kwargs)
         kwargs.setdefault("device", str(self.device))
         state.engine = CheckpointEngineRegistry.new(backend, role="rollout", **kwargs)
+        state.slices = None
         return state.engine.prepare()
 
     @_guard
@@ -229,8 +231,11 @@ class WeightSyncWorkerExtension:
         """Receive one version from the hosted engine and apply it completely or fence.
 
         ``options``: ``apply`` (``"stream"``/``"staged"``), ``loader``
-        (``"auto"``/``"layerwise"``/``"direct"``), for ``kind="adapter"``: ``adapter_dir``
-        (where rank 0 writes the PEFT folder) and ``adapter_config``.
+        (``"auto"``/``"layerwise"``/``"direct"``), ``slices`` (``"auto"``: with tensor
+        parallelism and an engine that can, pull only what this worker's loaders read, as
+        recorded by :func:`~weightsync.rollout.vllm.slices.record_slices`; ``"on"``,
+        ``"off"``), for ``kind="adapter"``: ``adapter_dir`` (where rank 0 writes the PEFT
+        folder) and ``adapter_config``.
         """
         from weightsync.core.errors import PlanMismatch
 
@@ -243,6 +248,7 @@ class WeightSyncWorkerExtension:
         if kind not in ("full", "base", "adapter"):
             raise ValueError(f"kind must be 'full', 'base' or 'adapter', got {kind!r}")
         start = time.perf_counter()
+        self._weightsync_slices(state, kind, options.get("slices", "auto"))
         pull = _Pull(state, version, self._weightsync_peer())
         try:
             if options.get("reject"):         # refuse, but through the stream: the
@@ -259,10 +265,36 @@ class WeightSyncWorkerExtension:
             pull.close(exc)
             raise
         pull.close(None)
+        plan = getattr(state.engine, "last_plan", None)
+        if plan is not None:             # point-to-point: what this worker pulled
+            stats["pulled_bytes"] = int(plan.total_bytes)
         stats.update(version=version, kind=kind, apply=apply, pid=os.getpid(),
-                     seconds=time.perf_counter() - start)
+                     seconds=time.perf_counter() - start, sliced=bool(state.slices))
         stats["load_seconds"] = max(0.0, stats["seconds"] - stats["transport_seconds"])
         return stats
+
+    def _weightsync_slices(self, state: _State, kind: str, mode: str) -> None:
+        """Tell the engine what this worker keeps (full and base syncs), or everything."""
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"slices must be 'auto', 'on' or 'off', got {mode!r}")
+        able = "slices" in getattr(state.engine, "capabilities", ())
+        if mode == "on" and not able:
+            raise ValueError(f"slices='on' needs an engine that pulls slices (nixl); this "
+                             f"one is {type(state.engine).__name__}")
+        tp = int(self.vllm_config.parallel_config.tensor_parallel_size)
+        want = able and kind != "adapter" and (mode == "on" or (mode == "auto" and tp > 1))
+        if want == bool(state.slices) and state.slices is not None:
+            return
+        if able:
+            if want:
+                import functools
+
+                from weightsync.rollout.vllm.slices import record_slices
+
+                state.engine.keep_slices(functools.partial(record_slices, self))
+            else:
+                state.engine.keep_slices(None)
+        state.slices = want
 
     def _weightsync_full(self, state: _State, pull: "_Pull", version: Any, apply: str,
                          loader: str, digests: bool) -> dict:
@@ -277,6 +309,8 @@ class WeightSyncWorkerExtension:
         checked = CheckedStream(pull, state.manifest, version=version, peer=peer,
                                 digest_dtype=self.model_config.dtype if digests else None)
         items: Any = checked
+        if state.slices:
+            checked.prefetch()                # the slices are recorded before the session
         if apply == "staged":
             staged = collections.deque(checked)   # the whole version, owned and checked
             missing = checked.missing()
@@ -300,6 +334,7 @@ class WeightSyncWorkerExtension:
             state.live = calibrate_live(self.model_runner.get_model(), checked.digests,
                                         state.manifest, checked.dtypes)
         return {"tensors": checked.count, "bytes": checked.nbytes, "loader": loader,
+                "kept_in_part": checked.partial,
                 "transport_seconds": checked.transport_seconds, **info}
 
     def _weightsync_adapter(self, pull: "_Pull", version: Any, options: dict) -> dict:

@@ -208,8 +208,17 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
         for key in ("seconds", "transport_seconds", "load_seconds"):
             first[key] = max(float(r.get(key, 0.0)) for r in replies)
         first.update(kind=kind, version=version, workers=len(replies),
-                     adapter=self._lora_request is not None)
+                     adapter=self._lora_request is not None,
+                     worker_bytes=[int(r.get("bytes", 0)) for r in replies])
+        if all("pulled_bytes" in r for r in replies):    # point-to-point: per worker
+            first["worker_pulled_bytes"] = [int(r["pulled_bytes"]) for r in replies]
+        self._last_stats = first
         return first
+
+    def last_sync_stats(self) -> Optional[dict]:
+        """The merged figures of the last sync this replica completed (per worker:
+        ``worker_bytes``, with ``nixl`` ``worker_pulled_bytes``), None before any."""
+        return getattr(self, "_last_stats", None)
 
     # -- generation control -----------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

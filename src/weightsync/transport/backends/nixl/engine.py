@@ -43,17 +43,17 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Mapping, Optional
 
 import torch
 
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import ErrorMsg, PulledMsg, PullMsg, SourceMsg
-from weightsync.core.xferplan import TransferPlan
+from weightsync.core.xferplan import Keep, TransferPlan
 from weightsync.transport.backends.nixl.agent import NixlAgent, require_nixl, ucx_transports, wait_all
 from weightsync.transport.backends.nixl.layout import Arena
-from weightsync.transport.backends.nixl.pull import PullPlan, plan_key
+from weightsync.transport.backends.nixl.pull import PullPlan, plan_key, union_of
 from weightsync.transport.base import CheckpointEngine
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.control.links import Link, LinkHub
@@ -75,7 +75,7 @@ _SERVE = ("auto", "staging", "params")
 class NixlEngine(StoreGroupMixin, CheckpointEngine):
     """Point-to-point pull over NIXL (UCX): DRAM->DRAM on CPU, VRAM->VRAM on GPUs."""
 
-    capabilities = frozenset({"cpu", "cuda", "same_host", "multi_host", "shards"})
+    capabilities = frozenset({"cpu", "cuda", "same_host", "multi_host", "shards", "slices"})
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -94,6 +94,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._sources: dict[int, SourceMsg] = {}
         self._pull_plan: Optional[PullPlan] = None
         self._plan_key: Optional[tuple] = None
+        self._keep_fn: Optional[Callable[[list], Keep]] = None
+        self._keep: Optional[tuple[tuple, Keep]] = None     # (trainer layouts, what is kept)
         self.last_plan: Optional[TransferPlan] = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -131,6 +133,33 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._published = None
         self._drop_reads()
         self._plan_key = None
+
+    def keep_slices(self, fn: Optional[Callable[[list], Keep]]) -> None:
+        """Receivers: pull only part of some tensors. ``fn`` gets ``[(name, shape, dtype),
+        ...]`` of what the trainer ranks serve (whenever that layout changes, in the
+        engine's thread, during a receive) and returns a
+        :class:`~weightsync.core.xferplan.Keep`; a tensor kept in part is then yielded in
+        its full shape with only its kept boxes holding the version's bytes (see
+        :func:`~weightsync.transport.tensors.partial_boxes`). ``None``: every tensor whole."""
+        if fn is not None and not callable(fn):
+            raise ValueError(f"keep_slices takes a callable or None, got {type(fn).__name__}")
+        if self.config.role != "rollout":
+            raise RuntimeError("nixl: keep_slices is for rollout engines")
+        self._keep_fn, self._keep = fn, None
+        self._drop_reads()
+        self._plan_key = None
+
+    def _keep_for(self, sources: list) -> Optional[Keep]:
+        if self._keep_fn is None:
+            return None
+        digests = tuple(s.digest for s in sources)
+        if self._keep is None or self._keep[0] != digests:
+            keep = self._keep_fn(union_of(sources))
+            if not isinstance(keep, Keep):
+                raise TypeError(f"keep_slices: the callable returned {type(keep).__name__}, "
+                                "not a Keep")
+            self._keep = (digests, keep)
+        return self._keep[1]
 
     def _receiver_boxes(self) -> list[str]:
         return [f"r{r}" for r in range(self._num_receivers)]
@@ -298,13 +327,14 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._drop_reads()
         start = time.perf_counter()
         self._pull_plan = PullPlan(self._agent, f"rollout rank {self._rank}", sources, into,
-                                   device, self.config.bucket_size)
+                                   device, self.config.bucket_size, self._keep_for(sources))
         self._plan_key, self.last_plan = key, self._pull_plan.plan
         plan = self._pull_plan.plan
         logger.info("weightsync nixl: rollout rank %d compiled a plan in %.3f s: %d reads, "
-                    "%d bytes from %d trainer ranks, %d tensors straight into the caller's",
-                    self._rank, time.perf_counter() - start, len(plan.reads), plan.total_bytes,
-                    self._world, self._pull_plan.direct)
+                    "%d bytes from %d trainer ranks, %d tensors straight into the caller's, "
+                    "%d kept in part", self._rank, time.perf_counter() - start, len(plan.reads),
+                    plan.total_bytes, self._world, self._pull_plan.direct,
+                    self._pull_plan.partial)
         return self._pull_plan
 
     def _drop_reads(self) -> None:

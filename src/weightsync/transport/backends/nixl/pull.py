@@ -2,10 +2,15 @@
 reads that fill it.
 
 :class:`PullPlan` is built once per (trainer layouts, destinations) and replayed by every
-sync. Each tensor the receiver keeps lands either straight in the caller's own tensor
-(``receive_into`` with a contiguous tensor of the same shape, dtype and device: registered
-with NIXL, no copy left) or in one registered landing buffer the receiver owns (views of it
-are yielded, valid until the next sync). The reads come from
+sync. Each tensor the receiver keeps whole lands either straight in the caller's own
+tensor (``receive_into`` with a contiguous tensor of the same shape, dtype and device:
+registered with NIXL, no copy left) or in one registered landing buffer the receiver owns
+(views of it are yielded, valid until the next sync). Of a tensor the receiver keeps only
+some boxes of (a :class:`~weightsync.core.xferplan.Keep`: a tensor-parallel worker), only
+those boxes are read, into the landing buffer, then placed into a tensor of the full shape
+(``into[name]`` if given, else a fresh one marked with
+:func:`~weightsync.transport.tensors.mark_partial`) whose other elements are left as they
+were (undefined in a fresh one). The reads come from
 :func:`~weightsync.core.xferplan.compile_plan`, pieces of at most ``max_read`` bytes so
 that trainer ranks holding the same bytes share the serving; one
 :class:`~weightsync.transport.backends.nixl.agent.Reads` per trainer rank. Used by
@@ -21,11 +26,12 @@ from typing import Any, Mapping, Optional
 import torch
 
 from weightsync.core.plan import dtype_from_name
-from weightsync.core.xferplan import DestLayout, SourceLayout, TransferPlan, Want, compile_plan
+from weightsync.core.xferplan import DestLayout, Keep, SourceLayout, TransferPlan, Want, compile_plan
 from weightsync.transport.backends.nixl.agent import NixlAgent, Reads, mem_type
 from weightsync.transport.backends.nixl.layout import held_of
+from weightsync.transport.tensors import mark_partial
 
-__all__ = ["PullPlan", "plan_key"]
+__all__ = ["PullPlan", "plan_key", "union_of"]
 
 logger = logging.getLogger(__name__)
 _LANDING = "landing"
@@ -54,6 +60,15 @@ def _union(sources: list) -> list[tuple[str, tuple, str]]:
     return out
 
 
+def union_of(sources: list) -> list[tuple[str, tuple, str]]:
+    """``(name, shape, dtype)`` of every tensor the trainer ranks serve."""
+    return _union(sources)
+
+
+def _align(n: int) -> int:
+    return -(-n // 256) * 256
+
+
 def plan_key(sources: list, into: Optional[Mapping[str, torch.Tensor]],
              device: torch.device) -> tuple:
     """What a compiled pull depends on: the trainers' layouts and the caller's tensors."""
@@ -67,25 +82,42 @@ class PullPlan:
 
     def __init__(self, agent: NixlAgent, worker: str, sources: list,
                  into: Optional[Mapping[str, torch.Tensor]], device: torch.device,
-                 max_read: int) -> None:
+                 max_read: int, keep: Optional[Keep] = None) -> None:
         self._agent, self._regs = agent, []
-        self.views: list[tuple[str, tuple, str, str, int, int]] = []
+        # (name, shape, dtype, dest, offset, nbytes, parts): parts None for a whole tensor,
+        # else ((box, landing offset, nbytes), ...)
+        self.views: list[tuple] = []
         buffers: dict[str, torch.Tensor] = {}
-        wants, offset = [], 0
+        wants, offset, self.partial = [], 0, 0
         for name, shape, dtype in _union(sources):
-            nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
+            size = dtype_from_name(dtype).itemsize
+            nbytes = math.prod(shape) * size
+            boxes = (tuple((0, d) for d in shape),) if keep is None else keep.of(name, shape)
+            if boxes != (tuple((0, d) for d in shape),):
+                parts = []
+                for box in boxes:
+                    n = math.prod(b - a for a, b in box) * size
+                    if n:
+                        wants.append(Want(name=name, dtype=dtype, box=box, dest=_LANDING,
+                                          offset=offset))
+                        parts.append((box, offset, n))
+                        offset += _align(n)
+                self.views.append((name, shape, dtype, _LANDING, 0, nbytes, tuple(parts)))
+                self.partial += 1
+                continue
             own = _direct(into, name, shape, dtype, device)
             dest, at = (f"p{own.data_ptr():x}", 0) if own is not None else (_LANDING, offset)
             if own is not None:
                 buffers[dest] = own
             else:
-                offset += -(-nbytes // 256) * 256
+                offset += _align(nbytes)
             wants.append(Want(name=name, dtype=dtype, box=tuple((0, d) for d in shape),
                               dest=dest, offset=at))
-            self.views.append((name, shape, dtype, dest, at, nbytes))
+            self.views.append((name, shape, dtype, dest, at, nbytes, None))
+        notes = () if keep is None else keep.notes
         self.plan: TransferPlan = compile_plan(
             [SourceLayout(rank=s, held=held_of(src)) for s, src in enumerate(sources)],
-            [DestLayout(worker=worker, wants=tuple(wants))], max_read_bytes=max_read)
+            [DestLayout(worker=worker, wants=tuple(wants), notes=notes)], max_read_bytes=max_read)
         buffers[_LANDING] = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
         self.landing = buffers[_LANDING]
         self._buffers = buffers
@@ -110,22 +142,39 @@ class PullPlan:
 
     def tensors(self, into: Optional[Mapping[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of what landed: the caller's own tensor where the bytes went
-        there; else a view of the landing buffer, copied into ``into[name]`` if given."""
+        there; else a view of the landing buffer, copied into ``into[name]`` if given; a
+        tensor kept in part: its boxes placed into ``into[name]`` or a fresh tensor."""
         out = []
-        for name, shape, dtype, dest, at, nbytes in self.views:
+        for name, shape, dtype, dest, at, nbytes, parts in self.views:
             if dest != _LANDING:
                 out.append((name, self._buffers[dest]))
                 continue
-            view = self.landing[at:at + nbytes].view(dtype_from_name(dtype)).view(shape)
             target = None if into is None else into.get(name)
+            if target is not None and tuple(target.shape) != tuple(shape):
+                raise ValueError(f"receive_into: {name} has shape {tuple(shape)}, "
+                                 f"params[{name!r}] has {tuple(target.shape)}")
+            if parts is not None:
+                out.append((name, self._place(name, shape, dtype, parts, target)))
+                continue
+            view = self.landing[at:at + nbytes].view(dtype_from_name(dtype)).view(shape)
             if target is not None:
-                if tuple(target.shape) != tuple(shape):
-                    raise ValueError(f"receive_into: {name} has shape {tuple(shape)}, "
-                                     f"params[{name!r}] has {tuple(target.shape)}")
                 target.copy_(view)
                 view = target
             out.append((name, view))
         return out
+
+    def _place(self, name: str, shape: tuple, dtype: str, parts: tuple,
+               target: Optional[torch.Tensor]) -> torch.Tensor:
+        dt = dtype_from_name(dtype)
+        fresh = target is None
+        if fresh:
+            target = torch.empty(shape, dtype=dt, device=self.landing.device)
+        for box, at, n in parts:
+            src = self.landing[at:at + n].view(dt).view(tuple(b - a for a, b in box))
+            target[tuple(slice(a, b) for a, b in box)].copy_(src)
+        if fresh:
+            mark_partial(target, tuple(b for b, _, _ in parts))
+        return target
 
     def release(self) -> None:
         for r in self.reads:
