@@ -403,6 +403,153 @@ def test_receive_into_pulls_straight_into_the_callers_tensors():
     assert out["direct"] > 0.5 * out["n"], out   # most landed there with no copy
 
 
+# -- elastic joiners ------------------------------------------------------------------------
+
+def _group_receiver(conn, steps):
+    import asyncio
+
+    from weightsync.testing import make_tensors, same_bytes
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    bad = []
+    for step in range(steps):
+        async def go():
+            return {n: t.clone() async for n, t in engine.receive_weights(step)}
+        got = asyncio.run(go())
+        bad += [n for n, t in make_tensors(step, bucket_size=BUCKET, tiny=20)
+                if not same_bytes(got[n], t)]
+    conn.send(bad)
+    engine.finalize()
+
+
+def _joiner(conn):
+    import asyncio
+
+    from weightsync.testing import make_tensors, same_bytes
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
+    engine.prepare()
+    version, kwargs = conn.recv()
+    engine.init_process_group(**kwargs)
+
+    async def go():
+        return {n: t.clone() async for n, t in engine.receive_weights(version)}
+    got = asyncio.run(go())
+    bad = [n for n, t in make_tensors(version, bucket_size=BUCKET, tiny=20)
+           if not same_bytes(got[n], t)]
+    again = None
+    try:
+        asyncio.run(go())
+    except WeightSyncError as exc:
+        again = str(exc)
+    conn.send({"bad": bad, "n": len(got), "again": again})
+    engine.finalize()
+
+
+@pytest.mark.timeout(150)
+def test_a_replica_joins_between_syncs_from_the_trainers_arena():
+    """join_offer/join_topology: a new receiver pulls the version the trainer served last
+    from its staging arena, without the group (the group's receiver is not involved); the
+    trainer's next send waits for the joiner's lease to end; the joined engine receives
+    once; a trainer serving live parameters refuses to offer."""
+    import asyncio
+    import threading
+    import time
+
+    from weightsync.testing import make_tensors
+    from weightsync.transport.base import worker_kwargs
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    member = ctx.Process(target=_group_receiver, args=(b, 2))
+    member.start()
+    j_a, j_b = ctx.Pipe()
+    joiner = ctx.Process(target=_joiner, args=(j_b,))
+    joiner.start()
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    try:
+        tk, rk = cls.build_topology(1, 1, [trainer.prepare(), a.recv()])
+        a.send(worker_kwargs(rk, 0))
+        trainer.init_process_group(**worker_kwargs(tk, 0))
+        with pytest.raises(WeightSyncError, match="no complete version"):
+            trainer.join_offer("replica-9")
+        asyncio.run(trainer.send_weights(make_tensors(0, bucket_size=BUCKET, tiny=20), 0))
+        offer = trainer.join_offer("replica-9", lease_s=30)
+        kwargs = cls.join_topology([offer], 1)
+        assert kwargs[0]["rank"] == 0 and kwargs[0]["join"][0]["version"] == 0
+        j_a.send((0, kwargs[0]))
+        # the next sync waits for the lease: released when the joiner reports
+        sent = {}
+
+        def send_next():
+            sent["t0"] = time.monotonic()
+            sent["out"] = asyncio.run(trainer.send_weights(
+                make_tensors(1, bucket_size=BUCKET, tiny=20), 1))
+            sent["t1"] = time.monotonic()
+
+        result = j_a.recv()
+        t = threading.Thread(target=send_next)
+        t.start()
+        time.sleep(0.5)
+        assert "t1" not in sent                 # waiting for the lease
+        released = time.monotonic()
+        assert trainer.join_done(offer["lease"]) is True
+        t.join(30)
+        assert sent["t1"] >= released and sent["out"]["version"] == 1
+        assert a.recv() == []                   # the group's receiver got both versions
+        assert result["bad"] == [] and result["n"] > 0, result
+        assert "receives once" in result["again"]
+        assert trainer.join_done(offer["lease"]) is False
+    finally:
+        for p in (member, joiner):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        trainer.finalize()
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_serving_live_parameters_offers_no_join(monkeypatch):
+    """WEIGHTSYNC_NIXL_SERVE=params serves the trainer's own storage, which training moves
+    on from: no joiner may read a version from it (it gets the next sync)."""
+    import asyncio
+
+    from weightsync.testing import make_tensors
+    from weightsync.transport.base import worker_kwargs
+
+    monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "params")
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    member = ctx.Process(target=_group_receiver, args=(b, 1))
+    member.start()
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    try:
+        tk, rk = cls.build_topology(1, 1, [trainer.prepare(), a.recv()])
+        a.send(worker_kwargs(rk, 0))
+        trainer.init_process_group(**worker_kwargs(tk, 0))
+        asyncio.run(trainer.send_weights(make_tensors(0, bucket_size=BUCKET, tiny=20), 0))
+        assert a.recv() == []
+        with pytest.raises(WeightSyncError, match="live parameters"):
+            trainer.join_offer("replica-9")
+    finally:
+        member.join(30)
+        trainer.finalize()
+
+
+def test_join_topology_refuses_offers_that_do_not_fit():
+    cls = CheckpointEngineRegistry.get("nixl")
+    offer = {"rank": 0, "version": 3, "lease": "x", "lease_s": 5.0, "source": "{}"}
+    with pytest.raises(ValueError, match="ranks 0..1"):
+        cls.join_topology([offer, dict(offer)], 1)
+    from weightsync.core.errors import VersionMismatch
+    with pytest.raises(VersionMismatch):
+        cls.join_topology([offer, dict(offer, rank=1, version=4)], 1)
+    with pytest.raises(ValueError):
+        cls.join_topology([], 1)
+
+
 # -- on a GPU (run on the device: pytest -m gpu) ----------------------------------------------
 
 @pytest.mark.gpu

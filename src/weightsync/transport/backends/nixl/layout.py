@@ -159,6 +159,17 @@ class Arena:
     def held(self) -> tuple[tuple, ...]:
         return tuple((n, list(s), d, a, b, r, o) for n, s, d, a, b, r, o in self._entries)
 
+    @property
+    def serves_live(self) -> bool:
+        """Whether some tensor is served from the caller's own storage (not a staged copy)."""
+        own = {r for r, _, _ in self._own.values()}
+        return any(r in own for _, _, _, _, _, r, _ in self._entries)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the parts of tensors this rank serves (its share of the model)."""
+        return sum((b - a) * _dtype(d).itemsize for _, _, d, a, b, _, _ in self._entries)
+
     def regions(self) -> tuple[tuple[str, int, int, int], ...]:
         dev = (self._device.index or 0) if self._device is not None and \
             self._device.type == "cuda" else 0
