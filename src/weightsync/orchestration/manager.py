@@ -68,12 +68,13 @@ from weightsync.orchestration.atomic import abort_all, check_staging, commit_all
 from weightsync.orchestration.calls import Call, call_all
 from weightsync.orchestration.group import ReplicaGroup
 from weightsync.orchestration.checks import run_validate, run_verify
+from weightsync.orchestration.join import can_join, join_replica
 from weightsync.orchestration.replicas import ReplicaSet
 from weightsync.core.remote import normalize_version
 from weightsync.core.config import EngineConfig, env_value, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry
 from weightsync.transport.codec import codec_options, resolve_backend
-from weightsync.core.errors import WeightSyncError
+from weightsync.core.errors import PlanMismatch, WeightSyncError
 from weightsync.core.plan import dtype_name
 from weightsync.orchestration.report import ReplicaStatus, SyncReport, VerifyReport
 from weightsync.core.config import SLEEP_LEVELS
@@ -147,6 +148,8 @@ class CheckpointEngineManager:
         self.colocated, self.sleep_level = bool(colocated), sleep_level
         self.keep_group, self.offload_trainer = bool(keep_group), bool(offload_trainer)
         self.version: Any = None                  # last version a sync completed
+        self._last_kinds: list = []               # its rounds
+        self.last_join: Optional[dict] = None     # figures of the last add_replica join
         self._lock = threading.RLock()
         self._lora: Any = False                  # False: not asked yet; None: no LoRA
         self._warned: set[str] = set()
@@ -183,13 +186,36 @@ class CheckpointEngineManager:
         return self._replicas.route()
 
     # -- membership -------------------------------------------------------------------
-    def add_replica(self, replica: Any) -> str:
-        """Manage one more replica (or take back a failed one, under its old name); it is
-        not routed to until the next sync, which rebuilds the group and sends it all."""
+    def add_replica(self, replica: Any, *, join: bool = True) -> str:
+        """Manage one more replica (or take back a failed one, under its old name).
+
+        With ``join`` and a backend that can (``nixl``; after a full sync on a kept group),
+        the replica is brought to the current version at once: it pulls that version from
+        the trainer ranks' arenas (:mod:`~weightsync.orchestration.join`), nothing is called
+        on the other replicas (they keep generating), and it is routed to from then on; a
+        weight set it cannot take is a ``PlanMismatch`` before any byte moves, and the
+        replica is not added. Otherwise (or when the join fails: logged) it is not routed
+        to until the next sync, which sends it everything. Either way the next sync
+        rebuilds the group with it."""
         with self._lock:
-            name = self._replicas.add(replica, healthy=self.version is None).name
+            record = self._replicas.add(replica, healthy=self.version is None)
+            why = "not asked" if not join else can_join(self._group, self.version,
+                                                        self._last_kinds, self.keep_group)
+            if why is None:
+                try:
+                    self.last_join = join_replica(self._group, self._replicas, record,
+                                                  self.version, self._dtype, self.codec)
+                except PlanMismatch:
+                    self._replicas.remove(record)
+                    raise
+                except WeightSyncError as exc:
+                    logger.warning("weightsync: %s could not join at version %s (%s); the "
+                                   "next sync brings it", record.name, self.version, exc)
+                    self._replicas.mark_stale(record)
+            elif join and self.version is not None:
+                logger.info("weightsync: %s gets the next sync (%s)", record.name, why)
             self._invalidate()
-            return name
+            return record.name
 
     def remove_replica(self, replica: Any) -> Any:
         """Stop managing ``replica`` (a handle, its index, or a failed replica's handle);
@@ -355,7 +381,7 @@ class CheckpointEngineManager:
         if self.atomic:        # decided: every replica committed and reset its caches
             release_all(g, report, version)
         self._replicas.synced(version, "full" if "full" in report.kinds else "base", report)
-        self.version = version
+        self.version, self._last_kinds = version, list(report.kinds)
 
     def _step(self, report: SyncReport, phase: str, calls: list[Call]) -> list[Any]:
         report.phases.append(phase)

@@ -1,0 +1,120 @@
+"""Elastic replicas over ``nixl`` (workers in this process, no Ray): a replica added
+between syncs pulls the current version from the trainer ranks' arenas at once, reads
+exactly that version's bytes although the trainer has trained on, is routed to, and no
+other replica is paused; a replica that does not fit is refused before any byte; a
+trainer serving live parameters makes the joiner wait for the next sync; the next sync
+takes everyone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("nixl")
+
+from syncchecks import assert_matches  # noqa: E402
+from weightsync.core.errors import PlanMismatch  # noqa: E402
+from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
+from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.testing.toymodel import random_prompts, tiny_qwen2_config  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+CFG = tiny_qwen2_config(vocab_size=1001, hidden_size=64, intermediate_size=128)
+PROMPTS = random_prompts(2, 6, vocab_size=1001)
+
+
+def _gen(worker, n=5):
+    return worker.generate(PROMPTS, max_new_tokens=n, return_logits=True)
+
+
+def _agents():
+    """NIXL agents (and engines) alive in this process."""
+    import gc
+    gc.collect()
+    return sorted(type(o).__name__ for o in gc.get_objects()
+                  if type(o).__name__ in ("NixlAgent", "NixlEngine", "nixl_agent"))
+
+
+def _trainer():
+    t = ToyTrainerWorker()
+    t.build(CFG, lr=0.05)
+    return t
+
+
+def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others():
+    trainer = _trainer()
+    first = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
+                                 timeout=30) as manager:
+        trainer.train_step(1)
+        manager.update_weights(1)
+        agents_alone = _agents()
+        ref1 = trainer.reference(PROMPTS, 5)
+        trainer.train_step(2)                 # the trainer moves on; its arena holds v1
+        first.rollout.clear_call_log()
+        busy = {}
+
+        def generate_meanwhile():             # the serving replica keeps generating
+            busy["gens"] = [first.generate(PROMPTS, max_new_tokens=40) for _ in range(3)]
+
+        t = threading.Thread(target=generate_meanwhile)
+        t.start()
+        joiner = HFRolloutWorker(CFG, seed=9)
+        name = manager.add_replica(joiner)
+        t.join(60)
+        assert manager.last_join is not None and manager.last_join["bytes"] > 0
+        assert joiner in manager.healthy_replicas()          # routed to at once
+        assert_matches(_gen(joiner), ref1, 1)                # exactly version 1's bytes
+        assert not any(g.aborted for gens in busy["gens"] for g in gens)
+        assert all(g.version == 1 for gens in busy["gens"] for g in gens)
+        assert "pause" not in first.rollout.call_log()      # nobody else was touched
+        assert name == "replica-1"
+        # the next sync rebuilds the group with both and brings both to version 2
+        report = manager.update_weights(2)
+        assert report.ok and report.rebuilt and [r.version for r in report.replicas] == [2, 2]
+        ref2 = trainer.reference(PROMPTS, 5)
+        for r in (first, joiner):
+            assert_matches(_gen(r), ref2, 2)
+        assert manager.verify().ok
+        # removed, it leaves no engine, agent or registration behind: once the group is
+        # rebuilt without it, the same agents live as before it came
+        manager.remove_replica(joiner)
+        for step in (3, 4):
+            trainer.train_step(step)
+            assert manager.update_weights(step).ok
+        assert _agents() == agents_alone
+        assert trainer._ws().engine._leases == {}
+
+
+def test_a_joiner_that_does_not_fit_is_refused_before_any_byte():
+    trainer = _trainer()
+    first = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
+                                 timeout=30) as manager:
+        trainer.train_step(1)
+        manager.update_weights(1)
+        other = HFRolloutWorker({**CFG, "intermediate_size": 96}, seed=3)
+        with pytest.raises(PlanMismatch, match="mlp"):
+            manager.add_replica(other)
+        assert other not in manager.replicas
+        assert other.rollout.current_version() is None
+        assert manager.update_weights(2).ok                 # the group is unharmed
+
+
+def test_a_trainer_serving_live_parameters_sends_the_joiner_to_the_next_sync(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "params")
+    trainer = _trainer()
+    first = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
+                                 timeout=30) as manager:
+        trainer.train_step(1)
+        manager.update_weights(1)
+        joiner = HFRolloutWorker(CFG, seed=9)
+        manager.add_replica(joiner)
+        assert joiner not in manager.healthy_replicas()      # stale until the next sync
+        trainer.train_step(2)
+        manager.update_weights(2)
+        assert joiner in manager.healthy_replicas()
+        assert_matches(_gen(joiner), trainer.reference(PROMPTS, 5), 2)
