@@ -7,6 +7,7 @@ takes everyone."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -43,13 +44,20 @@ def _trainer():
     return t
 
 
-def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others():
+@contextlib.contextmanager
+def _after_one_sync():
+    """A trainer and one HF replica under a nixl manager, version 1 synced."""
     trainer = _trainer()
     first = HFRolloutWorker(CFG, seed=5)
     with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
                                  timeout=30) as manager:
         trainer.train_step(1)
         manager.update_weights(1)
+        yield trainer, first, manager
+
+
+def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others():
+    with _after_one_sync() as (trainer, first, manager):
         agents_alone = _agents()
         ref1 = trainer.reference(PROMPTS, 5)
         trainer.train_step(2)                 # the trainer moves on; its arena holds v1
@@ -89,12 +97,7 @@ def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others(
 
 
 def test_a_joiner_that_does_not_fit_is_refused_before_any_byte():
-    trainer = _trainer()
-    first = HFRolloutWorker(CFG, seed=5)
-    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
-                                 timeout=30) as manager:
-        trainer.train_step(1)
-        manager.update_weights(1)
+    with _after_one_sync() as (trainer, first, manager):
         other = HFRolloutWorker({**CFG, "intermediate_size": 96}, seed=3)
         with pytest.raises(PlanMismatch, match="mlp"):
             manager.add_replica(other)
@@ -105,12 +108,7 @@ def test_a_joiner_that_does_not_fit_is_refused_before_any_byte():
 
 def test_a_trainer_serving_live_parameters_sends_the_joiner_to_the_next_sync(monkeypatch):
     monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "params")
-    trainer = _trainer()
-    first = HFRolloutWorker(CFG, seed=5)
-    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
-                                 timeout=30) as manager:
-        trainer.train_step(1)
-        manager.update_weights(1)
+    with _after_one_sync() as (trainer, first, manager):
         joiner = HFRolloutWorker(CFG, seed=9)
         manager.add_replica(joiner)
         assert joiner not in manager.healthy_replicas()      # stale until the next sync

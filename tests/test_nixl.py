@@ -144,20 +144,18 @@ def _receiver(rank, conn):
     engine.finalize()
 
 
-@pytest.mark.timeout(200)
-def test_fsdp2_shards_are_served_as_they_are():
+def _fsdp_group(receiver):
+    """Two FSDP2 trainer ranks (``_fsdp_trainer``) and two ``receiver`` processes in one
+    nixl group; every process's result, trainers first."""
     from weightsync.transport.base import worker_kwargs
 
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes, procs = [], []
-    for i in range(2):
+    for target, args in [(_fsdp_trainer, (i, port)) for i in range(2)] + \
+            [(receiver, (j,)) for j in range(2)]:
         a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=_fsdp_trainer, args=(i, port, b)))
-        pipes.append(a)
-    for j in range(2):
-        a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=_receiver, args=(j, b)))
+        procs.append(ctx.Process(target=target, args=(*args, b)))
         pipes.append(a)
     for p in procs:
         p.start()
@@ -167,12 +165,17 @@ def test_fsdp2_shards_are_served_as_they_are():
         tk, rk = cls.build_topology(2, 2, metas)
         for i, c in enumerate(pipes):
             c.send(worker_kwargs(tk, i) if i < 2 else worker_kwargs(rk, i - 2))
-        results = [c.recv() for c in pipes]
+        return [c.recv() for c in pipes]
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_shards_are_served_as_they_are():
+    results = _fsdp_group(_receiver)
     total = sum(t.numel() * 2 for t in _fsdp_tensors(0).values())
     trainers, receivers = results[:2], results[2:]
     for r in receivers:
@@ -244,33 +247,7 @@ def test_receivers_pull_only_the_boxes_they_keep_from_fsdp2_shards():
     into the caller's tensor, and the callable runs once per trainer layout."""
     import math
 
-    from weightsync.transport.base import worker_kwargs
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    pipes, procs = [], []
-    for i in range(2):
-        a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=_fsdp_trainer, args=(i, port, b)))
-        pipes.append(a)
-    for j in range(2):
-        a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=_slice_receiver, args=(j, b)))
-        pipes.append(a)
-    for p in procs:
-        p.start()
-    try:
-        metas = [c.recv() for c in pipes]
-        cls = CheckpointEngineRegistry.get("nixl")
-        tk, rk = cls.build_topology(2, 2, metas)
-        for i, c in enumerate(pipes):
-            c.send(worker_kwargs(tk, i) if i < 2 else worker_kwargs(rk, i - 2))
-        results = [c.recv() for c in pipes]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = _fsdp_group(_slice_receiver)
     shapes = {n: t.shape for n, t in _fsdp_tensors(0).items()}
     for rank, r in enumerate(results[2:]):
         assert r["bad"] == [], r
@@ -354,6 +331,25 @@ def test_auto_serving_settles_on_the_trainers_own_storage():
     assert results[0]["steps"][3]["held_bytes"] < results[0]["steps"][0]["held_bytes"]
 
 
+def _one_receiver_group(target, *args):
+    """A trainer engine here and one receiver process (``target(*args, conn)``) in a
+    nixl group: ``(trainer, conn, process)``; the caller joins and finalizes."""
+    from weightsync.transport.base import worker_kwargs
+
+    a, b = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=target, args=(*args, b))
+    proc.start()
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    if not a.poll(60):
+        proc.kill()
+        raise AssertionError(f"the receiver process sent no prepare() meta (exit {proc.exitcode})")
+    tk, rk = cls.build_topology(1, 1, [trainer.prepare(), a.recv()])
+    a.send(worker_kwargs(rk, 0))
+    trainer.init_process_group(**worker_kwargs(tk, 0))
+    return trainer, a, proc
+
+
 def _receive_into_worker(conn):
     import asyncio
 
@@ -381,18 +377,9 @@ def test_receive_into_pulls_straight_into_the_callers_tensors():
     import asyncio
 
     from weightsync.testing import make_tensors
-    from weightsync.transport.base import worker_kwargs
 
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    proc = ctx.Process(target=_receive_into_worker, args=(b,))
-    proc.start()
-    cls = CheckpointEngineRegistry.get("nixl")
-    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    trainer, a, proc = _one_receiver_group(_receive_into_worker)
     try:
-        tk, rk = cls.build_topology(1, 1, [trainer.prepare(), a.recv()])
-        a.send(worker_kwargs(rk, 0))
-        trainer.init_process_group(**worker_kwargs(tk, 0))
         asyncio.run(trainer.send_weights(make_tensors(0, bucket_size=BUCKET, tiny=50), 0))
         out = a.recv()
     finally:
@@ -405,7 +392,7 @@ def test_receive_into_pulls_straight_into_the_callers_tensors():
 
 # -- elastic joiners ------------------------------------------------------------------------
 
-def _group_receiver(conn, steps):
+def _group_receiver(steps, conn):
     import asyncio
 
     from weightsync.testing import make_tensors, same_bytes
@@ -457,21 +444,14 @@ def test_a_replica_joins_between_syncs_from_the_trainers_arena():
     import time
 
     from weightsync.testing import make_tensors
-    from weightsync.transport.base import worker_kwargs
 
     ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    member = ctx.Process(target=_group_receiver, args=(b, 2))
-    member.start()
     j_a, j_b = ctx.Pipe()
     joiner = ctx.Process(target=_joiner, args=(j_b,))
     joiner.start()
     cls = CheckpointEngineRegistry.get("nixl")
-    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    trainer, a, member = _one_receiver_group(_group_receiver, 2)
     try:
-        tk, rk = cls.build_topology(1, 1, [trainer.prepare(), a.recv()])
-        a.send(worker_kwargs(rk, 0))
-        trainer.init_process_group(**worker_kwargs(tk, 0))
         with pytest.raises(WeightSyncError, match="no complete version"):
             trainer.join_offer("replica-9")
         asyncio.run(trainer.send_weights(make_tensors(0, bucket_size=BUCKET, tiny=20), 0))
@@ -516,19 +496,10 @@ def test_a_trainer_serving_live_parameters_offers_no_join(monkeypatch):
     import asyncio
 
     from weightsync.testing import make_tensors
-    from weightsync.transport.base import worker_kwargs
 
     monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "params")
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    member = ctx.Process(target=_group_receiver, args=(b, 1))
-    member.start()
-    cls = CheckpointEngineRegistry.get("nixl")
-    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    trainer, a, member = _one_receiver_group(_group_receiver, 1)
     try:
-        tk, rk = cls.build_topology(1, 1, [trainer.prepare(), a.recv()])
-        a.send(worker_kwargs(rk, 0))
-        trainer.init_process_group(**worker_kwargs(tk, 0))
         asyncio.run(trainer.send_weights(make_tensors(0, bucket_size=BUCKET, tiny=20), 0))
         assert a.recv() == []
         with pytest.raises(WeightSyncError, match="live parameters"):
