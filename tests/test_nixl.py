@@ -390,6 +390,54 @@ def test_receive_into_pulls_straight_into_the_callers_tensors():
     assert out["direct"] > 0.5 * out["n"], out   # most landed there with no copy
 
 
+# -- pipelined syncs --------------------------------------------------------------------------
+
+def _layout(step):
+    """Tensors over several 64 KiB staging blocks; at step 2 a middle one changes shape (the
+    layout diverges half way through a pipelined sync), kept from then on."""
+    g = torch.Generator().manual_seed(100 + step)
+    shapes = [("a", (96, 128)), ("b", (200, 64)), ("c", (64, 64) if step < 2 else (80, 80)),
+              ("d", (300, 50)), ("e", (7,))]
+    return [(n, torch.randn(sh, generator=g)) for n, sh in shapes]
+
+
+def _layout_receiver(steps, conn):
+    import asyncio
+
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    bad = []
+    for step in range(steps):
+        async def go():
+            return {n: t.clone() async for n, t in engine.receive_weights(step)}
+        got = asyncio.run(go())
+        bad += [(step, n) for n, t in _layout(step) if not torch.equal(got.get(n), t)]
+    conn.send({"bad": bad, "restarts": engine.restarts})
+    engine.finalize()
+
+
+@pytest.mark.timeout(120)
+def test_pipelined_syncs_read_each_block_once_written_and_survive_a_layout_change():
+    """Warm syncs tell receivers to pull before staging and name each block once written;
+    a layout that changes half way (blocks already being read) makes the receivers read
+    the version again on the new layout; every version lands exactly."""
+    import asyncio
+
+    trainer, a, proc = _one_receiver_group(_layout_receiver, 5)
+    try:
+        outs = [asyncio.run(trainer.send_weights(_layout(step), step)) for step in range(5)]
+        got = a.recv()
+    finally:
+        proc.join(30)
+        trainer.finalize()
+    assert got["bad"] == [], got
+    # published anew at step 0 (cold) and 2 (changed half way: the one restart)
+    assert [o["layout_sent"] for o in outs] == [True, False, True, False, False]
+    assert [o["pipelined"] for o in outs] == [False, True, True, True, True]
+    assert got["restarts"] == 1
+
+
 # -- elastic joiners ------------------------------------------------------------------------
 
 def _group_receiver(steps, conn):

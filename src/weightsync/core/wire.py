@@ -29,6 +29,7 @@ __all__ = [
     "HelloMsg",
     "SourceMsg",
     "PullMsg",
+    "StagedMsg",
     "PulledMsg",
     "encode",
     "decode",
@@ -165,13 +166,27 @@ class SourceMsg(Message):
 @dataclass(frozen=True)
 class PullMsg(Message):
     """Trainer rank ``stream`` serves ``version`` (sync ``seq``) from the layout ``digest``:
-    receivers pull it now (the one message per sync once the plan is compiled)."""
+    receivers pull it now (the one message per sync once the plan is compiled). ``staged``
+    False: the rank is still writing its staging blocks; a :class:`StagedMsg` names each
+    block once it holds this version (reads of it may start then)."""
 
     kind: ClassVar[str] = "pull"
     version: Version
     seq: int
     stream: int
     digest: str
+    staged: bool = True
+
+
+@dataclass(frozen=True)
+class StagedMsg(Message):
+    """Trainer rank ``stream``'s staging ``blocks`` (region names of its layout) now hold
+    sync ``seq``'s bytes (after a :class:`PullMsg` with ``staged=False``)."""
+
+    kind: ClassVar[str] = "staged"
+    seq: int
+    stream: int
+    blocks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,9 +204,9 @@ class PulledMsg(Message):
 
 _KINDS: dict[str, type[Message]] = {
     c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg, SourceMsg,
-                        PullMsg, PulledMsg)}
+                        PullMsg, StagedMsg, PulledMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
-             "segments": (), "handles": (), "origin": None}
+             "segments": (), "handles": (), "origin": None, "staged": True, "blocks": ()}
 _ERROR_NAMES = {
     "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
     "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
@@ -304,10 +319,14 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         if type(v) is not list:
             _fail("entries must be a list or null")
         return tuple(_meta(item) for item in v)
-    if name == "final":
+    if name in ("final", "staged"):
         if type(v) is not bool:
-            _fail("final must be a bool")
+            _fail(f"{name} must be a bool")
         return v
+    if name == "blocks":
+        if type(v) is not list or len(v) > 65536:
+            _fail("blocks must be a list of at most 65536 region names")
+        return tuple(_str(n, "block", 255) for n in v)
     if name == "segments":
         if type(v) is not list or len(v) > 1024:
             _fail("segments must be a list of at most 1024 names")

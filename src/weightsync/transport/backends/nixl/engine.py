@@ -7,9 +7,14 @@ its local ``Shard(0)`` shards as they are (DTensors: no gather); what it holds o
 tensor is an element range of the full tensor. Receivers *pull*: from every trainer
 rank's layout (:class:`~weightsync.core.wire.SourceMsg`, sent only when it changes) and
 what the receiver keeps, :func:`~weightsync.core.xferplan.compile_plan` computes the reads
-once (coalesced, sources balanced where ranks hold the same bytes). A warm sync is one
-small :class:`~weightsync.core.wire.PullMsg` per trainer rank, one re-posted NIXL transfer
-per source rank, and one :class:`~weightsync.core.wire.PulledMsg` back.
+once (coalesced, sources balanced where ranks hold the same bytes). A warm sync is
+*pipelined* (``WEIGHTSYNC_NIXL_PIPELINE``, on by default): each trainer rank sends its
+:class:`~weightsync.core.wire.PullMsg` before it stages, then a small
+:class:`~weightsync.core.wire.StagedMsg` as each staging block is written, and receivers
+re-post that block's prepared NIXL transfer at once, so staging and reading overlap; one
+:class:`~weightsync.core.wire.PulledMsg` goes back. A layout that changes half way is
+published at the end; receivers finish what they started (the rank keeps those blocks
+until every receiver reported) and read the version again on the new layout.
 
 Consistent reads: ``send_weights`` returns only once every receiver reported that it has
 read all it needs of this version from this rank, so a trainer that updates its weights
@@ -51,11 +56,12 @@ import torch
 
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
-from weightsync.core.wire import ErrorMsg, PulledMsg, PullMsg, SourceMsg, decode, encode
+from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, decode,
+                                  encode)
 from weightsync.core.xferplan import Keep, TransferPlan
 from weightsync.transport.backends.nixl.agent import NixlAgent, require_nixl, ucx_transports, wait_all
 from weightsync.transport.backends.nixl.layout import Arena
-from weightsync.transport.backends.nixl.pull import PullPlan, plan_key, union_of
+from weightsync.transport.backends.nixl.pull import OWN, PullPlan, plan_key, union_of
 from weightsync.transport.base import CheckpointEngine
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.control.links import Link, LinkHub
@@ -87,6 +93,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         if serve not in _SERVE:
             raise ValueError(f"WEIGHTSYNC_NIXL_SERVE must be one of {_SERVE}, got {serve!r}")
         self._serve_mode = serve
+        self._pipeline = os.environ.get("WEIGHTSYNC_NIXL_PIPELINE", "1").strip().lower() \
+            not in ("0", "false", "no", "off")
         self._seq, self._rank, self._world, self._num_receivers = 0, -1, 0, 0
         self._agent: Optional[NixlAgent] = None
         self._hub: Optional[LinkHub] = None
@@ -100,6 +108,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._keep_fn: Optional[Callable[[list], Keep]] = None
         self._keep: Optional[tuple[tuple, Keep]] = None     # (trainer layouts, what is kept)
         self.last_plan: Optional[TransferPlan] = None
+        self.restarts = 0           # receiver: pipelined pulls begun again on a new layout
         # trainer: the version its arena holds (None: none complete), joiners reading it
         self._served_version: Any = None
         self._served = False
@@ -186,17 +195,26 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         try:
             await loop.run_in_executor(pool, self._wait_leases, version)
             self._served = False              # the arena is about to be written
-            self._arena.begin()
+            # warm: receivers start reading each staging block as soon as it is written
+            pipelined = self._pipeline and self._published is not None and \
+                self._published == self._arena.digest
+            self._arena.begin(pipelined)
+            if pipelined:
+                self._hub_push(PullMsg(version=wire_version(version), seq=seq,
+                                       stream=self._rank, digest=self._published,
+                                       staged=False))
             count = 0
             async for name, tensor in aiter_items(named_tensors, shards=True):
                 dtype = wire_dtype(tensor, self.config.dtype)
                 if tensor.device.type == "cpu" and \
                         tensor.numel() * dtype.itemsize <= _INLINE_PUT_BYTES:
-                    self._arena.put(name, tensor, dtype)   # a hop would cost more than this
+                    done = self._arena.put(name, tensor, dtype)   # a hop would cost more
                 else:
-                    await loop.run_in_executor(pool, self._arena.put, name, tensor, dtype)
+                    done = await loop.run_in_executor(pool, self._arena.put, name, tensor, dtype)
+                if done:
+                    self._staged(seq, done)
                 count += 1
-            served = await loop.run_in_executor(pool, self._serve, seq, version)
+            served = await loop.run_in_executor(pool, self._serve, seq, version, pipelined)
         except BaseException as exc:
             self._abort(seq, version, exc, "send", self._hub_tell_all)
             raise
@@ -208,7 +226,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                     "(%.2f GB/s) to %d receivers%s", version, count, nbytes, seconds, gbps,
                     self._num_receivers, " (new layout)" if self._arena.changed else "")
         return {"version": version, "bytes": nbytes, "seconds": seconds, "gbps": gbps,
-                "tensors": count, "layout_sent": self._arena.changed,
+                "tensors": count, "layout_sent": self._arena.changed, "pipelined": pipelined,
                 "held_bytes": self._arena.nbytes, "tensor_bytes": self._arena.tensor_bytes,
                 "served": served, "backend": self.backend_name}
 
@@ -224,18 +242,34 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             except WeightSyncError:
                 continue
 
-    def _serve(self, seq: int, version: Any) -> dict[int, int]:
-        """Publish the layout if it changed, tell receivers to pull, wait until all have."""
+    def _staged(self, seq: int, blocks: list[str]) -> None:
+        if blocks:
+            self._hub_push(StagedMsg(seq=seq, stream=self._rank, blocks=tuple(blocks)))
+
+    def _serve(self, seq: int, version: Any, pipelined: bool = False) -> dict[int, int]:
+        """Publish the layout if it changed, tell receivers to pull (unless a pipelined
+        sync told them already and the layout held), wait until all have."""
         arena = self._arena
         arena.finish()
         if arena.digest != self._published:
+            # a new layout (a pipelined sync's readers drop what they started and begin
+            # again on it; the blocks they may still read are kept until they are done)
             self._hub_push(SourceMsg(seq=seq, stream=self._rank, agent=self._agent.name,
                                      metadata=self._agent.metadata(), mem=arena.mem,
                                      digest=arena.digest, regions=arena.regions(),
                                      held=arena.held()))
             self._published = arena.digest
-        self._hub_push(PullMsg(version=wire_version(version), seq=seq, stream=self._rank,
-                               digest=arena.digest))
+            pipelined = False
+        if pipelined:      # the layout held: what it serves from its own storage is ready too
+            self._staged(seq, [OWN])
+        else:
+            self._hub_push(PullMsg(version=wire_version(version), seq=seq, stream=self._rank,
+                                   digest=arena.digest))
+        served = self._await_pulled(seq, version)
+        arena.release_deferred()
+        return served
+
+    def _await_pulled(self, seq: int, version: Any) -> dict[int, int]:
         served: dict[int, int] = {}
         deadline = time.monotonic() + self.config.timeout
         while len(served) < self._num_receivers:
@@ -297,13 +331,60 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         deadline = time.monotonic() + patience(self.config.timeout)
         got = {s: self._await_pull(s, version, deadline) for s in range(self._world)}
         pull = self._ensure_plan(into)
-        for r in pull.reads:
-            r.post(version=version)
-        wait_all(pull.reads, deadline, version=version)
+        posted: list = []
+        waiting = {s: set(pull.reads_by[s]) for s, m in got.items() if not m.staged}
+        for s, by in enumerate(pull.reads_by):
+            if s not in waiting:
+                for r in by.values():
+                    r.post(version=version)
+                    posted.append(r)
+        changed = []
+        for s in sorted(waiting):     # pipelined: each block as soon as the rank wrote it
+            while waiting[s]:
+                msg = self._await_staged(s, got[s].seq, version, deadline)
+                if isinstance(msg, SourceMsg):     # its layout changed while it staged
+                    changed.append(s)
+                    break
+                for group in msg.blocks:
+                    if group in waiting[s]:
+                        waiting[s].discard(group)
+                        r = pull.reads_by[s][group]
+                        r.post(version=version)
+                        posted.append(r)
+        if changed:
+            self.restarts += 1
+            # finish what was started (the ranks keep those blocks until this receiver
+            # reports), then read the version anew on the new layouts
+            wait_all(posted, deadline, version=version)
+            for s in changed:
+                got[s] = self._await_pull(s, version, deadline)
+            pull = self._ensure_plan(into)
+            for r in pull.reads:
+                r.post(version=version)
+            posted = pull.reads
+        wait_all(posted, deadline, version=version)
         for s, link in self._links.items():
             link.push("t", PulledMsg(seq=got[s].seq, stream=s, rank=self._rank,
                                      nbytes=pull.bytes_from.get(s, 0), plan=pull.plan.digest))
         return pull.tensors(into)
+
+    def _await_staged(self, s: int, seq: int, version: Any, deadline: float) -> Any:
+        """The next ``StagedMsg`` of sync ``seq`` from rank ``s``, or its ``SourceMsg`` (the
+        layout changed while it staged: kept, the caller starts over)."""
+        peer = f"trainer rank {s}"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeout(f"{peer} never finished writing version {version!r}",
+                                  peer=peer, phase="receive", version=version)
+            msg = self._links[s].pop(timeout=left, peer=peer, phase="receive", version=version)
+            if isinstance(msg, ErrorMsg) and msg.seq >= seq:
+                raise_remote(msg, phase="receive")
+            if isinstance(msg, StagedMsg) and msg.seq == seq:
+                return msg
+            if isinstance(msg, SourceMsg) and msg.seq == seq:
+                self._sources[s] = msg
+                return msg
 
     def _await_pull(self, s: int, version: Any, deadline: float) -> PullMsg:
         peer = f"trainer rank {s}"
@@ -321,7 +402,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 self._sources[s] = msg
                 continue
             if not isinstance(msg, PullMsg) or msg.seq < self._seq:
-                continue                     # left over from an aborted sync
+                continue                     # left over from an aborted sync (or staged)
             self._seq = msg.seq
             if version is not None and msg.version != wire_version(version):
                 raise VersionMismatch(f"{peer} serves version {msg.version!r}, this receiver "

@@ -93,6 +93,9 @@ class Arena:
         self._device: Optional[torch.device] = None
         self.changed = False
         self.digest = ""
+        self._pipelined = False
+        self._last_of: dict[str, int] = {}
+        self._deferred: list[tuple[torch.Tensor, Any]] = []
 
     @property
     def mem(self) -> str:
@@ -104,10 +107,18 @@ class Arena:
         return sum(b.numel() for b, _ in self._blocks.values())
 
     # -- one sync -------------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self, pipelined: bool = False) -> None:
+        """Start a sync. ``pipelined``: the previous layout is expected again and readers
+        start on each block once it is written: :meth:`put` then returns the blocks it
+        completed, and blocks are not freed until :meth:`release_deferred`."""
         self._entries, self.changed, self._storage = [], False, {}
+        self._pipelined = pipelined
+        self._last_of = {}
+        if pipelined:
+            for i, e in enumerate(self._prev):
+                self._last_of[e[5]] = i
 
-    def put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    def put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> list[str]:
         local, start, stop, shape = held_part(name, tensor)
         if self._device is None:
             self._device = local.device
@@ -121,7 +132,7 @@ class Arena:
             region = self._own_region(local)
             self._entries.append(key + (region, 0))
             self.changed = self.changed or i >= len(self._prev) or self._prev[i] != key + (region, 0)
-            return
+            return []
         nbytes = local.numel() * dtype.itemsize
         if not self.changed and i < len(self._prev) and tuple(self._prev[i][:5]) == key \
                 and self._prev[i][5] in self._blocks:
@@ -137,6 +148,26 @@ class Arena:
                 memmove_at(block, offset, local, nbytes)   # no views, no torch thread pool
             else:
                 block[offset:offset + nbytes].view(dtype).view(local.shape).copy_(local)
+        return self._completed(i)
+
+    def _completed(self, i: int) -> list[str]:
+        """Blocks whose last entry of the expected layout is entry ``i`` (pipelined and
+        still on that layout), else none."""
+        if not self._pipelined or self.changed:
+            return []
+        region = self._entries[i][5]
+        if self._last_of.get(region) != i or region not in self._blocks:
+            return []
+        block = self._blocks[region][0]
+        if block.device.type == "cuda":       # the copies into it are queued: let them land
+            torch.cuda.current_stream(block.device).synchronize()
+        return [region]
+
+    def release_deferred(self) -> None:
+        """Free the blocks a pipelined sync left (readers of it are all done)."""
+        for _, reg in self._deferred:
+            self._agent.deregister(reg)
+        self._deferred = []
 
     def _serve_own(self, name: str, local: torch.Tensor, dtype: torch.dtype) -> bool:
         if self._mode == "staging" or dtype != local.dtype or not local.is_contiguous() \
@@ -217,8 +248,11 @@ class Arena:
         for region in [r for r in self._blocks if r not in used]:
             self._free(region)
         for key in [k for k, (r, _, _) in self._own.items() if r not in used]:
-            _, _, reg = self._own.pop(key)
-            self._agent.deregister(reg)
+            _, t, reg = self._own.pop(key)
+            if self._pipelined:
+                self._deferred.append((t, reg))
+            else:
+                self._agent.deregister(reg)
 
     def _own_region(self, t: torch.Tensor) -> str:
         key = (t.data_ptr(), t.numel() * t.element_size())
@@ -228,7 +262,11 @@ class Arena:
 
     def _free(self, region: str) -> None:
         block, reg = self._blocks.pop(region)
-        self._agent.deregister(reg)
+        if self._pipelined:
+            # readers may still be reading it (they started on the expected layout)
+            self._deferred.append((block, reg))
+        else:
+            self._agent.deregister(reg)
         if self._cursor is not None and self._cursor[0] == region:
             self._cursor = None
 
@@ -237,6 +275,8 @@ class Arena:
         self._prev, self.digest, self._last_storage = [], "", {}
 
     def close(self) -> None:
+        self._pipelined = False
+        self.release_deferred()
         for region in list(self._blocks):
             self._free(region)
         for _, _, reg in self._own.values():

@@ -13,8 +13,9 @@ those boxes are read, into the landing buffer, then placed into a tensor of the 
 were (undefined in a fresh one). The reads come from
 :func:`~weightsync.core.xferplan.compile_plan`, pieces of at most ``max_read`` bytes so
 that trainer ranks holding the same bytes share the serving; one
-:class:`~weightsync.transport.backends.nixl.agent.Reads` per trainer rank. Used by
-:mod:`weightsync.transport.backends.nixl.engine`.
+:class:`~weightsync.transport.backends.nixl.agent.Reads` per staging block of each trainer
+rank (a pipelined sync starts each once the rank says that block is written) and one for
+all it serves from its own storage. Used by :mod:`weightsync.transport.backends.nixl.engine`.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from weightsync.transport.backends.nixl.agent import NixlAgent, Reads, mem_type
 from weightsync.transport.backends.nixl.layout import held_of
 from weightsync.transport.tensors import mark_partial
 
-__all__ = ["PullPlan", "plan_key", "union_of"]
+__all__ = ["PullPlan", "plan_key", "union_of", "block_regions", "OWN"]
 
 logger = logging.getLogger(__name__)
 _LANDING = "landing"
+#: the group of reads of everything a trainer rank serves from its own storage
+OWN = "own"
 
 
 def _direct(into: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple,
@@ -63,6 +66,12 @@ def _union(sources: list) -> list[tuple[str, tuple, str]]:
 def union_of(sources: list) -> list[tuple[str, tuple, str]]:
     """``(name, shape, dtype)`` of every tensor the trainer ranks serve."""
     return _union(sources)
+
+
+def block_regions(src: Any) -> set[str]:
+    """The staging blocks of a trainer rank's layout (``b<n>``; ``p<addr>`` regions are
+    tensors it serves from their own storage)."""
+    return {name for name, *_ in src.regions if name.startswith("b")}
 
 
 def _align(n: int) -> int:
@@ -123,22 +132,41 @@ class PullPlan:
         self._buffers = buffers
         for t in buffers.values():
             self._regs.append(agent.register(t))
-        self.reads = [self._reads_from(s, src, device) for s, src in enumerate(sources)]
-        self.bytes_from = {s: r.nbytes for s, r in enumerate(self.reads)}
+        # per trainer rank: its staging blocks' reads (each may start once that block is
+        # written: a pipelined sync), and one read of all it serves from its own storage
+        self.reads_by = [self._reads_from(s, src, device) for s, src in enumerate(sources)]
+        self.bytes_from = {s: sum(r.nbytes for r in by.values())
+                           for s, by in enumerate(self.reads_by)}
         self.direct = len(buffers) - 1
 
-    def _reads_from(self, s: int, src: Any, device: torch.device) -> Reads:
+    @property
+    def reads(self) -> list[Reads]:
+        return [r for by in self.reads_by for r in by.values()]
+
+    @staticmethod
+    def group_of(region: str, blocks: set) -> str:
+        """Reads of a staging block go in their own group; all others (tensors served from
+        their own storage) in one, ``OWN``."""
+        return region if region in blocks else OWN
+
+    def _reads_from(self, s: int, src: Any, device: torch.device) -> dict[str, Reads]:
         regions = {name: (addr, dev) for name, addr, _, dev in src.regions}
+        blocks = block_regions(src)
         peer = f"trainer rank {s}"
         self._agent.remove_remote(src.agent)          # its metadata lists its registrations
         self._agent.add_remote(src.agent, src.metadata, peer=peer)
-        mine = self.plan.reads_from(s)
-        local = [(self._buffers[r.dst].data_ptr() + r.dst_offset, r.nbytes) for r in mine]
-        remote = [(regions[r.src_region][0] + r.src_offset, r.nbytes) for r in mine]
-        rdev = regions[mine[0].src_region][1] if mine else 0
-        return self._agent.reads(src.agent, local, remote, mem=mem_type(device),
-                                 remote_mem=src.mem, device=device.index or 0,
-                                 remote_device=rdev, peer=peer)
+        groups: dict[str, list] = {}
+        for r in self.plan.reads_from(s):
+            groups.setdefault(self.group_of(r.src_region, blocks), []).append(r)
+        out = {}
+        for group, mine in groups.items():
+            local = [(self._buffers[r.dst].data_ptr() + r.dst_offset, r.nbytes) for r in mine]
+            remote = [(regions[r.src_region][0] + r.src_offset, r.nbytes) for r in mine]
+            out[group] = self._agent.reads(src.agent, local, remote, mem=mem_type(device),
+                                           remote_mem=src.mem, device=device.index or 0,
+                                           remote_device=regions[mine[0].src_region][1],
+                                           peer=peer)
+        return out
 
     def tensors(self, into: Optional[Mapping[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of what landed: the caller's own tensor where the bytes went
@@ -181,4 +209,4 @@ class PullPlan:
             r.release()
         for reg in self._regs:
             self._agent.deregister(reg)
-        self.reads, self._regs, self._buffers = [], [], {}
+        self.reads_by, self._regs, self._buffers = [], [], {}
