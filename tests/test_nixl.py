@@ -10,7 +10,7 @@ import torch
 
 from weightsync import CheckpointEngineRegistry
 from weightsync.core.errors import AuthenticationError, WeightSyncError, WireError
-from weightsync.core.wire import PulledMsg, PullMsg, SourceMsg, decode, encode
+from weightsync.core.wire import PulledMsg, PullMsg, SourceMsg, StagedMsg, decode, encode
 from weightsync.testing import GroupSpec, run_group
 from syncchecks import assert_clean
 
@@ -35,8 +35,17 @@ def test_messages_round_trip_and_reject_bad_fields():
                     held=(("w", (4, 2), "bfloat16", 0, 8, "b0", 0),))
     assert decode(encode(src)) == src
     for msg in (PullMsg(version=3, seq=2, stream=1, digest="d"),
+                PullMsg(version=3, seq=2, stream=1, digest="d", staged=False),
+                StagedMsg(seq=2, stream=1, blocks=("b0", "own")),
                 PulledMsg(seq=2, stream=1, rank=0, nbytes=10, plan="p")):
         assert decode(encode(msg)) == msg
+    staged = json.loads(encode(StagedMsg(seq=2, stream=1, blocks=("b0",))))
+    for bad in ([1], "b0", [""], ["x" * 300]):
+        with pytest.raises(WireError):
+            decode(json.dumps({**staged, "blocks": bad}))
+    pull = json.loads(encode(PullMsg(version=3, seq=2, stream=1, digest="d")))
+    with pytest.raises(WireError):
+        decode(json.dumps({**pull, "staged": 1}))
     body = json.loads(encode(src))
     for field, bad in (("held", [["w", [4, 2], "bfloat16", 0, 9, "b0", 0]]),   # past the shape
                        ("held", [["w", [4, 2], "nope", 0, 8, "b0", 0]]),

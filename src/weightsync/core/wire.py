@@ -326,6 +326,8 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
     if name == "blocks":
         if type(v) is not list or len(v) > 65536:
             _fail("blocks must be a list of at most 65536 region names")
+        if not all(type(n) is str and n for n in v):
+            _fail("blocks must be non-empty region names")
         return tuple(_str(n, "block", 255) for n in v)
     if name == "segments":
         if type(v) is not list or len(v) > 1024:
