@@ -214,6 +214,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 if done:
                     self._staged(seq, done)
                 count += 1
+            staged_s = time.perf_counter() - start
             served = await loop.run_in_executor(pool, self._serve, seq, version, pipelined)
         except BaseException as exc:
             self._abort(seq, version, exc, "send", self._hub_tell_all)
@@ -227,6 +228,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                     self._num_receivers, " (new layout)" if self._arena.changed else "")
         return {"version": version, "bytes": nbytes, "seconds": seconds, "gbps": gbps,
                 "tensors": count, "layout_sent": self._arena.changed, "pipelined": pipelined,
+                "stage_seconds": staged_s,
                 "held_bytes": self._arena.nbytes, "tensor_bytes": self._arena.tensor_bytes,
                 "served": served, "backend": self.backend_name}
 
