@@ -410,9 +410,17 @@ def _layout(step):
     return [(n, torch.randn(sh, generator=g)) for n, sh in shapes]
 
 
-def _layout_receiver(steps, conn):
+def _made(step):
+    from weightsync.testing import make_tensors
+    return list(make_tensors(step, bucket_size=BUCKET, tiny=20))
+
+
+def _checking_receiver(expected, steps, conn):
+    """Receive ``steps`` versions; report the tensors that differ from ``expected(step)``
+    and how many pipelined pulls began again on a new layout."""
     import asyncio
 
+    from weightsync.testing import same_bytes
     engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
     conn.send(engine.prepare())
     engine.init_process_group(**conn.recv())
@@ -421,7 +429,7 @@ def _layout_receiver(steps, conn):
         async def go():
             return {n: t.clone() async for n, t in engine.receive_weights(step)}
         got = asyncio.run(go())
-        bad += [(step, n) for n, t in _layout(step) if not torch.equal(got.get(n), t)]
+        bad += [(step, n) for n, t in expected(step) if n not in got or not same_bytes(got[n], t)]
     conn.send({"bad": bad, "restarts": engine.restarts})
     engine.finalize()
 
@@ -433,7 +441,7 @@ def test_pipelined_syncs_read_each_block_once_written_and_survive_a_layout_chang
     the version again on the new layout; every version lands exactly."""
     import asyncio
 
-    trainer, a, proc = _one_receiver_group(_layout_receiver, 5)
+    trainer, a, proc = _one_receiver_group(_checking_receiver, _layout, 5)
     try:
         outs = [asyncio.run(trainer.send_weights(_layout(step), step)) for step in range(5)]
         got = a.recv()
@@ -448,24 +456,6 @@ def test_pipelined_syncs_read_each_block_once_written_and_survive_a_layout_chang
 
 
 # -- elastic joiners ------------------------------------------------------------------------
-
-def _group_receiver(steps, conn):
-    import asyncio
-
-    from weightsync.testing import make_tensors, same_bytes
-    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
-    conn.send(engine.prepare())
-    engine.init_process_group(**conn.recv())
-    bad = []
-    for step in range(steps):
-        async def go():
-            return {n: t.clone() async for n, t in engine.receive_weights(step)}
-        got = asyncio.run(go())
-        bad += [n for n, t in make_tensors(step, bucket_size=BUCKET, tiny=20)
-                if not same_bytes(got[n], t)]
-    conn.send(bad)
-    engine.finalize()
-
 
 def _joiner(conn):
     import asyncio
@@ -507,7 +497,7 @@ def test_a_replica_joins_between_syncs_from_the_trainers_arena():
     joiner = ctx.Process(target=_joiner, args=(j_b,))
     joiner.start()
     cls = CheckpointEngineRegistry.get("nixl")
-    trainer, a, member = _one_receiver_group(_group_receiver, 2)
+    trainer, a, member = _one_receiver_group(_checking_receiver, _made, 2)
     try:
         with pytest.raises(WeightSyncError, match="no complete version"):
             trainer.join_offer("replica-9")
@@ -534,7 +524,7 @@ def test_a_replica_joins_between_syncs_from_the_trainers_arena():
         assert trainer.join_done(offer["lease"]) is True
         t.join(30)
         assert sent["t1"] >= released and sent["out"]["version"] == 1
-        assert a.recv() == []                   # the group's receiver got both versions
+        assert a.recv()["bad"] == []                 # the group's receiver got both versions
         assert result["bad"] == [] and result["n"] > 0, result
         assert "receives once" in result["again"]
         assert trainer.join_done(offer["lease"]) is False
@@ -555,10 +545,10 @@ def test_a_trainer_serving_live_parameters_offers_no_join(monkeypatch):
     from weightsync.testing import make_tensors
 
     monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "params")
-    trainer, a, member = _one_receiver_group(_group_receiver, 1)
+    trainer, a, member = _one_receiver_group(_checking_receiver, _made, 1)
     try:
         asyncio.run(trainer.send_weights(make_tensors(0, bucket_size=BUCKET, tiny=20), 0))
-        assert a.recv() == []
+        assert a.recv()["bad"] == []
         with pytest.raises(WeightSyncError, match="live parameters"):
             trainer.join_offer("replica-9")
     finally:
