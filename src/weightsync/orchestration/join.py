@@ -61,7 +61,9 @@ def join_replica(group: ReplicaGroup, replicas: ReplicaSet, record: ReplicaRecor
         if not replicas.is_managed(record):
             raise WeightSyncError(f"{record.name} failed its check before the join",
                                   peer=record.name, phase="join", version=version)
-        one = lambda method, *args, **kw: Call(record.name, record.handle, method, args, kw)  # noqa: E731
+        def one(method: str, *args: Any, **kw: Any) -> Call:
+            return Call(record.name, record.handle, method, args, kw)
+
         metas = group.run([one("ws_prepare", group.backend, group.engine_kwargs)], "join",
                           version)[0]
         kwargs = group.engine_cls.join_topology(offers, len(metas))

@@ -28,6 +28,7 @@ Called only by the driver (:mod:`weightsync.rollout.vllm.driver` and
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import time
@@ -287,8 +288,6 @@ class WeightSyncWorkerExtension:
             return
         if able:
             if want:
-                import functools
-
                 from weightsync.rollout.vllm.slices import record_slices
 
                 state.engine.keep_slices(functools.partial(record_slices, self))

@@ -122,8 +122,6 @@ class _Recorder(TorchDispatchMode):
             if touches:
                 raise Unrecordable(f"a copy from a transformed {self._what(keys)} "
                                    f"into {'parameter ' + param[0] if param else 'a tensor'}")
-            if param is not None and not dst.is_meta:
-                return dst          # a copy into a real parameter: not run
         if func._schema.is_mutable and any(not t.is_meta for t in tensors):
             if touches:
                 raise Unrecordable(f"{func} writes a source into a tensor")

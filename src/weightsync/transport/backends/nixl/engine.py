@@ -193,7 +193,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         loop = asyncio.get_running_loop()
         pool = self._executor()
         try:
-            await loop.run_in_executor(pool, self._wait_leases, version)
+            if self._leases:                  # a joiner still reads the last version
+                await loop.run_in_executor(pool, self._wait_leases, version)
             self._served = False              # the arena is about to be written
             # warm: receivers start reading each staging block as soon as it is written
             pipelined = self._pipeline and self._published is not None and \
@@ -440,7 +441,6 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         if getattr(self, "_pull_plan", None) is not None:
             self._pull_plan.release()
         self._pull_plan = None
-
 
     # -- elastic joiners --------------------------------------------------------------------
     def join_offer(self, joiner: str, lease_s: float = 60.0) -> dict[str, Any]:

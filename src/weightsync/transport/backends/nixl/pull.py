@@ -52,7 +52,7 @@ def _direct(into: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple,
     return None
 
 
-def _union(sources: list) -> list[tuple[str, tuple, str]]:
+def union_of(sources: list) -> list[tuple[str, tuple, str]]:
     """Every tensor some trainer rank serves, in the order the ranks list them."""
     seen, out = set(), []
     for src in sources:
@@ -61,11 +61,6 @@ def _union(sources: list) -> list[tuple[str, tuple, str]]:
                 seen.add(name)
                 out.append((name, tuple(shape), dtype))
     return out
-
-
-def union_of(sources: list) -> list[tuple[str, tuple, str]]:
-    """``(name, shape, dtype)`` of every tensor the trainer ranks serve."""
-    return _union(sources)
 
 
 def block_regions(src: Any) -> set[str]:
@@ -81,7 +76,7 @@ def _align(n: int) -> int:
 def plan_key(sources: list, into: Optional[Mapping[str, torch.Tensor]],
              device: torch.device) -> tuple:
     """What a compiled pull depends on: the trainers' layouts and the caller's tensors."""
-    direct = tuple((n, t.data_ptr()) for n, s, d in _union(sources)
+    direct = tuple((n, t.data_ptr()) for n, s, d in union_of(sources)
                    if (t := _direct(into, n, s, d, device)) is not None)
     return tuple(s.digest for s in sources), direct
 
@@ -98,7 +93,7 @@ class PullPlan:
         self.views: list[tuple] = []
         buffers: dict[str, torch.Tensor] = {}
         wants, offset, self.partial = [], 0, 0
-        for name, shape, dtype in _union(sources):
+        for name, shape, dtype in union_of(sources):
             size = dtype_from_name(dtype).itemsize
             nbytes = math.prod(shape) * size
             boxes = (tuple((0, d) for d in shape),) if keep is None else keep.of(name, shape)
