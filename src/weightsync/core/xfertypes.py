@@ -45,6 +45,14 @@ def _seq(v: Any, what: str) -> tuple:
     return tuple(v)
 
 
+def _box(v: Any, what: str, low: int | None = None) -> tuple[tuple[int, int], ...]:
+    """A box: ``(start, stop)`` integer pairs, one per dimension."""
+    pairs = _seq(v, what)
+    if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise ValueError(f"{what} must hold (start, stop) pairs")
+    return tuple((_int(a, what, low), _int(b, what, low)) for a, b in pairs)
+
+
 def _norm(obj: Any, **kinds: Any) -> None:
     """Check and normalize fields of a frozen dataclass: ``field=kind``, kind one of
     "str" (non-empty), "dtype", "shape", "int"/"nat"/"pos" (any/>=0/>0) or an item type."""
@@ -111,11 +119,7 @@ class Want:
         _norm(self, name="str", dtype="dtype", dest="str", offset="int")
         if self.shape is not None:
             _norm(self, shape="shape")
-        pairs = _seq(self.box, "Want.box")
-        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-            raise ValueError(f"Want({self.name!r}).box must hold (start, stop) pairs")
-        object.__setattr__(self, "box", tuple((_int(a, "Want.box"), _int(b, "Want.box"))
-                                              for a, b in pairs))
+        object.__setattr__(self, "box", _box(self.box, f"Want({self.name!r}).box"))
 
     @property
     def numel(self) -> int:
@@ -151,14 +155,8 @@ class Keep:
         for name, boxes in self.boxes.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"Keep.boxes: a name must be a non-empty string, got {name!r}")
-            out = []
-            for box in _seq(boxes, f"Keep.boxes[{name!r}]"):
-                pairs = _seq(box, f"Keep.boxes[{name!r}]")
-                if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-                    raise ValueError(f"Keep.boxes[{name!r}] must hold boxes of (start, stop) pairs")
-                out.append(tuple((_int(a, f"Keep.boxes[{name!r}]", 0),
-                                  _int(b, f"Keep.boxes[{name!r}]", 0)) for a, b in pairs))
-            norm[name] = tuple(out)
+            what = f"Keep.boxes[{name!r}]"
+            norm[name] = tuple(_box(box, what, 0) for box in _seq(boxes, what))
         object.__setattr__(self, "boxes", norm)
         _norm(self, notes=str)
 
