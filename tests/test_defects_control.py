@@ -132,3 +132,38 @@ def test_trainer_rank_0_leaving_lets_the_others_finish_reading_its_store():
     client.close()
     assert not errors, errors
     assert took < 5.0, took        # it waited for rank 1's reads, not for its bound
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_does_not_wait_at_teardown_for_a_rank_that_posted_its_failure():
+    """A sync in which trainer rank 1 failed: it posts its failure in place of its names
+    and reads nothing more, so rank 0's teardown has no reader to wait for. CI caught
+    test_rollout_process_killed_mid_sync[collective] with rank 0's rebuild ``ws_prepare``
+    spending the whole drain bound (the engine timeout) here, past prepare's own bound."""
+    from weightsync.core.errors import PeerFailed
+    from weightsync.core.wire import ErrorMsg
+    from weightsync.transport.control.store import close_store, connect_store, host_store
+    from weightsync.transport.protocol.ownership import Ownership
+
+    token = "t" * 32
+    host = host_store("127.0.0.1", 10, token)
+    o0 = Ownership(host, "ws/x", 0, 2, 10)
+    client = connect_store("127.0.0.1", host.port, token, 10, peer="trainer rank 0",
+                           phase="init")
+    o1 = Ownership(client, "ws/x", 1, 2, 10)
+    t = threading.Thread(target=o1.agree, args=(1, ["a", "b"]))
+    t.start()
+    o0.agree(1, ["a", "b"])                              # sync 1: both agree
+    t.join(10)
+    o1.fail(2, ErrorMsg(version="2", seq=2, error="PeerFailed", message="replica-2 died",
+                        peer="replica-2", phase="broadcast"))
+    with pytest.raises(PeerFailed, match="replica-2 died"):
+        o0.agree(2, ["a", "b"])                          # sync 2: rank 1's failure
+    start = time.monotonic()
+    o0.drain(5.0)
+    took = time.monotonic() - start
+    o0.close()
+    o1.close()
+    close_store(host)
+    client.close()
+    assert took < 2.5, took       # nobody reads sync 2's agreement: no wait for the bound

@@ -41,6 +41,7 @@ class Ownership:
         self._owner: Optional[dict[str, int]] = None
         self._posted = -1        # the last seq this rank posted its names (or failure) for
         self._agreed = 0         # the last seq whose agreement this rank read
+        self._readers: tuple[int, ...] = tuple(range(1, world))  # who reads it (drain)
 
     def reset(self) -> None:
         self._owner = None
@@ -61,12 +62,15 @@ class Ownership:
 
     def drain(self, timeout: float) -> None:
         """Trainer rank 0, whose process hosts the store, before it closes it: wait (at
-        most ``timeout``) until every other rank has read the last agreement, so a rank
-        that is a little behind does not lose the store in the middle of its reads. A rank
-        that never comes (it failed) only costs the bound."""
+        most ``timeout``) until every other rank that posted its names for the last
+        agreement has read it, so a rank that is a little behind does not lose the store
+        in the middle of its reads. A rank that posted its failure instead reads nothing
+        more and is not waited for; one that never comes (it died) only costs the bound."""
         if self.rank != 0 or self.world < 2 or self._agreed < 1:
             return
-        keys = [self._read_key(r) for r in range(1, self.world)]
+        keys = [self._read_key(r) for r in self._readers]
+        if not keys:
+            return
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -102,6 +106,9 @@ class Ownership:
             if self.rank != 0:     # done reading rank 0's store up to this sync (see drain)
                 self._store.set(self._read_key(self.rank), str(seq).encode())
             self._agreed = seq
+            # a rank that posted its failure reads no more: nothing to wait for at teardown
+            self._readers = tuple(r for r in range(1, self.world)
+                                  if not isinstance(msgs[r], ErrorMsg))
         except StoreTimeout:
             try:
                 missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
