@@ -16,6 +16,7 @@ of ``call_all``; ms-swift: per ``ray.get`` of its manager, in order).
     .venv/bin/python benchmarks/swift_sync.py --backends shm,collective --kinds full,adapter
     .venv/bin/python benchmarks/swift_sync.py --backends shm --kinds adapter --block 10
     .venv/bin/python benchmarks/swift_sync.py --backends shm --kinds adapter --phases
+    .venv/bin/python benchmarks/swift_sync.py --kinds full --senders all,master
 """
 
 from __future__ import annotations
@@ -99,13 +100,13 @@ class PhaseClock:
 
 
 def measure(cluster: Any, backend: str, kind: str, args: argparse.Namespace,
-            clock: PhaseClock) -> dict:
+            clock: PhaseClock, senders: str = "master") -> dict:
     from weightsync.orchestration.manager import CheckpointEngineManager as WsManager
     from weightsync.testing.toymodel import lora_config
 
     bucket = args.bucket_mb << 20
     cluster.build(lora_config(r=args.rank) if kind == "adapter" else None)
-    cluster.use_backend(backend, bucket_size=bucket)
+    cluster.use_backend(backend, bucket_size=bucket, senders=senders)
     merge = kind == "full"
     swift_mgr = cluster.manager()
     ws_mgr = WsManager(backend, cluster.trainers, cluster.rollouts, bucket_size=bucket,
@@ -136,7 +137,7 @@ def measure(cluster: Any, backend: str, kind: str, args: argparse.Namespace,
     finally:
         ws_mgr.shutdown()
     med = {n: statistics.median(v) for n, v in times.items()}
-    result = {"backend": backend, "kind": kind, "syncs": {n: len(v) for n, v in times.items()},
+    result = {"backend": backend, "kind": kind, "senders": senders, "syncs": {n: len(v) for n, v in times.items()},
               "median_ms": {n: round(1e3 * m, 2) for n, m in med.items()},
               "min_ms": {n: round(1e3 * min(v), 2) for n, v in times.items()},
               "ratio_swift_over_ws": round(med["ms-swift"] / med["weightsync"], 3)}
@@ -158,6 +159,9 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA r for --kinds adapter")
     parser.add_argument("--phases", action="store_true",
                         help="also time each driver-side call of a sync")
+    parser.add_argument("--senders", default="master",
+                        help="ms-swift path: all (every trainer rank sends), master (rank 0 "
+                             "alone, ms-swift's topology), or both: all,master")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
@@ -179,12 +183,12 @@ def main(argv: Any = None) -> None:
         clock.install()
     results = []
     try:
-        for kind in kinds:
-            for backend in backends:
-                r = measure(cluster, backend, kind, args, clock)
+        for kind, backend, senders in [(k, b, s) for k in kinds for b in backends
+                                       for s in args.senders.split(",") if s]:
+                r = measure(cluster, backend, kind, args, clock, senders)
                 results.append(r)
                 m = r["median_ms"]
-                print(f"{backend:<10} {kind:<8} ms-swift {m['ms-swift']:7.2f} ms  weightsync "
+                print(f"{backend:<10} {kind:<8} {senders:<6} ms-swift {m['ms-swift']:7.2f} ms  weightsync "
                       f"{m['weightsync']:7.2f} ms  (medians of {r['syncs']['ms-swift']}; min "
                       f"{r['min_ms']['ms-swift']:.2f} / {r['min_ms']['weightsync']:.2f}; "
                       f"ms-swift/weightsync {r['ratio_swift_over_ws']:.3f})", flush=True)

@@ -10,6 +10,7 @@ cluster; the fault tests come last (they kill a rollout).
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -73,8 +74,19 @@ def test_call_shape_and_bad_input_before_anything_moves():
             pass
     with pytest.raises(RuntimeError, match="needs init_process_group"):
         asyncio.run(consume())
-    for actor in (trainer, rollout, other):
+    lone = _Actor()                # a rank -1 trainer outside rank 0's torch.distributed world
+    lone.prepare_checkpoint_engine(False)
+    with pytest.raises(TopologyError, match="sends from its 2 torch.distributed ranks, but "
+                                            "this rank -1 trainer is rank 0 of 1"):
+        lone.init_checkpoint_process_group(rank=-1, world_size=3,
+                                           master_metadata=dict(meta, trainers=2))
+    with pytest.raises(TopologyError, match="gives 0 sending trainer ranks"):
+        lone.init_checkpoint_process_group(rank=-1, world_size=3,
+                                           master_metadata=dict(meta, trainers=0))
+    for actor in (trainer, rollout, other, lone):
         actor._get_or_create_checkpoint_engine().close()
+    with pytest.raises(ValueError, match="senders must be one of"):
+        ws.WeightsyncSwiftEngine("shm", senders="some")
     with pytest.raises(ValueError, match="role"):
         ws.WeightsyncSwiftEngine("shm", role="trainer")
     with pytest.raises(ValueError, match="unknown backend"):
@@ -148,7 +160,7 @@ def _trainer_log(cluster) -> list:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_full_syncs_through_ms_swift_manager(cluster, backend):
-    cluster.use_backend(backend, bucket_size=1 << 20)
+    cluster.use_backend(backend, bucket_size=1 << 20, senders="all")
     cluster.build(None)
     manager, prompts = cluster.manager(), cluster.prompts()
     for step in range(3):
@@ -158,9 +170,26 @@ def test_full_syncs_through_ms_swift_manager(cluster, backend):
     assert manager.base_sync_done
     stats = cluster.stats()
     assert [s["rank"] for s in stats] == [0, -1, 1, 2]
-    for s in stats[:1] + stats[2:]:     # joined once; later syncs kept the group
+    for s in stats:                     # joined once; later syncs kept the group
         assert (s["joins"], s["reuses"], s["releases"], s["syncs"]) == (1, 2, 0, 3), s
-    assert stats[1]["syncs"] == 0       # rank -1 walked its export, sent nothing
+    # senders="all": the rank -1 trainer is in the group and sends its share, as rank 0
+    sent = [s["sent_bytes"] for s in stats[:2]]
+    assert min(sent) > 0.3 * sum(sent), sent
+
+
+def test_senders_master_is_ms_swift_topology(cluster):
+    """``senders="master"`` (the default): trainer rank 0 alone sends (ms-swift's own
+    topology); the rank -1 trainer walks its export and joins nothing."""
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(None)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    for step in range(2):
+        manager.sync_weights(merge_and_sync=True)
+        _check(cluster, prompts, version=step + 1)
+        cluster.train(step)
+    stats = cluster.stats()
+    assert stats[1]["syncs"] == stats[1]["joins"] == 0 and stats[0]["syncs"] == 2
+    assert stats[0]["sent_bytes"] > 0 and stats[1]["sent_bytes"] == 0
 
 
 def test_lora_merge_and_sync(cluster):
@@ -277,6 +306,11 @@ def test_layout_digest_and_cast():
     b = Layout.of(list(reversed(_layout_entries())), None)
     assert a.digest == b.digest and a.entries[0][0] == "a.weight"      # order-free
     assert Layout.of(_layout_entries(), None, previous=a) is a           # reused when equal
+    parts = [Layout(e, "described") for e in (_layout_entries()[:2], _layout_entries()[1:])]
+    both = Layout.union(parts)          # every sender's part; a name from two ranks once
+    assert both.digest == a.digest and both.source == "described"
+    with pytest.raises(ValueError, match=r"trainer ranks yield 'a.weight' as \[\[3\]"):
+        Layout.union([a, Layout([["a.weight", [4], "float32"]], "recorded")])
     half = Layout.of(_layout_entries(), torch.bfloat16)                  # the engine's cast
     assert half.by_name["a.weight"][2] == "bfloat16" and half.by_name["c.idx"][2] == "int64"
     assert half.digest != a.digest
@@ -475,6 +509,63 @@ def test_export_that_changes_after_its_check_fails_naming_the_tensor(cluster):
     _check(cluster, prompts)
 
 
+# -- every trainer rank sends (senders="all") ------------------------------------------------
+
+def _shares(cluster):
+    import ray
+    return [[e[0] for e in ray.get(t.weightsync_describe_weights.remote(False), timeout=60)]
+            for t in cluster.trainers]
+
+
+def test_wrong_export_of_a_rank_minus_1_sender_is_refused_before_any_byte(cluster):
+    """The rank -1 trainer describes its own share; one of its tensors reshaped is refused
+    for every rollout, naming it, before any byte moves (rank 0 checks every sender's
+    part); the next good sync lands."""
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20, senders="all")
+    cluster.build(None)
+    _on_trainers(cluster, "set_describe", True)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights()
+    mine0, mine1 = _shares(cluster)
+    assert mine1 and not set(mine0) & set(mine1)        # each name from one rank
+    late = mine1[-1]
+    cluster.train(0)
+    before = _digests(cluster)
+    ray.get(cluster.trainers[1].set_export_edit.remote({"op": "reshape", "name": late}))
+    with pytest.raises(Exception, match=rf"{re.escape(late)} \(shape") as err:
+        manager.sync_weights()
+    assert "refused before any byte moved" in str(err.value)
+    assert _digests(cluster) == before
+    ray.get(cluster.trainers[1].set_export_edit.remote(None))
+    manager.sync_weights()
+    _check(cluster, prompts)
+
+
+def test_rank_minus_1_export_that_changes_after_its_check_fails_naming_it(cluster):
+    """No description: every sender is held to what its last complete send yielded; a
+    tensor of the rank -1 trainer renamed fails the sync naming that trainer and tensor;
+    the next syncs learn the layout again and land."""
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20, senders="all")
+    cluster.build(None)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights()
+    _on_trainers(cluster, "set_describe", True)
+    late = _shares(cluster)[1][-1]
+    _on_trainers(cluster, "set_describe", False)
+    new = late + "_renamed"
+    ray.get(cluster.trainers[1].set_export_edit.remote({"op": "rename", "name": late,
+                                                        "to": new}))
+    with pytest.raises(Exception, match=rf"trainer rank 1's export yields '{re.escape(new)}' "
+                                        "which the checked layout does not have"):
+        manager.sync_weights()
+    ray.get(cluster.trainers[1].set_export_edit.remote(None))
+    manager.sync_weights()
+    manager.sync_weights()
+    _check(cluster, prompts)
+
+
 # -- faults last (they kill a rollout) -------------------------------------------------------
 
 def test_killed_rollout_actor_is_named_within_the_timeout(cluster):
@@ -501,3 +592,4 @@ def test_killed_rollout_actor_is_named_within_the_timeout(cluster):
     with pytest.raises(Exception, match="SwiftRollout|died|dead") as err:   # dead before it
         manager.sync_weights()
     assert time.monotonic() - start < TIMEOUT + 15
+

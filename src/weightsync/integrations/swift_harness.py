@@ -47,7 +47,8 @@ from weightsync.integrations.swift import WeightsyncCheckpointMixin
 from weightsync.rollout.hf import HFRolloutReplica
 from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config
 from weightsync.trainer.digests import describe_export
-from weightsync.trainer.export import export_weights
+from weightsync.trainer.export import assign_owners, export_weights, plan_export
+from weightsync.trainer.fsdp import dist_rank_world
 from weightsync.trainer.lora import lora_config_dict
 
 __all__ = ["SwiftCluster", "SwiftReplica", "SwiftTrainer", "SwiftRollout", "edit_export",
@@ -65,10 +66,11 @@ def _edit_of(edit: Optional[dict]) -> Optional[dict]:
     return edit
 
 
-def edit_export(items: Any, edit: Optional[dict]) -> Any:
+def edit_export(items: Any, edit: Optional[dict], *, add: bool = True) -> Any:
     """``items`` (``(name, tensor)``) with ``edit`` applied to tensor ``edit["name"]``:
     ``rename`` (to ``edit["to"]``), ``drop``, ``add`` (a zero tensor of ``edit["shape"]``
-    after the last one), ``reshape`` (flattened), ``retype`` (to ``edit["dtype"]``)."""
+    after the last one, if ``add``), ``reshape`` (flattened), ``retype`` (to
+    ``edit["dtype"]``)."""
     edit = _edit_of(edit)
     for name, tensor in items:
         if edit is not None and name == edit["name"]:
@@ -82,11 +84,11 @@ def edit_export(items: Any, edit: Optional[dict]) -> Any:
             elif op == "retype":
                 tensor = tensor.to(getattr(torch, edit["dtype"]))
         yield name, tensor
-    if edit is not None and edit["op"] == "add":
+    if edit is not None and edit["op"] == "add" and add:
         yield edit["name"], torch.zeros(edit["shape"])
 
 
-def edit_layout(entries: list, edit: Optional[dict]) -> list:
+def edit_layout(entries: list, edit: Optional[dict], *, add: bool = True) -> list:
     """The same edit on a description ``[[name, shape, dtype], ...]``."""
     edit = _edit_of(edit)
     if edit is None:
@@ -104,7 +106,7 @@ def edit_layout(entries: list, edit: Optional[dict]) -> list:
             elif op == "retype":
                 dtype = edit["dtype"]
         out.append([name, list(shape), dtype])
-    if edit["op"] == "add":
+    if edit["op"] == "add" and add:
         out.append([edit["name"], list(edit["shape"]), "float32"])
     return out
 
@@ -137,13 +139,29 @@ class ToyMegatronWorker(CheckpointEngineMixin, ToyTrainerWorker):
             "full" if self.lora is None or self._merged else "base")
 
     def send_checkpoint_weights(self, adapter_only: bool = False) -> None:
+        """Megatron's export yields every tensor on every rank; this FSDP2 stand-in gives
+        each tensor to one rank when every trainer rank sends (``senders="all"``: what the
+        ownership agreement settles on), to rank 0 when it alone does (ms-swift's
+        topology; the others walk their part)."""
         engine = self._get_or_create_checkpoint_engine()
         kind = self._kind(adapter_only)
         self.log.append(f"send:{kind}")
-        items = export_weights(self.model, kind=kind, owner=0)
-        if engine.rank == 0:           # rank -1 walks its part of the export as it is
-            items = edit_export(items, self.export_edit)
+        spread = getattr(engine, "trainers", 1) > 1
+        items = export_weights(self.model, kind=kind, owner=None if spread else 0)
+        if getattr(engine, "sends", engine.rank == 0):
+            items = edit_export(items, self.export_edit, add=engine.rank == 0)
         asyncio.run(engine.send_weights(items))
+
+    def _share(self, entries: list, kind: str) -> list:
+        """The entries of ``entries`` this rank yields when every trainer rank sends."""
+        engine = self._get_or_create_checkpoint_engine()
+        if getattr(engine, "trainers", 1) <= 1:
+            return entries
+        me, _, ranks = dist_rank_world()
+        items = plan_export(self.model, kind)
+        mine = {item.name for item, owner in zip(items, assign_owners(items, ranks))
+                if owner == me}
+        return [e for e in entries if e[0] in mine]
 
 
 class SwiftTrainer(WeightsyncCheckpointMixin, ToyMegatronWorker):
@@ -171,8 +189,10 @@ class SwiftTrainer(WeightsyncCheckpointMixin, ToyMegatronWorker):
     def weightsync_describe_weights(self, adapter_only: bool) -> Optional[list]:
         if not self.describe:
             return None
-        return edit_layout(describe_export(self.model, self._kind(adapter_only)),
-                           self.export_edit)
+        kind = self._kind(adapter_only)
+        engine = self._get_or_create_checkpoint_engine()
+        return edit_layout(self._share(describe_export(self.model, kind), kind),
+                           self.export_edit, add=engine.rank == 0)
 
 
 class ToyVllmServer(CheckpointEngineMixin):

@@ -6,8 +6,14 @@ ms-swift's manager drives it exactly as its NCCL engine: ``engine.is_master = fl
 master_metadata)`` on all at once, ``send_weights(iterator)`` on every trainer rank with
 ``receive_weights()`` on every rollout, then ``finalize()``. Behind that call shape
 (:mod:`.rendezvous`): the weightsync backend's own topology, token, timeouts and version
-checks. Rank -1 trainers walk their weight iterator and send nothing (ms-swift's topology
-has one sender); a send that fails walks the rest of its iterator, so trainer ranks in a
+checks. ms-swift's topology has one sender (rank 0; the other trainer ranks get rank -1
+and only walk their export): ``senders="master"``, the default (env
+``WEIGHTSYNC_SWIFT_SENDERS``). ``senders="all"`` puts every trainer rank of rank 0's
+``torch.distributed`` world into the weightsync group behind that shape: a rank -1 trainer
+learns its index from ``torch.distributed``, reports to rank 0's rendezvous and sends what
+its export yields, each name from one rank (the backend's ownership agreement) -- for
+trainer ranks with links of their own (several hosts or NICs); on one small host the two
+senders only share its cores (BENCHMARKS.md: slower there). A send that fails walks the rest of its iterator, so trainer ranks in a
 collective export are never left waiting.
 
 The version of a sync is the count of rank 0's ``prepare()`` calls (the same on every
@@ -40,11 +46,13 @@ from weightsync.integrations.swift.rendezvous import (Channel, follow_join, foll
 from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
 from weightsync.transport.registry import CheckpointEngineRegistry as WsRegistry
 
-__all__ = ["WeightsyncSwiftEngine", "new_engine", "describe_actor", "DEFAULT_BACKEND", "PROTOCOL"]
+__all__ = ["WeightsyncSwiftEngine", "new_engine", "describe_actor", "DEFAULT_BACKEND", "PROTOCOL",
+           "SENDERS"]
 
 logger = logging.getLogger(__name__)
 DEFAULT_BACKEND = "collective"
 PROTOCOL = "weightsync-swift/1"
+SENDERS = ("all", "master")
 _live: "weakref.WeakSet[WeightsyncSwiftEngine]" = weakref.WeakSet()
 
 
@@ -72,6 +80,15 @@ def describe_actor(obj: Any = None) -> str:
     except Exception:  # not in an actor
         logger.debug("no Ray actor context", exc_info=True)
     return text
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    """This process's (rank, world size) in ``torch.distributed``; (0, 1) without it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class _Feed:
@@ -142,7 +159,8 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
 
     ``options``: the engine options (``bucket_size``, ``timeout``, ``num_slots``,
     ``dtype``, ``checksum``, ``device``, ``host``; ``host="auto"`` = this node's IP as Ray
-    sees it, for ``collective`` across hosts) and ``reuse``.
+    sees it, for ``collective`` across hosts), ``reuse`` and ``senders`` (see the module
+    doc).
     """
 
     def __init__(self, backend: str = DEFAULT_BACKEND, **options: Any) -> None:
@@ -153,6 +171,9 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.reuse = options.pop("reuse", env_value("SWIFT_REUSE", parse_bool, True))
         if not isinstance(self.reuse, bool):
             raise ValueError(f"reuse must be true or false, got {self.reuse!r}")
+        self.senders = options.pop("senders", env_value("SWIFT_SENDERS", str, "master"))
+        if self.senders not in SENDERS:
+            raise ValueError(f"senders must be one of {SENDERS}, got {self.senders!r}")
         if options.get("host") == "auto":
             options["host"] = _node_ip()
         try:
@@ -162,6 +183,12 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.backend, self.options = backend, options
         self.timeout, self.host = cfg.timeout, cfg.host
         self.is_master, self.rank, self.world_size, self.version = False, None, None, None
+        self.trainers = 1                # trainer ranks that send in this sync
+        self.tindex: Optional[int] = None   # this trainer's index among them (None: walks)
+        self.peer_layouts: dict[str, Layout] = {}   # rank 0: other senders' layouts by digest
+        self.told: set = set()           # other senders: (rank 0 session, digest) it has
+        self.leader: Optional[str] = None   # rank 0's session in this sync
+        self.sending_key = "full"        # senders: the weight set of this sync
         self.who, self.session = describe_actor(), secrets.token_hex(8)
         self.inner: Any = None
         self.chan: Optional[Channel] = None
@@ -174,7 +201,8 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.layouts: dict[str, Layout] = {}     # rank 0: per weight set, the last one sent
         self.accepted: dict[str, str] = {}       # rollouts: check key -> digest that fits
         self.stats = {"joins": 0, "reuses": 0, "releases": 0, "syncs": 0, "init_s": 0.0,
-                      "refused": 0, "last_error": None, "checks": 0, "layout": None}
+                      "refused": 0, "last_error": None, "checks": 0, "layout": None,
+                      "sent_bytes": 0, "check_s": 0.0, "send_s": 0.0}
         self._round = 0
         self._rdv: Any = None            # rank 0: the client that owns the rendezvous store
         self._rdv_auth = ""
@@ -198,7 +226,19 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self._round += 1
         return {"weightsync": PROTOCOL, "backend": self.backend, "host": self.host,
                 "port": self._rdv.port, "auth": self._rdv_auth, "session": self.session,
-                "round": self._round}
+                "round": self._round, "trainers": self._sending_world()}
+
+    def _sending_world(self) -> int:
+        """Rank 0: how many trainer ranks send (its ``torch.distributed`` world, if
+        ``senders="all"`` and it is rank 0 of that world; else 1)."""
+        if self.senders != "all":
+            return 1
+        me, world = _dist_rank_world()
+        if me != 0 and world > 1:
+            logger.warning("weightsync-swift: ms-swift's master is torch.distributed rank %d, "
+                           "not 0: it alone sends", me)
+            return 1
+        return world
 
     @classmethod
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int, metadata: list):
@@ -215,11 +255,13 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         meta = self._check_call(rank, world_size, master_metadata)
         self.rank, self.world_size, self.version = rank, world_size, meta["round"]
         self._active, self.intent, self._touched = True, {}, False
-        if rank < 0:
+        self.trainers, self.tindex = self._senders_of(rank, meta)
+        self.leader = meta.get("session")
+        if rank < 0 and self.tindex is None:
             return
         try:
-            if rank > 0:
-                self._engine("rollout")
+            if rank != 0:
+                self._engine("rollout" if rank > 0 else "trainer")
             self.chan = Channel(self._store(meta), f"ws-swift/{meta['session']}", meta["round"])
             (lead_join if rank == 0 else follow_join)(self)
         except BaseException as exc:
@@ -227,25 +269,35 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             raise self._failed(exc) from None
         self.stats["init_s"] = time.perf_counter() - start
 
+    @property
+    def sends(self) -> bool:
+        """Whether this trainer sends in this sync (rank 0, or a rank -1 trainer behind it)."""
+        return self.rank == 0 or self.tindex is not None
+
     async def send_weights(self, weights: Any) -> Optional[dict]:
         self._check_active("send_weights", trainer=True)
-        if self.rank < 0:         # not in the group: walk the export (it may be collective)
+        if not self.sends:        # not in the group: walk the export (it may be collective)
             await _walk(weights)
             return None
         feed = weights if hasattr(weights, "__aiter__") else _Feed(weights)
         kind = bool(self.intent.get("adapter_only"))
-        key = "adapter" if kind else "full"
+        key = self.sending_key = "adapter" if kind else "full"
         checked = None
         try:
             self.layout = self._expected_layout(key)
-            refused = await asyncio.to_thread(lead_transfer, self)
+            t0 = time.perf_counter()
+            refused = await asyncio.to_thread(lead_transfer if self.rank == 0 else
+                                              follow_transfer, self)
+            self.stats["check_s"] = time.perf_counter() - t0
             if refused is None and kind != self._last_kind:
                 self.inner.reset_plan()     # another weight set: re-send every layout
                 self._last_kind = kind
             if refused is None:
                 checked = LayoutFeed(feed, self.layout, self.inner.config.dtype,
-                                     version=self.version)
+                                     version=self.version, who=self._trainer_name())
+                t0 = time.perf_counter()
                 metrics = await self.inner.send_weights(checked, version=self.version)
+                self.stats["send_s"] = time.perf_counter() - t0
         except BaseException as exc:
             self._dirty = True
             if checked is not None and checked.deviated:
@@ -260,6 +312,7 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         if learned is not None:
             self.layouts[key] = learned
         self.stats["syncs"] += 1
+        self.stats["sent_bytes"] = int((metrics or {}).get("bytes") or 0)
         return metrics
 
     async def receive_weights(self) -> AsyncIterator[tuple[str, Any]]:
@@ -317,6 +370,14 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         """How errors name ms-swift rollout rank ``rank`` (1..R)."""
         return self.names.get(f"rollout rank {rank - 1}", f"ms-swift rank {rank}")
 
+    def trainer_name(self, index: int) -> str:
+        """How errors name trainer ``index`` (its ``torch.distributed`` rank) of the senders."""
+        return self.names.get(f"trainer rank {index}",
+                              f"ms-swift rank {0 if index == 0 else -1} (trainer rank {index})")
+
+    def _trainer_name(self) -> str:
+        return f"trainer rank {self.tindex or 0}"
+
     def close(self) -> None:
         """Release everything (also done at interpreter exit). Idempotent."""
         self._active = False
@@ -329,16 +390,37 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         _live.discard(self)
 
     # -- internals ------------------------------------------------------------------------
+    def _senders_of(self, rank: int, meta: dict) -> tuple[int, Optional[int]]:
+        """(trainer ranks that send, this trainer's index among them or None)."""
+        trainers = meta.get("trainers", 1)
+        if isinstance(trainers, bool) or not isinstance(trainers, int) or trainers < 1:
+            raise TopologyError(f"master_metadata gives {trainers!r} sending trainer ranks",
+                                phase="init")
+        if rank > 0:
+            return trainers, None
+        if rank == 0:
+            return trainers, 0
+        if trainers == 1:
+            return 1, None
+        me, world = _dist_rank_world()
+        if world != trainers or not 1 <= me < trainers:
+            raise TopologyError(
+                f"trainer rank 0 sends from its {trainers} torch.distributed ranks, but this "
+                f"rank -1 trainer is rank {me} of {world} (a trainer outside rank 0's world: "
+                "configure senders='master' on rank 0)", peer=self.who, phase="init")
+        return trainers, me
+
     def _expected_layout(self, key: str) -> Optional[Layout]:
-        """Rank 0: the layout to check this sync against (``described`` by the trainer
-        actor, else ``recorded`` from the last complete send of this weight set)."""
+        """A sender: the layout to check this sync against (``described`` by the trainer
+        actor, else ``recorded`` from the last complete send of this weight set); rank 0
+        adds the other senders' to it before the check (:mod:`.rendezvous`)."""
         described, known = self.intent.get("layout"), self.layouts.get(key)
         layout = known
         if described is not None:
             try:
                 layout = Layout.of(described, self.inner.config.dtype, "described", known)
             except (TypeError, ValueError) as exc:
-                self.intent["error"] = f"trainer rank 0: bad weight description: {exc}"
+                self.intent["error"] = f"{self._trainer_name()}: bad weight description: {exc}"
                 layout = None
         self.stats["layout"] = layout.source if layout is not None else None
         return layout

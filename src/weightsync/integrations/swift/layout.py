@@ -87,6 +87,21 @@ class Layout:
             return previous
         return cls(entries, source)
 
+    @classmethod
+    def union(cls, parts: list["Layout"]) -> "Layout":
+        """The layout of a sync whose senders yield ``parts`` (a name yielded by several
+        must have one shape and dtype: each name reaches a rollout once)."""
+        if len(parts) == 1:
+            return parts[0]
+        merged: dict[str, list] = {}
+        for part in parts:
+            for entry in part.entries:
+                seen = merged.setdefault(entry[0], entry)
+                if seen != entry:
+                    raise ValueError(f"trainer ranks yield {entry[0]!r} as {seen[1:]} and as "
+                                     f"{entry[1:]}")
+        return cls(list(merged.values()), "+".join(sorted({p.source for p in parts})))
+
 
 def _why(want: list, shape: list, dtype: str) -> Optional[str]:
     if want[1] != shape:
@@ -97,12 +112,14 @@ def _why(want: list, shape: list, dtype: str) -> Optional[str]:
 
 
 class LayoutFeed:
-    """Trainer rank 0's export on its way into the engine: records each tensor's layout
-    (no copy) and holds it to ``expected`` (the layout checked for this sync) if given."""
+    """A sending trainer's export on its way into the engine (``who``: the trainer, as
+    errors name it): records each tensor's layout (no copy) and holds it to ``expected``
+    (this trainer's part of the layout checked for this sync) if given."""
 
     def __init__(self, feed: Any, expected: Optional[Layout], cast: Optional[torch.dtype], *,
-                 version: Any = None) -> None:
+                 version: Any = None, who: str = "trainer rank 0") -> None:
         self._feed, self.expected, self.cast, self.version = feed, expected, cast, version
+        self.who = who
         self._async = hasattr(feed, "__aiter__")
         self._it: Any = None
         self.seen: list = []
@@ -170,10 +187,10 @@ class LayoutFeed:
         names = names or [name]
         source = self.expected.source if self.expected is not None else "recorded"
         err = PlanMismatch(
-            f"trainer rank 0's export yields {name!r} {what} (checked before this sync: the "
+            f"{self.who}'s export yields {name!r} {what} (checked before this sync: the "
             f"{source} layout, digest {self.expected.digest if self.expected else '-'}); "
             f"{len(names)} tensor(s): {names[:MAX_LISTED]}. Bytes of earlier tensors have "
-            "moved; the next sync checks the export as it is then", peer="trainer rank 0",
+            "moved; the next sync checks the export as it is then", peer=self.who,
             phase="send", version=self.version)
         err.names = names  # type: ignore[attr-defined]
         raise err

@@ -7,8 +7,9 @@ peft_config)``; all of them reach the engine through ``_get_or_create_checkpoint
 The wrappers here tell the engine what each sync is (full or adapter-only), a rollout's
 objection to the peft config and how it checks a weight layout, and trainer rank 0's
 metadata-only description of its weights where the actor has one
-(``weightsync_describe_weights``), before ms-swift's own method runs, so trainer rank 0 can
-refuse a bad sync for everybody before any byte moves (:mod:`.layout`).
+(``weightsync_describe_weights``, on every sending trainer rank: its own part), before
+ms-swift's own method runs, so trainer rank 0 can refuse a bad sync for everybody before
+any byte moves (:mod:`.layout`).
 """
 
 from __future__ import annotations
@@ -82,11 +83,12 @@ def _before_send(actor: Any, adapter_only: bool) -> None:
     engine = actor._get_or_create_checkpoint_engine()
     layout, error = None, None
     describe = getattr(actor, "weightsync_describe_weights", None)
-    if engine.is_master and callable(describe):
+    if engine.sends and callable(describe):
         try:
             layout = describe(bool(adapter_only))
         except Exception as exc:  # refused for everybody by rank 0, not a hang
-            error = f"trainer rank 0: describing its weights failed: {type(exc).__name__}: {exc}"
+            error = f"trainer rank {engine.tindex or 0}: describing its weights failed: " \
+                    f"{type(exc).__name__}: {exc}"
     engine.expect(adapter_only=bool(adapter_only), error=error, layout=layout)
 
 
@@ -143,8 +145,9 @@ class WeightsyncCheckpointMixin(SwiftMixin):
 
     def weightsync_describe_weights(self, adapter_only: bool) -> Optional[list]:
         """Trainer actors: ``[[name, shape, dtype], ...]`` of what ``send_checkpoint_weights
-        (adapter_only)`` will yield, from metadata only, or None (default: not known; trainer
-        rank 0 then checks against what its last complete send of this weight set yielded).
+        (adapter_only)`` will yield on this rank, from metadata only, or None (default: not
+        known; the sync is then checked against what this rank's last complete send of this
+        weight set yielded).
         Override where the model can tell without exporting."""
         return None
 

@@ -6,17 +6,22 @@ rollouts, every worker given rank 0's metadata. weightsync's metadata is the add
 token of a control store hosted by rank 0, so:
 
 * ``init_process_group``: every rollout reports (``hello``: its session, current group, the
-  backend's own ``prepare()``); rank 0 (:func:`lead_join`) either keeps the group, when
+  backend's own ``prepare()``), and so does every other sending trainer rank (``thello``,
+  with ``senders="all"``: ms-swift gives them all rank -1, so they are told apart by their
+  ``torch.distributed`` rank); rank 0 (:func:`lead_join`) either keeps the group, when
   every worker is the same and already in it, or runs the backend's ``build_topology`` over
-  all reports and hands each rollout its keywords (``kw/<rank>``).
+  all reports (every sender a trainer rank of it) and hands each worker its keywords
+  (``kw/<rank>``, ``kw/t<index>``).
 * at the start of ``send_weights`` / ``receive_weights``: every rollout reports what it
   expects (``ready``: full or adapter-only, whether it holds base weights from weightsync,
   its own objection such as a peft config that does not fit its model, the digest of the
-  layout it last accepted for this weight set); rank 0 (:func:`lead_transfer`) compares
-  with what it sends, asks the rollouts that have not accepted this sync's layout
-  (:mod:`.layout`) to ``check`` it (names, shapes, dtypes; answered in ``checked``), and
-  answers ``go`` or ``abort`` (the same text to everyone), so a bad sync is refused
-  before any byte moves.
+  layout it last accepted for this weight set), and every other sender what it sends
+  (``tready``: the kind, its own objection, its layout's digest, the layout itself when
+  rank 0 has not got it); rank 0 (:func:`lead_transfer`) compares them with what it sends,
+  asks the rollouts that have not accepted this sync's layout (every sender's part,
+  :mod:`.layout`) to ``check`` it (names, shapes, dtypes; answered in ``checked``), and
+  answers ``go`` or ``abort`` (the same text to every rollout and sender), so a bad sync
+  is refused before any byte moves.
 
 Every wait is bounded (followers wait ``_GRACE`` longer than the leader, so the leader
 reports first and can name the silent rank). Messages are JSON; boxes are fixed per leader
@@ -33,7 +38,7 @@ from typing import Any, Optional
 
 from weightsync.core.errors import (PeerFailed, PlanMismatch, SyncTimeout, TopologyError,
                                     WeightSyncError)
-from weightsync.integrations.swift.layout import layout_mismatch
+from weightsync.integrations.swift.layout import Layout, layout_mismatch
 from weightsync.transport.base import validate_topology, worker_kwargs
 from weightsync.transport.control.server import StoreTimeout
 
@@ -84,21 +89,24 @@ class Channel:
                 logger.debug("could not tell %s", box, exc_info=True)
 
 
-def _gather(engine: Any, box: str, what: str,
-            ranks: Optional[list[int]] = None) -> dict[int, dict]:
-    """Leader: one message from each rollout rank of ``ranks`` (default 1..n), bounded by
-    the engine's timeout."""
-    n = engine.world_size - 1
-    ranks = list(range(1, n + 1)) if ranks is None else ranks
+def _gather(engine: Any, box: str, what: str, ranks: Optional[list[int]] = None, *,
+            trainers: bool = False) -> dict[int, dict]:
+    """Leader: one message from each rollout rank of ``ranks`` (default 1..n), or from
+    each of the other sending trainers (``trainers``: indices 1..A-1), bounded by the
+    engine's timeout."""
+    if ranks is None:
+        ranks = list(range(1, engine.trainers)) if trainers else \
+            list(range(1, engine.world_size))
+    name = engine.trainer_name if trainers else engine.name_of
     got: dict[int, dict] = {}
     deadline = time.monotonic() + engine.timeout
     while len(got) < len(ranks):
         missing = [r for r in ranks if r not in got]
         try:
             msg = engine.chan.pop(box, deadline - time.monotonic(), waiting_for=what,
-                                  peer=f"ms-swift rank {missing[0]}")
+                                  peer=name(missing[0]))
         except SyncTimeout as exc:
-            names = ", ".join(engine.name_of(r) for r in missing)
+            names = ", ".join(name(r) for r in missing)
             raise SyncTimeout(f"{exc.detail}: nothing from {names}", peer=exc.peer,
                               phase=exc.phase, version=engine.version) from None
         rank = msg.get("rank")
@@ -110,24 +118,35 @@ def _gather(engine: Any, box: str, what: str,
     return got
 
 
+def _sender_boxes(engine: Any, prefix: str) -> list[str]:
+    return [f"{prefix}/t{i}" for i in range(1, engine.trainers)]
+
+
 def lead_join(engine: Any) -> None:
     """Rank 0 in ``init_process_group``: keep the group or build a new one."""
-    n = engine.world_size - 1
-    boxes = [f"kw/{r}" for r in range(1, n + 1)]
+    n, a = engine.world_size - 1, engine.trainers
+    boxes = [f"kw/{r}" for r in range(1, n + 1)] + _sender_boxes(engine, "kw")
     inner = engine.inner
     try:
         hellos = _gather(engine, "hello", f"init_process_group of {n} rollout(s)")
+        others = _gather(engine, "thello", f"init_process_group of {a - 1} other trainer "
+                         "rank(s)", trainers=True) if a > 1 else {}
         engine.names = {f"rollout rank {r - 1}": f"ms-swift rank {r} ({h.get('who')})"
                         for r, h in hellos.items()}
-        members = [engine.session] + [hellos[r].get("session") for r in range(1, n + 1)]
+        engine.names.update({f"trainer rank {i}": f"ms-swift rank -1 (trainer rank {i}, "
+                             f"{h.get('who')})" for i, h in others.items()})
+        members = [engine.session] + [others[i].get("session") for i in range(1, a)] + \
+            [hellos[r].get("session") for r in range(1, n + 1)]
         if engine.reuse and engine.group is not None and members == engine.members and \
-                all(h.get("group") == engine.group for h in hellos.values()):
+                all(h.get("group") == engine.group
+                    for h in list(hellos.values()) + list(others.values())):
             engine.chan.tell_all(boxes, {"reuse": engine.group, "who": engine.who})
             engine.stats["reuses"] += 1
             return
-        metas = [inner.prepare()] + [hellos[r].get("meta") for r in range(1, n + 1)]
-        tk, rk = type(inner).build_topology(1, n, metas)
-        validate_topology(engine.backend, "trainer", tk, 1)
+        metas = [inner.prepare()] + [others[i].get("meta") for i in range(1, a)] + \
+            [hellos[r].get("meta") for r in range(1, n + 1)]
+        tk, rk = type(inner).build_topology(a, n, metas)
+        validate_topology(engine.backend, "trainer", tk, a)
         validate_topology(engine.backend, "rollout", rk, n)
     except BaseException as exc:
         engine.chan.tell_all(boxes, {"abort": f"trainer rank 0: {exc}"})
@@ -136,6 +155,9 @@ def lead_join(engine: Any) -> None:
     for r in range(1, n + 1):
         engine.chan.push(f"kw/{r}", {"join": group, "kw": worker_kwargs(rk, r - 1),
                                      "who": engine.who})
+    for i in range(1, a):
+        engine.chan.push(f"kw/t{i}", {"join": group, "kw": worker_kwargs(tk, i),
+                                      "who": engine.who})
     engine.group = None
     inner.init_process_group(**worker_kwargs(tk, 0))
     engine.group, engine.members = group, members
@@ -143,11 +165,16 @@ def lead_join(engine: Any) -> None:
 
 
 def follow_join(engine: Any) -> None:
-    """A rollout in ``init_process_group``: report, then join or keep what rank 0 says."""
-    inner, rank = engine.inner, engine.rank
-    engine.chan.push("hello", {"rank": rank, "session": engine.session, "group": engine.group,
-                               "meta": inner.prepare(), "who": engine.who})
-    reply = engine.chan.pop(f"kw/{rank}", engine.timeout + GRACE, peer="trainer rank 0",
+    """A rollout, or a rank -1 sender, in ``init_process_group``: report, then join or keep
+    what rank 0 says."""
+    inner = engine.inner
+    sender = engine.rank < 0
+    me = engine.tindex if sender else engine.rank
+    engine.chan.push("thello" if sender else "hello",
+                     {"rank": me, "session": engine.session, "group": engine.group,
+                      "meta": inner.prepare(), "who": engine.who})
+    reply = engine.chan.pop(f"kw/t{me}" if sender else f"kw/{me}", engine.timeout + GRACE,
+                            peer="trainer rank 0",
                             waiting_for="the topology from trainer rank 0")
     if "abort" in reply:
         raise PeerFailed(str(reply["abort"]), peer="trainer rank 0", phase="init")
@@ -160,7 +187,7 @@ def follow_join(engine: Any) -> None:
     elif reply.get("reuse") == engine.group and engine.group is not None:
         engine.stats["reuses"] += 1
     else:
-        raise TopologyError(f"trainer rank 0 kept group {reply.get('reuse')!r}, this rollout "
+        raise TopologyError(f"trainer rank 0 kept group {reply.get('reuse')!r}, this worker "
                             f"is in {engine.group!r}", peer="trainer rank 0", phase="init")
 
 
@@ -184,9 +211,38 @@ def _problems(engine: Any, ready: dict[int, dict]) -> list[str]:
     return out
 
 
-def _check_layout(engine: Any, ready: dict[int, dict]) -> Optional[PlanMismatch]:
+def _sender_problems(engine: Any, ready: dict[int, dict]) -> list[str]:
+    mine, out = engine.intent.get("adapter_only"), []
+    for i, msg in sorted(ready.items()):
+        who = engine.trainer_name(i)
+        if msg.get("error"):
+            out.append(f"{who}: {msg['error']}")
+        if bool(msg.get("adapter_only")) != bool(mine):
+            out.append(f"{who} sends {_kind(msg.get('adapter_only'))} weights, trainer rank 0 "
+                       f"sends {_kind(mine)}")
+    return out
+
+
+def _sync_layout(engine: Any, ready: dict[int, dict]) -> Optional[Layout]:
+    """Leader: the layout of this sync over every sender (None: some sender's is not
+    known, the first pass of a weight set; the rollouts check what arrives)."""
+    if engine.layout is None:
+        return None
+    parts = [engine.layout]
+    for i, msg in sorted(ready.items()):
+        slot = (i, msg.get("key"))
+        if msg.get("entries") is not None:
+            engine.peer_layouts[slot] = Layout(msg["entries"], str(msg.get("source")))
+        known = engine.peer_layouts.get(slot)
+        if msg.get("digest") is None or known is None or known.digest != msg["digest"]:
+            return None
+        parts.append(known)
+    return Layout.union(parts)
+
+
+def _check_layout(engine: Any, ready: dict[int, dict],
+                  layout: Layout) -> Optional[PlanMismatch]:
     """Leader: the rollouts that have not accepted this sync's layout check it now."""
-    layout = engine.layout
     need = [r for r, msg in sorted(ready.items()) if msg.get("accepted") != layout.digest]
     if not need:
         return None
@@ -208,16 +264,23 @@ def _check_layout(engine: Any, ready: dict[int, dict]) -> Optional[PlanMismatch]
 
 def lead_transfer(engine: Any) -> Optional[PlanMismatch]:
     """Rank 0 before sending: the refusal (nothing moved) or ``None`` to go ahead."""
-    boxes = [f"go/{r}" for r in range(1, engine.world_size)]
+    boxes = [f"go/{r}" for r in range(1, engine.world_size)] + _sender_boxes(engine, "go")
     try:
         ready = _gather(engine, "ready", "receive_checkpoint_weights of every rollout")
-        problems = _problems(engine, ready)
+        senders = _gather(engine, "tready", "send_checkpoint_weights of every other trainer "
+                          "rank", trainers=True) if engine.trainers > 1 else {}
+        problems = _sender_problems(engine, senders) + _problems(engine, ready)
         if engine.intent.get("error"):
             problems.insert(0, str(engine.intent["error"]))
+        layout = None
+        try:
+            layout = _sync_layout(engine, senders)
+        except ValueError as exc:
+            problems.append(str(exc))
         refused = PlanMismatch("; ".join(problems), phase="validate",
                                version=engine.version) if problems else None
-        if refused is None and engine.layout is not None:
-            refused = _check_layout(engine, ready)
+        if refused is None and layout is not None:
+            refused = _check_layout(engine, ready, layout)
     except BaseException as exc:
         engine.chan.tell_all(boxes, {"abort": f"trainer rank 0: {exc}", "failed": True})
         raise
@@ -246,9 +309,28 @@ def _run_check(engine: Any, ask: dict) -> dict:
     return out
 
 
+def _follow_as_sender(engine: Any) -> dict:
+    """A rank -1 sender before sending: report what it sends, wait for rank 0's answer."""
+    layout, key = engine.layout, engine.sending_key
+    told = (engine.leader, key, layout.digest if layout is not None else None)
+    engine.chan.push("tready", {
+        "rank": engine.tindex, "adapter_only": engine.intent.get("adapter_only"),
+        "error": engine.intent.get("error"), "key": key,
+        "digest": told[2], "source": layout.source if layout is not None else None,
+        "entries": layout.entries if layout is not None and told not in engine.told else None})
+    if layout is not None:
+        if len(engine.told) > 16:   # bounded; forgetting only costs resending a layout
+            engine.told.clear()
+        engine.told.add(told)
+    return engine.chan.pop(f"go/t{engine.tindex}", 2 * engine.timeout + GRACE,
+                           peer="trainer rank 0", waiting_for="trainer rank 0's go")
+
+
 def follow_transfer(engine: Any) -> Optional[PlanMismatch]:
-    """A rollout before receiving: report, check rank 0's layout if asked, wait for its
-    answer."""
+    """A rollout before receiving (or a rank -1 sender before sending): report, check rank
+    0's layout if asked, wait for its answer."""
+    if engine.rank < 0:
+        return _answer(engine, _follow_as_sender(engine))
     key = engine.intent.get("key")
     engine.chan.push("ready", {"rank": engine.rank, "has_base": engine.has_base,
                                "adapter_only": engine.intent.get("adapter_only"),
@@ -260,6 +342,10 @@ def follow_transfer(engine: Any) -> Optional[PlanMismatch]:
         if "check" not in reply:
             break
         engine.chan.push("checked", _run_check(engine, reply))
+    return _answer(engine, reply)
+
+
+def _answer(engine: Any, reply: dict) -> Optional[PlanMismatch]:
     if reply.get("failed"):     # not a refusal: the sync broke (e.g. another rollout is gone)
         raise PeerFailed(str(reply["abort"]), peer="trainer rank 0", phase="validate",
                          version=engine.version)
