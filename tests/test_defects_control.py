@@ -92,21 +92,27 @@ def test_inbox_pop_names_its_host_not_the_expected_sender():
     store.close()
 
 
+def _two_ranks():
+    """Trainer rank 0's ownership store and the two ranks' ``Ownership`` over it."""
+    from weightsync.transport.control.store import connect_store, host_store
+    from weightsync.transport.protocol.ownership import Ownership
+
+    token = "t" * 32
+    host = host_store("127.0.0.1", 10, token)
+    client = connect_store("127.0.0.1", host.port, token, 10, peer="trainer rank 0",
+                           phase="init")
+    return host, client, Ownership(host, "ws/x", 0, 2, 10), Ownership(client, "ws/x", 1, 2, 10)
+
+
 @pytest.mark.timeout(60)
 def test_trainer_rank_0_leaving_lets_the_others_finish_reading_its_store():
     """Trainer rank 0 hosts the ownership store. Its end-of-sync agreement returns once
     every rank posted its names; a rank a little behind still reads them. Rank 0's
     teardown waits for that (bounded) before closing the store (CI caught
     test_two_trainers[disjoint-shm] with trainer rank 1 losing the store mid-read)."""
-    from weightsync.transport.control.store import close_store, connect_store, host_store
-    from weightsync.transport.protocol.ownership import Ownership
+    from weightsync.transport.control.store import close_store
 
-    token = "t" * 32
-    host = host_store("127.0.0.1", 10, token)
-    o0 = Ownership(host, "ws/x", 0, 2, 10)
-    client = connect_store("127.0.0.1", host.port, token, 10, peer="trainer rank 0",
-                           phase="init")
-    o1 = Ownership(client, "ws/x", 1, 2, 10)
+    host, client, o0, o1 = _two_ranks()
     slow = o1._store.get
 
     def behind(*args, **kwargs):
@@ -142,15 +148,9 @@ def test_rank_0_does_not_wait_at_teardown_for_a_rank_that_posted_its_failure():
     spending the whole drain bound (the engine timeout) here, past prepare's own bound."""
     from weightsync.core.errors import PeerFailed
     from weightsync.core.wire import ErrorMsg
-    from weightsync.transport.control.store import close_store, connect_store, host_store
-    from weightsync.transport.protocol.ownership import Ownership
+    from weightsync.transport.control.store import close_store
 
-    token = "t" * 32
-    host = host_store("127.0.0.1", 10, token)
-    o0 = Ownership(host, "ws/x", 0, 2, 10)
-    client = connect_store("127.0.0.1", host.port, token, 10, peer="trainer rank 0",
-                           phase="init")
-    o1 = Ownership(client, "ws/x", 1, 2, 10)
+    host, client, o0, o1 = _two_ranks()
     t = threading.Thread(target=o1.agree, args=(1, ["a", "b"]))
     t.start()
     o0.agree(1, ["a", "b"])                              # sync 1: both agree

@@ -158,15 +158,21 @@ def _trainer_log(cluster) -> list:
     return ray.get(cluster.trainers[0].call_log.remote())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_full_syncs_through_ms_swift_manager(cluster, backend):
-    cluster.use_backend(backend, bucket_size=1 << 20, senders="all")
+def _full_syncs(cluster, n: int):
+    """``n`` full syncs of fresh weights through ms-swift's manager, each checked."""
     cluster.build(None)
     manager, prompts = cluster.manager(), cluster.prompts()
-    for step in range(3):
+    for step in range(n):
         manager.sync_weights(merge_and_sync=True)
         _check(cluster, prompts, version=step + 1)
         cluster.train(step)
+    return manager
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_syncs_through_ms_swift_manager(cluster, backend):
+    cluster.use_backend(backend, bucket_size=1 << 20, senders="all")
+    manager = _full_syncs(cluster, 3)
     assert manager.base_sync_done
     stats = cluster.stats()
     assert [s["rank"] for s in stats] == [0, -1, 1, 2]
@@ -181,12 +187,7 @@ def test_senders_master_is_ms_swift_topology(cluster):
     """``senders="master"`` (the default): trainer rank 0 alone sends (ms-swift's own
     topology); the rank -1 trainer walks its export and joins nothing."""
     cluster.use_backend("shm", bucket_size=1 << 20)
-    cluster.build(None)
-    manager, prompts = cluster.manager(), cluster.prompts()
-    for step in range(2):
-        manager.sync_weights(merge_and_sync=True)
-        _check(cluster, prompts, version=step + 1)
-        cluster.train(step)
+    _full_syncs(cluster, 2)
     stats = cluster.stats()
     assert stats[1]["syncs"] == stats[1]["joins"] == 0 and stats[0]["syncs"] == 2
     assert stats[0]["sent_bytes"] > 0 and stats[1]["sent_bytes"] == 0
