@@ -4,7 +4,9 @@ ms-swift's manager drives it exactly as its NCCL engine: ``engine.is_master = fl
 ``prepare()`` on every actor (only the master's result is used), its own
 ``NCCLCheckpointEngine.build_topology``, ``init_process_group(rank, world_size,
 master_metadata)`` on all at once, ``send_weights(iterator)`` on every trainer rank with
-``receive_weights()`` on every rollout, then ``finalize()``. Behind that call shape
+``receive_weights()`` on every rollout, then ``finalize()``. ``init_process_group`` checks
+the call and connects to rank 0's store; the join (keep the group or build it) runs at the
+start of the send / receive that follows, so it costs no Ray round trip of its own. Behind that call shape
 (:mod:`.rendezvous`): the weightsync backend's own topology, token, timeouts and version
 checks. ms-swift's topology has one sender (rank 0; the other trainer ranks get rank -1
 and only walk their export): ``senders="master"``, the default (env
@@ -202,12 +204,12 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.accepted: dict[str, str] = {}       # rollouts: check key -> digest that fits
         self.stats = {"joins": 0, "reuses": 0, "releases": 0, "syncs": 0, "init_s": 0.0,
                       "refused": 0, "last_error": None, "checks": 0, "layout": None,
-                      "sent_bytes": 0, "check_s": 0.0, "send_s": 0.0}
+                      "sent_bytes": 0, "check_s": 0.0, "send_s": 0.0, "join_s": 0.0}
         self._round = 0
         self._rdv: Any = None            # rank 0: the client that owns the rendezvous store
         self._rdv_auth = ""
         self._client: Any = None         # rollouts: ((host, port, auth), client)
-        self._active = self._dirty = self._touched = False
+        self._active = self._dirty = self._touched = self._join_pending = False
         self._last_kind: Optional[bool] = None
         _live.add(self)
 
@@ -263,11 +265,22 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             if rank != 0:
                 self._engine("rollout" if rank > 0 else "trainer")
             self.chan = Channel(self._store(meta), f"ws-swift/{meta['session']}", meta["round"])
-            (lead_join if rank == 0 else follow_join)(self)
         except BaseException as exc:
             self._dirty = True
             raise self._failed(exc) from None
+        # the join itself runs at the start of this sync's send / receive (one Ray round
+        # trip less a sync: ms-swift's manager calls init, then the transfer, on everyone)
+        self._join_pending = True
         self.stats["init_s"] = time.perf_counter() - start
+
+    def _rendezvous(self, transfer: Any) -> Any:
+        """This sync's join (keep or rebuild the group), then ``transfer``'s check."""
+        if self._join_pending:
+            start = time.perf_counter()
+            (lead_join if self.rank == 0 else follow_join)(self)
+            self._join_pending = False
+            self.stats["join_s"] = time.perf_counter() - start
+        return transfer(self)
 
     @property
     def sends(self) -> bool:
@@ -286,8 +299,8 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         try:
             self.layout = self._expected_layout(key)
             t0 = time.perf_counter()
-            refused = await asyncio.to_thread(lead_transfer if self.rank == 0 else
-                                              follow_transfer, self)
+            refused = await asyncio.to_thread(self._rendezvous, lead_transfer
+                                              if self.rank == 0 else follow_transfer)
             self.stats["check_s"] = time.perf_counter() - t0
             if refused is None and kind != self._last_kind:
                 self.inner.reset_plan()     # another weight set: re-send every layout
@@ -318,7 +331,7 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
     async def receive_weights(self) -> AsyncIterator[tuple[str, Any]]:
         self._check_active("receive_weights", trainer=False)
         try:
-            refused = await asyncio.to_thread(follow_transfer, self)
+            refused = await asyncio.to_thread(self._rendezvous, follow_transfer)
         except BaseException as exc:
             self._dirty = True
             raise self._failed(exc) from None

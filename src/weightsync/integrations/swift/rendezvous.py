@@ -5,7 +5,8 @@ results are dropped): rank 0 -> trainer rank 0, -1 -> other trainer ranks, 1..R 
 rollouts, every worker given rank 0's metadata. weightsync's metadata is the address and
 token of a control store hosted by rank 0, so:
 
-* ``init_process_group``: every rollout reports (``hello``: its session, current group, the
+* the join (at the start of the first ``send_weights`` / ``receive_weights`` after
+  ``init_process_group``): every rollout reports (``hello``: its session, current group, the
   backend's own ``prepare()``), and so does every other sending trainer rank (``thello``,
   with ``senders="all"``: ms-swift gives them all rank -1, so they are told apart by their
   ``torch.distributed`` rank); rank 0 (:func:`lead_join`) either keeps the group, when
