@@ -6,17 +6,17 @@ ms-swift's manager drives it exactly as its NCCL engine: ``engine.is_master = fl
 master_metadata)`` on all at once, ``send_weights(iterator)`` on every trainer rank with
 ``receive_weights()`` on every rollout, then ``finalize()``. ``init_process_group`` checks
 the call and connects to rank 0's store; the join (keep the group or build it) runs at the
-start of the send / receive that follows, so it costs no Ray round trip of its own. Behind that call shape
-(:mod:`.rendezvous`): the weightsync backend's own topology, token, timeouts and version
-checks. ms-swift's topology has one sender (rank 0; the other trainer ranks get rank -1
+start of the send / receive that follows, so it costs no Ray round trip of its own.
+Behind that call shape (:mod:`.rendezvous`): the weightsync backend's own topology, token,
+timeouts and version checks. ms-swift's topology has one sender (rank 0; the other trainer ranks get rank -1
 and only walk their export): ``senders="master"``, the default (env
 ``WEIGHTSYNC_SWIFT_SENDERS``). ``senders="all"`` puts every trainer rank of rank 0's
 ``torch.distributed`` world into the weightsync group behind that shape: a rank -1 trainer
 learns its index from ``torch.distributed``, reports to rank 0's rendezvous and sends what
 its export yields, each name from one rank (the backend's ownership agreement) -- for
-trainer ranks with links of their own (several hosts or NICs); on one small host the two
-senders only share its cores (BENCHMARKS.md: slower there). A send that fails walks the rest of its iterator, so trainer ranks in a
-collective export are never left waiting.
+trainer ranks with links of their own (several hosts or NICs); on one small host the
+senders only share its cores (BENCHMARKS.md: slower there). A send that fails walks the
+rest of its iterator, so trainer ranks in a collective export are never left waiting.
 
 The version of a sync is the count of rank 0's ``prepare()`` calls (the same on every
 worker, from the master metadata). ``reuse`` (default true, env
@@ -46,6 +46,7 @@ from weightsync.integrations.swift.layout import Layout, LayoutFeed
 from weightsync.integrations.swift.rendezvous import (Channel, follow_join, follow_transfer,
                                                       lead_join, lead_transfer)
 from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
+from weightsync.trainer.fsdp import dist_rank_world
 from weightsync.transport.registry import CheckpointEngineRegistry as WsRegistry
 
 __all__ = ["WeightsyncSwiftEngine", "new_engine", "describe_actor", "DEFAULT_BACKEND", "PROTOCOL",
@@ -82,15 +83,6 @@ def describe_actor(obj: Any = None) -> str:
     except Exception:  # not in an actor
         logger.debug("no Ray actor context", exc_info=True)
     return text
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    """This process's (rank, world size) in ``torch.distributed``; (0, 1) without it."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class _Feed:
@@ -187,10 +179,10 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.is_master, self.rank, self.world_size, self.version = False, None, None, None
         self.trainers = 1                # trainer ranks that send in this sync
         self.tindex: Optional[int] = None   # this trainer's index among them (None: walks)
-        self.peer_layouts: dict[str, Layout] = {}   # rank 0: other senders' layouts by digest
-        self.told: set = set()           # other senders: (rank 0 session, digest) it has
+        # rank 0: the other senders' last layout per (index, weight set)
+        self.peer_layouts: dict[tuple, Layout] = {}
+        self.told: set = set()   # other senders: (rank 0 session, weight set, digest) it has
         self.leader: Optional[str] = None   # rank 0's session in this sync
-        self.sending_key = "full"        # senders: the weight set of this sync
         self.who, self.session = describe_actor(), secrets.token_hex(8)
         self.inner: Any = None
         self.chan: Optional[Channel] = None
@@ -235,7 +227,7 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         ``senders="all"`` and it is rank 0 of that world; else 1)."""
         if self.senders != "all":
             return 1
-        me, world = _dist_rank_world()
+        me, world, _ = dist_rank_world()
         if me != 0 and world > 1:
             logger.warning("weightsync-swift: ms-swift's master is torch.distributed rank %d, "
                            "not 0: it alone sends", me)
@@ -294,7 +286,7 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             return None
         feed = weights if hasattr(weights, "__aiter__") else _Feed(weights)
         kind = bool(self.intent.get("adapter_only"))
-        key = self.sending_key = "adapter" if kind else "full"
+        key = "adapter" if kind else "full"
         checked = None
         try:
             self.layout = self._expected_layout(key)
@@ -415,7 +407,7 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             return trainers, 0
         if trainers == 1:
             return 1, None
-        me, world = _dist_rank_world()
+        me, world, _ = dist_rank_world()
         if world != trainers or not 1 <= me < trainers:
             raise TopologyError(
                 f"trainer rank 0 sends from its {trainers} torch.distributed ranks, but this "

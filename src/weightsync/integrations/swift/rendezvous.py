@@ -312,7 +312,8 @@ def _run_check(engine: Any, ask: dict) -> dict:
 
 def _follow_as_sender(engine: Any) -> dict:
     """A rank -1 sender before sending: report what it sends, wait for rank 0's answer."""
-    layout, key = engine.layout, engine.sending_key
+    layout = engine.layout
+    key = "adapter" if engine.intent.get("adapter_only") else "full"
     told = (engine.leader, key, layout.digest if layout is not None else None)
     engine.chan.push("tready", {
         "rank": engine.tindex, "adapter_only": engine.intent.get("adapter_only"),
