@@ -1,9 +1,9 @@
 """Elastic replicas over ``nixl`` (workers in this process, no Ray): a replica added
 between syncs pulls the current version from the trainer ranks' arenas at once, reads
 exactly that version's bytes although the trainer has trained on, is routed to, and no
-other replica is paused; a replica that does not fit is refused before any byte; a
-trainer serving live parameters makes the joiner wait for the next sync; the next sync
-takes everyone."""
+other replica is paused; while the trainer is busy (or serves live parameters) it reads
+from a healthy replica instead; a replica that does not fit is refused before any byte,
+whichever the source; the next sync takes everyone."""
 
 from __future__ import annotations
 
@@ -110,9 +110,123 @@ def test_a_trainer_serving_live_parameters_sends_the_joiner_to_the_next_sync(mon
     monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "params")
     with _after_one_sync() as (trainer, first, manager):
         joiner = HFRolloutWorker(CFG, seed=9)
-        manager.add_replica(joiner)
+        manager.add_replica(joiner, join_from="trainer")
         assert joiner not in manager.healthy_replicas()      # stale until the next sync
         trainer.train_step(2)
         manager.update_weights(2)
         assert joiner in manager.healthy_replicas()
         assert_matches(_gen(joiner), trainer.reference(PROMPTS, 5), 2)
+
+
+def test_a_trainer_serving_live_parameters_lets_a_healthy_replica_serve_the_joiner(monkeypatch):
+    """``auto``: the trainer refuses (its live parameters moved on), a replica serves."""
+    monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "params")
+    with _after_one_sync() as (trainer, first, manager):
+        ref1 = trainer.reference(PROMPTS, 5)
+        trainer.train_step(2)                 # its live parameters are version 2's now
+        joiner = HFRolloutWorker(CFG, seed=9)
+        manager.add_replica(joiner)
+        assert manager.last_join["source"] == "replica-0"
+        assert joiner in manager.healthy_replicas()
+        assert_matches(_gen(joiner), ref1, 1)
+        assert first.rollout._engine._leases == {}
+        assert manager.update_weights(2).ok
+
+
+class _BusyTrainer:
+    """A trainer worker that answers no call while it trains, as a Ray actor in a
+    training step does (one method at a time); counts the engine calls it got."""
+
+    def __init__(self, inner):
+        self._inner, self._busy, self.engine_calls = inner, threading.Lock(), []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def execute_checkpoint_engine(self, method, *args, **kwargs):
+        with self._busy:
+            self.engine_calls.append(method)
+            return self._inner.execute_checkpoint_engine(method, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def training(self, step):
+        with self._busy:
+            self._inner.train_step(step)
+            yield
+
+
+def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica():
+    trainer = _BusyTrainer(_trainer())
+    first = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
+                                 timeout=30) as manager:
+        trainer.train_step(1)
+        manager.update_weights(1)
+        ref1 = trainer.reference(PROMPTS, 5)
+        first.rollout.clear_call_log()
+        busy = {}
+
+        def generate_meanwhile():
+            busy["gens"] = [first.generate(PROMPTS, max_new_tokens=40) for _ in range(3)]
+
+        joiner = HFRolloutWorker(CFG, seed=9)
+        with trainer.training(2):             # no call reaches the trainer until it ends
+            t = threading.Thread(target=generate_meanwhile)
+            t.start()
+            name = manager.add_replica(joiner, join_wait_s=0.3)
+            t.join(60)
+            assert manager.last_join["source"] == "replica-0"
+            assert manager.last_join["bytes"] > 0
+            assert joiner in manager.healthy_replicas()
+            assert_matches(_gen(joiner), ref1, 1)          # version 1, from the replica
+            assert first.rollout._engine._leases == {}     # its lease ended
+            assert not any(g.aborted for gens in busy["gens"] for g in gens)
+            assert "pause" not in first.rollout.call_log()
+        # the offer that was given up on reaches the trainer only now: refused or ended,
+        # it leaves no lease that would hold up the next send
+        for _ in range(100):
+            if trainer.engine_calls.count("join_done") and \
+                    trainer._ws().engine._leases == {}:
+                break
+            threading.Event().wait(0.05)
+        assert trainer._ws().engine._leases == {}
+        report = manager.update_weights(2)
+        assert report.ok and [r.version for r in report.replicas] == [2, 2]
+        assert name == "replica-1"
+        for r in (first, joiner):
+            assert_matches(_gen(r), trainer.reference(PROMPTS, 5), 2)
+
+
+def test_join_from_a_replica_asks_nothing_of_the_trainer_and_checks_before_bytes():
+    trainer = _BusyTrainer(_trainer())
+    first = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
+                                 timeout=30) as manager:
+        trainer.train_step(1)
+        manager.update_weights(1)
+        trainer.engine_calls.clear()
+        other = HFRolloutWorker({**CFG, "intermediate_size": 96}, seed=3)
+        with pytest.raises(PlanMismatch, match="mlp"):
+            manager.add_replica(other, join_from="replica")
+        assert other not in manager.replicas and other.rollout.current_version() is None
+        assert first.rollout._engine._leases == {}
+        joiner = HFRolloutWorker(CFG, seed=9)
+        manager.add_replica(joiner, join_from="replica")
+        assert manager.last_join["source"] == "replica-0"
+        assert_matches(_gen(joiner), trainer.reference(PROMPTS, 5), 1)
+        assert trainer.engine_calls == []
+        # a second joiner may read from either healthy one
+        third = HFRolloutWorker(CFG, seed=11)
+        manager.add_replica(third, join_from="replica")
+        assert_matches(_gen(third), trainer.reference(PROMPTS, 5), 1)
+        assert manager.update_weights(2).ok
+
+
+def test_bad_join_options_are_refused_before_anything_is_added():
+    with _after_one_sync() as (trainer, first, manager):
+        joiner = HFRolloutWorker(CFG, seed=9)
+        with pytest.raises(ValueError, match="join_from"):
+            manager.add_replica(joiner, join_from="anywhere")
+        with pytest.raises(ValueError, match="join_wait_s"):
+            manager.add_replica(joiner, join_wait_s=0)
+        assert joiner not in manager.replicas

@@ -556,6 +556,117 @@ def test_a_trainer_serving_live_parameters_offers_no_join(monkeypatch):
         trainer.finalize()
 
 
+def _pair_here():
+    """A trainer and a receiver engine of one nixl group, both in this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.transport.base import worker_kwargs
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
+    recv = cls(role="rollout", bucket_size=BUCKET, timeout=20)
+    tk, rk = cls.build_topology(1, 1, [trainer.prepare(), recv.prepare()])
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(trainer.init_process_group, **worker_kwargs(tk, 0))
+        b = pool.submit(recv.init_process_group, **worker_kwargs(rk, 0))
+        a.result(60), b.result(60)
+    return trainer, recv
+
+
+def _sync_here(trainer, recv, version, into=None):
+    """One sync between the two engines of :func:`_pair_here`; the receiver's tensors."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.testing import make_tensors
+
+    async def take():
+        stream = recv.receive_weights(version) if into is None else recv.receive_into(into, version)
+        return {n: t.clone() async for n, t in stream}
+    with ThreadPoolExecutor(2) as pool:
+        got = pool.submit(asyncio.run, take())
+        asyncio.run(trainer.send_weights(make_tensors(version, bucket_size=BUCKET, tiny=20),
+                                         version))
+        return got.result(60)
+
+
+@pytest.mark.timeout(150)
+def test_a_receiver_serves_a_joiner_what_it_landed_and_its_next_pull_waits_for_the_lease():
+    """A healthy receiver offers the version its last pull landed (landing buffer and the
+    caller's own tensors alike); a joiner in another process reads exactly that version
+    from it; the receiver's next pull does not overwrite it until the lease ends; an offer
+    under a lease already ended is refused."""
+    import threading
+    import time
+
+    from weightsync.testing import make_tensors
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer, recv = _pair_here()
+    ctx = mp.get_context("spawn")
+    j_a, j_b = ctx.Pipe()
+    joiner = ctx.Process(target=_joiner, args=(j_b,))
+    joiner.start()
+    try:
+        with pytest.raises(WeightSyncError, match="no complete version"):
+            recv.join_offer("replica-9")
+        half = {n: torch.zeros_like(t) for i, (n, t) in
+                enumerate(make_tensors(0, bucket_size=BUCKET, tiny=20)) if i % 2}
+        _sync_here(trainer, recv, 0, into=half)      # some land in `half`, some in landing
+        assert 0 < recv._pull_plan.direct < len(recv._pull_plan.views)
+        assert recv.join_done("ended-early") is False
+        with pytest.raises(WeightSyncError, match="already ended"):
+            recv.join_offer("replica-9", lease="ended-early")
+        offer = recv.join_offer("replica-9", lease_s=30, lease="L1")
+        assert offer["peer"] == "rollout rank 0" and offer["rank"] == 0
+        assert [w[0] for w in cls.join_weights([offer])] == \
+            [n for n, _ in make_tensors(0, bucket_size=BUCKET, tiny=20)]
+        j_a.send((0, cls.join_topology([offer], 1)[0]))
+        result = j_a.recv()
+        assert result["bad"] == [] and result["n"] > 0, result
+        # the next sync's pull waits for the lease before it writes anything
+        done = {}
+
+        def next_sync():
+            done["got"] = _sync_here(trainer, recv, 1, into=half)
+            done["t"] = time.monotonic()
+
+        t = threading.Thread(target=next_sync)
+        t.start()
+        time.sleep(0.5)
+        assert "t" not in done
+        v0 = dict(make_tensors(0, bucket_size=BUCKET, tiny=20))
+        assert all(torch.equal(half[n], v0[n]) for n in half)      # still version 0
+        released = time.monotonic()
+        assert recv.join_done("L1") is True
+        t.join(60)
+        assert done["t"] >= released
+        want = dict(make_tensors(1, bucket_size=BUCKET, tiny=20))
+        assert all(torch.equal(done["got"][n], want[n]) for n in want)
+    finally:
+        joiner.join(30)
+        if joiner.is_alive():
+            joiner.kill()
+        recv.finalize()
+        trainer.finalize()
+
+
+@pytest.mark.timeout(150)
+def test_a_receiver_keeping_slices_offers_no_join():
+    """A receiver that keeps some tensor only in part holds no whole copy to serve."""
+    from weightsync.core.xferplan import Keep
+    trainer, recv = _pair_here()
+    try:
+        def keep(layout):
+            name, shape, _ = next(e for e in layout if len(e[1]) == 2 and e[1][0] >= 2)
+            return Keep(boxes={name: (((0, shape[0] // 2), (0, shape[1])),)})
+        recv.keep_slices(keep)
+        _sync_here(trainer, recv, 0)
+        with pytest.raises(WeightSyncError, match="only in part"):
+            recv.join_offer("replica-9")
+    finally:
+        recv.finalize()
+        trainer.finalize()
+
+
 def test_join_topology_refuses_offers_that_do_not_fit():
     cls = CheckpointEngineRegistry.get("nixl")
     offer = {"rank": 0, "version": 3, "lease": "x", "lease_s": 5.0, "source": "{}"}

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
 
-__all__ = ["Call", "Outcome", "call_all", "values_or_raise", "is_ray_handle"]
+__all__ = ["Call", "Outcome", "call_all", "post_all", "values_or_raise", "is_ray_handle"]
 
 logger = logging.getLogger(__name__)
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -122,6 +122,27 @@ def call_all(calls: list[Call], *, timeout: float, phase: str, version: Any = No
                                                               timeout, phase, version))
     _cancel(calls, refs, futs)
     return [o for o in out]  # type: ignore[misc]
+
+
+def post_all(calls: list[Call], *, phase: str) -> None:
+    """Start every call and wait for none (a worker busy with something else runs it when
+    it can; Ray keeps a task whose result nobody waits for). A failure is only logged:
+    for calls whose outcome nobody needs, such as ending a lease given up on."""
+    pool = _local_pool()
+
+    def _log(c: Call, fut: concurrent.futures.Future) -> None:
+        if fut.exception() is not None:
+            logger.warning("%s.%s (%s) failed: %s", c.label, c.method, phase, fut.exception())
+
+    for c in calls:
+        try:
+            if is_ray_handle(c.handle):
+                getattr(c.handle, c.method).remote(*c.args, **c.kwargs)
+            else:
+                fut = pool.submit(getattr(c.handle, c.method), *c.args, **c.kwargs)
+                fut.add_done_callback(lambda f, c=c: _log(c, f))
+        except Exception as exc:  # a dead handle may fail at submission
+            logger.warning("%s.%s (%s) could not start: %s", c.label, c.method, phase, exc)
 
 
 def _cancel(calls: list[Call], refs: dict, futs: dict) -> None:

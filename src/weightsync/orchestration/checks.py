@@ -38,7 +38,7 @@ from weightsync.core.digests import MAX_LISTED, combine_digests, compare_digests
 from weightsync.orchestration.report import SyncReport, VerifyReport
 from weightsync.transport.codec import Quantizer
 
-__all__ = ["run_validate", "run_verify"]
+__all__ = ["run_validate", "check_offered", "run_verify"]
 
 
 def _quantizer(codec: Any) -> Optional[Quantizer]:
@@ -65,22 +65,30 @@ def run_validate(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport, 
                     offered.append(entry)
         if quantizer is not None:
             offered = quantizer.describe(offered)
-        # a replica that accepted this very weight set before is not asked again (the
-        # description is re-made every sync, so a changed set is always checked)
-        key = hashlib.sha256(json.dumps([kind, cfg, offered], sort_keys=True,
-                                        default=str).encode()).hexdigest()
-        targets = [r for r in replicas.managed() if r.checked.get(kind) != key]
-        report.validated = sorted(set(report.validated) | {r.name for r in targets})
-        if not targets:
-            continue
-        answers = group.replica_step(report, "validate", "ws_check_weights",
-                                     (offered, kind, cfg), targets=targets, record=False)
-        bad = {r.name: [list(p) for p in a] for r, a in zip(targets, answers) if a}
-        for r, a in zip(targets, answers):
-            if not a:
-                r.checked[kind] = key
-        if bad:
-            raise _mismatch(bad, kind, report.version)
+        check_offered(group, replicas, report, kind, cfg, offered)
+
+
+def check_offered(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport, kind: str,
+                  cfg: Any, offered: list) -> None:
+    """Every managed replica checks the weight set ``offered`` (``[[name, shape, dtype],
+    ...]`` as it will arrive) against its model: ``PlanMismatch`` naming the offending
+    tensors of each replica that refuses it."""
+    # a replica that accepted this very weight set before is not asked again (the
+    # description is re-made every sync, so a changed set is always checked)
+    key = hashlib.sha256(json.dumps([kind, cfg, offered], sort_keys=True,
+                                    default=str).encode()).hexdigest()
+    targets = [r for r in replicas.managed() if r.checked.get(kind) != key]
+    report.validated = sorted(set(report.validated) | {r.name for r in targets})
+    if not targets:
+        return
+    answers = group.replica_step(report, "validate", "ws_check_weights",
+                                 (offered, kind, cfg), targets=targets, record=False)
+    bad = {r.name: [list(p) for p in a] for r, a in zip(targets, answers) if a}
+    for r, a in zip(targets, answers):
+        if not a:
+            r.checked[kind] = key
+    if bad:
+        raise _mismatch(bad, kind, report.version)
 
 
 def _mismatch(bad: dict, kind: str, version: Any) -> PlanMismatch:

@@ -68,7 +68,7 @@ from weightsync.orchestration.atomic import abort_all, check_staging, commit_all
 from weightsync.orchestration.calls import Call, call_all
 from weightsync.orchestration.group import ReplicaGroup
 from weightsync.orchestration.checks import run_validate, run_verify
-from weightsync.orchestration.join import can_join, join_replica
+from weightsync.orchestration.join import JOIN_FROM, can_join, join_replica
 from weightsync.orchestration.replicas import ReplicaSet
 from weightsync.core.remote import normalize_version
 from weightsync.core.config import EngineConfig, env_value, parse_bool
@@ -186,17 +186,28 @@ class CheckpointEngineManager:
         return self._replicas.route()
 
     # -- membership -------------------------------------------------------------------
-    def add_replica(self, replica: Any, *, join: bool = True) -> str:
+    def add_replica(self, replica: Any, *, join: bool = True, join_from: str = "auto",
+                    join_wait_s: Optional[float] = None) -> str:
         """Manage one more replica (or take back a failed one, under its old name).
 
         With ``join`` and a backend that can (``nixl``; after a full sync on a kept group),
-        the replica is brought to the current version at once: it pulls that version from
-        the trainer ranks' arenas (:mod:`~weightsync.orchestration.join`), nothing is called
-        on the other replicas (they keep generating), and it is routed to from then on; a
-        weight set it cannot take is a ``PlanMismatch`` before any byte moves, and the
-        replica is not added. Otherwise (or when the join fails: logged) it is not routed
-        to until the next sync, which sends it everything. Either way the next sync
-        rebuilds the group with it."""
+        the replica is brought to the current version at once
+        (:mod:`~weightsync.orchestration.join`): it pulls that version from the trainer
+        ranks' arenas (``join_from="trainer"``), from a healthy replica that holds it
+        (``"replica"``: the trainer ranks are not asked), or (``"auto"``) from the trainer
+        ranks if they all offer within ``join_wait_s`` seconds (default 2), else from a
+        healthy replica: a busy trainer does not hold the joiner up. No other replica is
+        paused (they keep generating), and it is routed to from then on; a weight set it
+        cannot take is a ``PlanMismatch`` before any byte moves, and the replica is not
+        added. Otherwise (or when the join fails: logged) it is not routed to until the
+        next sync, which sends it everything. Either way the next sync rebuilds the group
+        with it."""
+        if join_from not in JOIN_FROM:
+            raise ValueError(f"join_from must be one of {JOIN_FROM}, got {join_from!r}")
+        if join_wait_s is not None and (isinstance(join_wait_s, bool) or
+                                        not isinstance(join_wait_s, (int, float)) or
+                                        not 0 < join_wait_s <= 3600):
+            raise ValueError(f"join_wait_s must be seconds in (0, 3600], got {join_wait_s!r}")
         with self._lock:
             record = self._replicas.add(replica, healthy=self.version is None)
             why = "not asked" if not join else can_join(self._group, self.version,
@@ -204,7 +215,9 @@ class CheckpointEngineManager:
             if why is None:
                 try:
                     self.last_join = join_replica(self._group, self._replicas, record,
-                                                  self.version, self._dtype, self.codec)
+                                                  self.version, self._dtype, self.codec,
+                                                  source=join_from, wait_s=join_wait_s,
+                                                  colocated=self.colocated)
                 except PlanMismatch:
                     self._replicas.remove(record)
                     raise

@@ -42,6 +42,8 @@ registrations, agents and sockets released).
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import json
 import logging
 import os
@@ -59,7 +61,8 @@ from weightsync.core.remote import error_msg, normalize_version, raise_remote, w
 from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, decode,
                                   encode)
 from weightsync.core.xferplan import Keep, TransferPlan
-from weightsync.transport.backends.nixl.agent import NixlAgent, require_nixl, ucx_transports, wait_all
+from weightsync.transport.backends.nixl.agent import (NixlAgent, mem_type, require_nixl,
+                                                    ucx_transports, wait_all)
 from weightsync.transport.backends.nixl.layout import Arena
 from weightsync.transport.backends.nixl.pull import OWN, PullPlan, plan_key, union_of
 from weightsync.transport.base import CheckpointEngine
@@ -109,13 +112,19 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._keep: Optional[tuple[tuple, Keep]] = None     # (trainer layouts, what is kept)
         self.last_plan: Optional[TransferPlan] = None
         self.restarts = 0           # receiver: pipelined pulls begun again on a new layout
-        # trainer: the version its arena holds (None: none complete), joiners reading it
+        # the version the memory this engine serves joiners from holds (a trainer: its
+        # arena; a receiver: where its last pull landed), whether that is complete, and
+        # the joiners reading it (lease -> deadline; a lease ended before it was offered
+        # is remembered, so a late offer under it is refused)
         self._served_version: Any = None
         self._served = False
         self._leases: dict[str, float] = {}
+        self._revoked: collections.deque = collections.deque(maxlen=256)
         self._lease_cv = threading.Condition()
-        # joiner: {trainer rank: (version, lease seconds)}; the one receive it may do
+        # joiner: {source: (version, lease seconds)}; the one receive it may do; who the
+        # sources are (trainer ranks, or a healthy replica's worker)
         self._joined: Optional[dict[int, tuple[Any, float]]] = None
+        self._peers: dict[int, str] = {}
 
     # -- set-up ---------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -331,6 +340,9 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
               ) -> list[tuple[str, torch.Tensor]]:
         if self._joined is not None:
             return self._pull_joined(version, into)
+        if self._leases:                  # a joiner still reads what the last pull landed
+            self._wait_leases(version)
+        self._served = False              # this pull overwrites it
         deadline = time.monotonic() + patience(self.config.timeout)
         got = {s: self._await_pull(s, version, deadline) for s in range(self._world)}
         pull = self._ensure_plan(into)
@@ -369,7 +381,9 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         for s, link in self._links.items():
             link.push("t", PulledMsg(seq=got[s].seq, stream=s, rank=self._rank,
                                      nbytes=pull.bytes_from.get(s, 0), plan=pull.plan.digest))
-        return pull.tensors(into)
+        out = pull.tensors(into)
+        self._served_version, self._served = normalize_version(got[0].version), True
+        return out
 
     def _await_staged(self, s: int, seq: int, version: Any, deadline: float) -> Any:
         """The next ``StagedMsg`` of sync ``seq`` from rank ``s``, or its ``SourceMsg`` (the
@@ -427,7 +441,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._drop_reads()
         start = time.perf_counter()
         self._pull_plan = PullPlan(self._agent, f"rollout rank {self._rank}", sources, into,
-                                   device, self.config.bucket_size, self._keep_for(sources))
+                                   device, self.config.bucket_size, self._keep_for(sources),
+                                   peers=self._peers)
         self._plan_key, self.last_plan = key, self._pull_plan.plan
         plan = self._pull_plan.plan
         logger.info("weightsync nixl: rollout rank %d compiled a plan in %.3f s: %d reads, "
@@ -443,47 +458,78 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._pull_plan = None
 
     # -- elastic joiners --------------------------------------------------------------------
-    def join_offer(self, joiner: str, lease_s: float = 60.0) -> dict[str, Any]:
-        """Trainer: let ``joiner`` (a replica added between syncs) read the version this
-        rank served last straight from its staging arena, for at most ``lease_s`` seconds:
-        the next ``send_weights`` waits (bounded by the lease) before it writes the arena
-        again; ``join_done`` ends the lease early. Returns the offer (JSON-able: this rank's
-        layout as a wire ``SourceMsg``, the version, the lease) for
-        :meth:`join_topology`. Refused when this rank serves some tensor from its live
-        parameters (``WEIGHTSYNC_NIXL_SERVE=auto``/``params``: those bytes move on with
-        training, so they no longer hold that version) or has served nothing yet."""
-        if self.config.role != "trainer" or self._arena is None:
-            raise RuntimeError("nixl: join_offer needs a trainer engine after init_process_group")
+    def join_offer(self, joiner: str, lease_s: float = 60.0,
+                   lease: Optional[str] = None) -> dict[str, Any]:
+        """Let ``joiner`` (a replica added between syncs) read the version this engine
+        holds, for at most ``lease_s`` seconds: the next sync of this engine waits (bounded
+        by the lease) before it overwrites that memory; ``join_done`` ends the lease early.
+
+        A trainer rank offers what it served last from its staging arena; it refuses
+        when it serves some tensor from its live parameters (``WEIGHTSYNC_NIXL_SERVE=auto``
+        / ``params``: those bytes move on with training) or has served nothing yet. A
+        receiver (a healthy replica's worker) offers what its last pull landed (its landing
+        buffer and the caller's own tensors it pulled into), so a replica can join while
+        the trainer ranks are busy; it refuses when it keeps some tensor only in part (a
+        tensor-parallel worker) or its last pull did not complete. ``lease``: the caller's
+        name for the lease (so it can end a lease whose offer it stopped waiting for;
+        an offer under a lease already ended is refused). Returns the offer (JSON-able:
+        the layout as a wire ``SourceMsg``, the version, the lease, who serves it) for
+        :meth:`join_topology`."""
+        role = self.config.role
+        if self._rank < 0 or (self._arena is None if role == "trainer" else self._agent is None):
+            raise RuntimeError("nixl: join_offer needs an engine after init_process_group")
         if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or \
                 not 0 < lease_s <= 3600:
             raise ValueError(f"lease_s must be a number of seconds in (0, 3600], got {lease_s!r}")
-        who = f"trainer rank {self._rank}"
-        if not self._served:
+        if lease is not None and (not isinstance(lease, str) or not 0 < len(lease) <= 64):
+            raise ValueError(f"lease must be a non-empty str of at most 64 characters, got {lease!r}")
+        who = f"{role} rank {self._rank}"
+        if not self._served or (role != "trainer" and self._pull_plan is None):
             raise WeightSyncError(f"{who} holds no complete version to offer {joiner}",
                                   peer=who, phase="join")
-        if self._arena.serves_live:
-            raise WeightSyncError(f"{who} serves tensors from its live parameters "
-                                  f"(WEIGHTSYNC_NIXL_SERVE={self._serve_mode}): they no longer "
-                                  f"hold version {self._served_version!r}, so {joiner} gets the "
-                                  "next sync instead", peer=who, phase="join",
-                                  version=self._served_version)
-        lease = secrets.token_hex(8)
+        if role == "trainer":
+            if self._arena.serves_live:
+                raise WeightSyncError(f"{who} serves tensors from its live parameters "
+                                      f"(WEIGHTSYNC_NIXL_SERVE={self._serve_mode}): they no "
+                                      f"longer hold version {self._served_version!r}, so "
+                                      f"{joiner} cannot read it here", peer=who, phase="join",
+                                      version=self._served_version)
+            stream, mem = self._rank, self._arena.mem
+            regions, held, digest = self._arena.regions(), self._arena.held(), self._arena.digest
+        else:
+            layout = self._pull_plan.served_layout()
+            if layout is None:
+                raise WeightSyncError(f"{who} keeps some tensors only in part (tensor "
+                                      f"parallel): it holds no whole copy to offer {joiner}",
+                                      peer=who, phase="join", version=self._served_version)
+            stream, mem = 0, mem_type(torch.device(self.config.device))
+            regions, held = layout
+            digest = hashlib.sha256(json.dumps([list(regions), list(held)],
+                                               separators=(",", ":")).encode()).hexdigest()
+        lease = lease or secrets.token_hex(8)
         with self._lease_cv:
+            if lease in self._revoked or lease in self._leases:
+                raise WeightSyncError(f"{who}: the join lease {lease} of {joiner} was already "
+                                      "ended or given", peer=who, phase="join",
+                                      version=self._served_version)
             self._leases[lease] = time.monotonic() + float(lease_s)
-        src = SourceMsg(seq=self._seq, stream=self._rank, agent=self._agent.name,
-                        metadata=self._agent.metadata(), mem=self._arena.mem,
-                        digest=self._arena.digest, regions=self._arena.regions(),
-                        held=self._arena.held())
-        logger.info("weightsync nixl: trainer rank %d offers version %s to %s (lease %.0f s)",
-                    self._rank, self._served_version, joiner, lease_s)
-        return {"rank": self._rank, "version": wire_version(self._served_version),
-                "lease": lease, "lease_s": float(lease_s), "source": encode(src).decode()}
+        src = SourceMsg(seq=self._seq, stream=stream, agent=self._agent.name,
+                        metadata=self._agent.metadata(), mem=mem, digest=digest,
+                        regions=regions, held=held)
+        logger.info("weightsync nixl: %s offers version %s to %s (lease %.0f s)", who,
+                    self._served_version, joiner, lease_s)
+        return {"rank": stream, "version": wire_version(self._served_version),
+                "lease": lease, "lease_s": float(lease_s), "source": encode(src).decode(),
+                "peer": who}
 
     def join_done(self, lease: str) -> bool:
-        """Trainer: the joiner holding ``lease`` has read what it needs (False: unknown or
-        already expired)."""
+        """End the join lease ``lease`` (the joiner read what it needs, or its caller gave
+        up on the offer). False: no such lease was given (it is then remembered as ended,
+        so an offer still on its way under it is refused) or it had expired."""
         with self._lease_cv:
             found = self._leases.pop(lease, None) is not None
+            if not found:
+                self._revoked.append(lease)
             self._lease_cv.notify_all()
         return found
 
@@ -492,28 +538,48 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             while self._leases:
                 now = time.monotonic()
                 for k in [k for k, d in self._leases.items() if d <= now]:
-                    logger.warning("weightsync nixl: trainer rank %d: a joiner's lease expired "
+                    logger.warning("weightsync nixl: %s rank %d: a joiner's lease expired "
                                    "before it said it was done; version %s overwrites it",
-                                   self._rank, version)
+                                   self.config.role, self._rank, version)
                     del self._leases[k]
                 if self._leases:
                     self._lease_cv.wait(min(self._leases.values()) - now)
 
     @classmethod
+    def join_weights(cls, offers: list) -> list[list]:
+        """``[[name, shape, dtype], ...]``: the weight set the offers serve together (what
+        a joiner will receive), from their layouts alone; the manager checks a joiner
+        against it before any byte moves when the trainer ranks are not asked."""
+        out, seen = [], {}
+        for offer in offers:
+            msg = decode(offer["source"])
+            if not isinstance(msg, SourceMsg):
+                raise PlanMismatch(f"the join offer of {offer.get('peer', '?')} holds no layout",
+                                   peer=str(offer.get("peer", "")), phase="join")
+            for name, shape, dtype, *_ in msg.held:
+                if seen.setdefault(name, (list(shape), dtype)) != (list(shape), dtype):
+                    raise PlanMismatch(f"the join offers give {name} two shapes or dtypes",
+                                       peer=str(offer.get("peer", "")), phase="join")
+                if len(seen) > len(out):
+                    out.append([name, list(shape), dtype])
+        return out
+
+    @classmethod
     def join_topology(cls, offers: list, rollout_world_size: int) -> list[dict[str, Any]]:
         """The ``init_process_group`` keywords of each of a joining replica's
-        ``rollout_world_size`` workers, from every trainer rank's :meth:`join_offer`: each
-        worker pulls that version from the trainer ranks' arenas in its next receive (once;
-        it is in no group and takes no further sync)."""
+        ``rollout_world_size`` workers, from the :meth:`join_offer` of every trainer rank
+        (or the one offer of a healthy replica's worker): each worker pulls that version
+        from there in its next receive (once; it is in no group and takes no further
+        sync)."""
         if not isinstance(offers, (list, tuple)) or not offers:
-            raise ValueError("join_topology needs one offer per trainer rank")
+            raise ValueError("join_topology needs one offer per trainer rank, or a replica's")
         ranks = sorted(int(o["rank"]) for o in offers)
         if ranks != list(range(len(offers))):
             raise ValueError(f"join offers must come from trainer ranks 0..{len(offers) - 1}, "
                              f"got {ranks}")
         versions = {json.dumps(o["version"]) for o in offers}
         if len(versions) != 1:
-            raise VersionMismatch(f"trainer ranks offer different versions: {sorted(versions)}",
+            raise VersionMismatch(f"the offers hold different versions: {sorted(versions)}",
                                   phase="join")
         if isinstance(rollout_world_size, bool) or not isinstance(rollout_world_size, int) or \
                 rollout_world_size < 1:
@@ -536,12 +602,13 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             raise ValueError(f"a join entry needs rank in [0, {num_receivers}) and {world} offers")
         if self._rank >= 0:
             self._release()
-        sources, joined = {}, {}
+        sources, joined, peers = {}, {}, {}
         for s, offer in enumerate(join):
+            peers[s] = str(offer.get("peer") or f"trainer rank {s}")
             msg = decode(offer["source"])
             if not isinstance(msg, SourceMsg) or msg.stream != s:
-                raise PlanMismatch(f"the join offer of trainer rank {s} holds no layout of "
-                                   "that rank", peer=f"trainer rank {s}", phase="join")
+                raise PlanMismatch(f"the join offer of {peers[s]} holds no layout of "
+                                   "that rank", peer=peers[s], phase="join")
             sources[s] = msg
             joined[s] = (normalize_version(offer["version"]), float(offer["lease_s"]))
         self.config.role = "rollout"
@@ -549,9 +616,9 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._token = secrets.token_hex(16)
         self.reset_plan()
         self._agent = NixlAgent(f"ws-join-{self._token[:12]}-r{rank}")
-        self._sources, self._joined = sources, joined
-        logger.info("weightsync nixl: rollout rank %d joins version %s from %d trainer ranks",
-                    rank, joined[0][0], world)
+        self._sources, self._joined, self._peers = sources, joined, peers
+        logger.info("weightsync nixl: rollout rank %d joins version %s from %s", rank,
+                    joined[0][0], ", ".join(peers.values()))
 
     def _pull_joined(self, version: Any, into: Optional[Mapping[str, torch.Tensor]]
                      ) -> list[tuple[str, torch.Tensor]]:
@@ -563,18 +630,20 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                   version=version)
         offered = joined[0][0]
         if version is not None and offered != version:
-            raise VersionMismatch(f"the trainer ranks offered version {offered!r}, this "
+            raise VersionMismatch(f"{self._peers.get(0)} offered version {offered!r}, this "
                                   f"receiver expects {version!r}", phase="receive",
                                   version=version)
         # finish well inside the shortest lease (counted from when the offer was made,
-        # which was before now), so no trainer rank writes what is still being read
+        # which was before now), so no source writes what is still being read
         lease = min(t for _, t in joined.values())
         deadline = time.monotonic() + min(patience(self.config.timeout), 0.9 * lease)
         pull = self._ensure_plan(into)
         for r in pull.reads:
             r.post(version=offered)
         wait_all(pull.reads, deadline, version=offered)
-        return pull.tensors(into)
+        out = pull.tensors(into)
+        self._served_version, self._served = offered, True
+        return out
 
     # -- failures and teardown --------------------------------------------------------------
     def _abort(self, seq: int, version: Any, exc: BaseException, phase: str, push) -> None:
@@ -606,7 +675,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             self._hub.close()
         for link in self._links.values():
             link.close()
-        self._hub, self._links, self._sources = None, {}, {}
+        self._hub, self._links, self._sources, self._peers = None, {}, {}, {}
         if self._agent is not None:
             self._agent.close()
         self._agent = None

@@ -86,8 +86,10 @@ class PullPlan:
 
     def __init__(self, agent: NixlAgent, worker: str, sources: list,
                  into: Optional[Mapping[str, torch.Tensor]], device: torch.device,
-                 max_read: int, keep: Optional[Keep] = None) -> None:
+                 max_read: int, keep: Optional[Keep] = None,
+                 peers: Optional[Mapping[int, str]] = None) -> None:
         self._agent, self._regs = agent, []
+        self._peers = dict(peers or {})
         # (name, shape, dtype, dest, offset, nbytes, parts): parts None for a whole tensor,
         # else ((box, landing offset, nbytes), ...)
         self.views: list[tuple] = []
@@ -147,7 +149,7 @@ class PullPlan:
     def _reads_from(self, s: int, src: Any, device: torch.device) -> dict[str, Reads]:
         regions = {name: (addr, dev) for name, addr, _, dev in src.regions}
         blocks = block_regions(src)
-        peer = f"trainer rank {s}"
+        peer = self._peers.get(s, f"trainer rank {s}")
         self._agent.remove_remote(src.agent)          # its metadata lists its registrations
         self._agent.add_remote(src.agent, src.metadata, peer=peer)
         groups: dict[str, list] = {}
@@ -198,6 +200,21 @@ class PullPlan:
         if fresh:
             mark_partial(target, tuple(b for b, _, _ in parts))
         return target
+
+    def served_layout(self) -> Optional[tuple[tuple, tuple]]:
+        """``(regions, held)`` in a :class:`~weightsync.core.wire.SourceMsg`'s form for the
+        memory this receiver landed every tensor in (the landing buffer and the caller's
+        own tensors), so a joiner can read the version from it; None when some tensor is
+        kept only in part (a tensor-parallel worker holds no whole copy to serve)."""
+        if self.partial:
+            return None
+        regions = []
+        for region, t in self._buffers.items():
+            dev = (t.device.index or 0) if t.device.type == "cuda" else 0
+            regions.append((region, t.data_ptr(), t.numel() * t.element_size(), dev))
+        held = tuple((name, list(shape), dtype, 0, math.prod(shape), dest, at)
+                     for name, shape, dtype, dest, at, _, _ in self.views)
+        return tuple(sorted(regions)), held
 
     def release(self) -> None:
         for r in self.reads:
