@@ -19,6 +19,7 @@ from syncchecks import assert_matches  # noqa: E402
 from weightsync.core.errors import PlanMismatch  # noqa: E402
 from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
 from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
+from weightsync.testing.busy import BusyTrainer  # noqa: E402
 from weightsync.testing.toymodel import random_prompts, tiny_qwen2_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -133,30 +134,8 @@ def test_a_trainer_serving_live_parameters_lets_a_healthy_replica_serve_the_join
         assert manager.update_weights(2).ok
 
 
-class _BusyTrainer:
-    """A trainer worker that answers no call while it trains, as a Ray actor in a
-    training step does (one method at a time); counts the engine calls it got."""
-
-    def __init__(self, inner):
-        self._inner, self._busy, self.engine_calls = inner, threading.Lock(), []
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def execute_checkpoint_engine(self, method, *args, **kwargs):
-        with self._busy:
-            self.engine_calls.append(method)
-            return self._inner.execute_checkpoint_engine(method, *args, **kwargs)
-
-    @contextlib.contextmanager
-    def training(self, step):
-        with self._busy:
-            self._inner.train_step(step)
-            yield
-
-
 def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica():
-    trainer = _BusyTrainer(_trainer())
+    trainer = BusyTrainer(_trainer())
     first = HFRolloutWorker(CFG, seed=5)
     with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
                                  timeout=30) as manager:
@@ -198,7 +177,7 @@ def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica(
 
 
 def test_join_from_a_replica_asks_nothing_of_the_trainer_and_checks_before_bytes():
-    trainer = _BusyTrainer(_trainer())
+    trainer = BusyTrainer(_trainer())
     first = HFRolloutWorker(CFG, seed=5)
     with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
                                  timeout=30) as manager:
