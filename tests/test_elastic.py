@@ -97,6 +97,35 @@ def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others(
         assert trainer._ws().engine._leases == {}
 
 
+def _open_fds():
+    import gc
+    import os
+    gc.collect()
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_replicas_added_and_removed_leave_no_descriptor_behind():
+    """Each joiner added, synced and removed (then dropped) takes every socket, selector
+    and thread it opened with it (its adapter's loop was left running before)."""
+    with _after_one_sync() as (trainer, first, manager):
+        counts, step = [], 1
+        for _ in range(4):
+            joiner = HFRolloutWorker(CFG, seed=9)
+            manager.add_replica(joiner)
+            for _ in range(2):
+                step += 1
+                trainer.train_step(step)
+                assert manager.update_weights(step).ok
+            manager.remove_replica(joiner)
+            step += 1
+            trainer.train_step(step)
+            assert manager.update_weights(step).ok
+            del joiner
+            counts.append((_open_fds(), threading.active_count()))
+        assert counts[1:] == counts[:1] * 3, counts
+
+
 def test_a_joiner_that_does_not_fit_is_refused_before_any_byte():
     with _after_one_sync() as (trainer, first, manager):
         other = HFRolloutWorker({**CFG, "intermediate_size": 96}, seed=3)

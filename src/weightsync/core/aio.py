@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import weakref
 from typing import Any, Awaitable, Optional
 
 from weightsync.core.errors import SyncTimeout
@@ -19,7 +20,9 @@ __all__ = ["AsyncRunner"]
 
 
 class AsyncRunner:
-    """Runs coroutines on a private loop thread; ``run`` blocks with a timeout."""
+    """Runs coroutines on a private loop thread; ``run`` blocks with a timeout. The loop
+    and its thread end at :meth:`close`, or when the runner is garbage-collected (an
+    adapter dropped without ``close`` leaves no thread, selector or socket pair behind)."""
 
     def __init__(self, name: str = "weightsync-loop") -> None:
         self._name = name
@@ -36,12 +39,17 @@ class AsyncRunner:
                 def main() -> None:
                     asyncio.set_event_loop(loop)
                     loop.call_soon(ready.set)
-                    loop.run_forever()
+                    try:
+                        loop.run_forever()
+                    finally:
+                        loop.close()
 
                 self._thread = threading.Thread(target=main, name=self._name, daemon=True)
                 self._thread.start()
                 ready.wait(10.0)
                 self._loop = loop
+                # the thread holds the loop, not the runner: stop it with the runner
+                weakref.finalize(self, _stop, loop)
             return self._loop
 
     def run(self, coro: Awaitable[Any], *, timeout: float, phase: str = "run",
@@ -63,8 +71,14 @@ class AsyncRunner:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(loop.stop)
-            if thread is not None:
+            _stop(loop)
+            if thread is not None and thread is not threading.current_thread():
                 thread.join(5.0)
-            if not loop.is_running():
-                loop.close()
+
+
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop ``loop`` from any thread (its thread closes it once it has stopped)."""
+    try:
+        loop.call_soon_threadsafe(loop.stop)
+    except RuntimeError:      # closed already
+        pass
