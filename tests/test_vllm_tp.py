@@ -152,3 +152,32 @@ def test_a_worker_whose_loader_cannot_be_recorded_pulls_that_tensor_whole(tp2, t
         assert any("input_layernorm" in n for n in r["notes"]), r
         cols = (0, 176) if rank == 0 else (176, 352)
         assert r["boxes"]["model.layers.0.mlp.down_proj.weight"] == [[[0, 128], list(cols)]], out
+
+
+def test_a_tensor_parallel_replica_joins_pulling_only_its_slices(tp2):
+    """``add_replica`` of the TP 2 vLLM replica after a sync: each of its workers pulls
+    only its slices of the current version, from the trainer's arena, then (removed and
+    added again) from a healthy HF replica that holds it whole; each time it then
+    generates what the trainer's model of that version does."""
+    from weightsync.integrations.ray.workers import HFRolloutWorker
+
+    trainer = ToyTrainerWorker()
+    trainer.build(CFG, lr=0.05)
+    full = sum(p.numel() * p.element_size() for p in trainer.model.state_dict().values())
+    first = HFRolloutWorker(CFG, seed=5)
+    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
+                                 timeout=60) as manager:
+        for step, source in ((1, "trainer"), (2, "replica")):
+            trainer.train_step(step)
+            assert manager.update_weights(step).ok
+            ref = trainer.reference(PROMPTS, NEW)
+            trainer.train_step(step + 10)          # the trainer moves on
+            manager.add_replica(tp2, join_from=source)
+            joined = manager.last_join
+            assert joined["source"] == ("trainer ranks" if source == "trainer" else "replica-0")
+            assert tp2 in manager.healthy_replicas()
+            pulled = joined["worker_pulled_bytes"]
+            assert len(pulled) == 2 and all(b <= 0.55 * full for b in pulled), (pulled, full)
+            assert_matches(tp2.rollout.generate(PROMPTS, max_new_tokens=NEW,
+                                                return_logits=True), ref, step, exact=False)
+            manager.remove_replica(tp2)
