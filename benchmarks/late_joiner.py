@@ -1,7 +1,7 @@
 """Late joiner over ``nixl``: how long it takes to bring a replica added mid-training to
 the current version, and what the serving replicas do meanwhile.
 
-Workers in this process (no Ray), the demo's model shapes (Qwen2-like, hidden 256, 4
+Workers in this process (no Ray; ``WEIGHTSYNC_NIXL_SERVE=staging`` unless set), the demo's model shapes (Qwen2-like, hidden 256, 4
 layers, vocabulary 4096, float32: ~20 MB). One trainer, ``--replicas`` HF replicas
 serving; a thread generates on them without pause. Then, ``--rounds`` times each:
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -52,6 +53,10 @@ def _serve(replicas: list, prompts: list, stop: threading.Event, log: list) -> N
 
 
 def main() -> None:
+    # ``join`` reads from the trainer's arena, which holds the last version while the
+    # trainer trains on only when every tensor is staged (with the default ``auto`` the
+    # trainer serves its live parameters and offers no join)
+    os.environ.setdefault("WEIGHTSYNC_NIXL_SERVE", "staging")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)

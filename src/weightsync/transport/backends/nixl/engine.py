@@ -19,14 +19,16 @@ until every receiver reported) and read the version again on the new layout.
 Consistent reads: ``send_weights`` returns only once every receiver reported that it has
 read all it needs of this version from this rank, so a trainer that updates its weights
 right after cannot change bytes a reader still reads (no snapshot is needed for that).
-Where a rank serves from (``WEIGHTSYNC_NIXL_SERVE``, read at construction): ``staging``
-(default) copies what it yields into a staging arena it owns (one copy; memory: its share,
-kept across syncs; the layout, so the plan, is replayed whatever the export allocates);
-``auto`` serves a contiguous tensor in the wire dtype from its own storage once it came
+Where a rank serves from (``WEIGHTSYNC_NIXL_SERVE``, read at construction): ``auto``
+(default) serves a contiguous tensor in the wire dtype from its own storage once it came
 from the same storage two syncs in a row (parameters, FSDP2 local shards: no copy, no
-extra memory; exports of fresh temporaries make the layout change, so the plan is
-recompiled, every other sync); ``params`` serves every eligible tensor from its own
-storage from the first sync.
+extra memory), and stages the others (casts, merged LoRA weights, fresh temporaries) into
+an arena it owns; ``staging`` copies everything it yields into that arena (one copy;
+memory: its share, kept across syncs; the layout, so the plan, is replayed whatever the
+export allocates; the arena keeps the version after ``send_weights`` returns, so a joiner
+can read it from the trainer while training goes on); ``params`` serves every eligible
+tensor from its own storage from the first sync. A rank serving live parameters offers
+no join (training moves those bytes on): a joiner reads from a healthy replica instead.
 
 Receivers land the bytes in the caller's own tensors with ``receive_into`` (no copy), or in
 a registered buffer of what they keep (memory: that size, kept across syncs) whose views
@@ -92,7 +94,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         require_nixl()
-        serve = os.environ.get("WEIGHTSYNC_NIXL_SERVE", "staging").strip().lower() or "staging"
+        serve = os.environ.get("WEIGHTSYNC_NIXL_SERVE", "auto").strip().lower() or "auto"
         if serve not in _SERVE:
             raise ValueError(f"WEIGHTSYNC_NIXL_SERVE must be one of {_SERVE}, got {serve!r}")
         self._serve_mode = serve

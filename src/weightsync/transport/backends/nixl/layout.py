@@ -12,8 +12,9 @@ before. A changed layout is re-placed into fresh blocks, so the blocks always ho
 the current layout. A contiguous tensor already in the wire dtype may instead be served
 from its own storage (registered once per storage, kept alive while served; no copy):
 always with ``mode="params"``; with ``mode="auto"`` (the default) once it is yielded from
-the same storage two syncs in a row (parameters and FSDP2 local shards are; temporaries
-such as casts or merged LoRA weights are not, and stay staged). Used by
+the same storage two syncs in a row, that storage alive in between (parameters and FSDP2
+local shards are; temporaries such as casts or merged LoRA weights are not, even when one
+is allocated where the last sync's was freed, and stay staged). Used by
 :mod:`weightsync.transport.backends.nixl.engine` on trainer ranks.
 """
 
@@ -26,6 +27,8 @@ import math
 from typing import Any, Optional
 
 import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from weightsync.core.plan import dtype_name
 from weightsync.core.xferplan import HeldRange
@@ -82,8 +85,8 @@ class Arena:
         self._agent = agent
         self._block_size = max(int(block_size), _ALIGN)
         self._mode = mode
-        self._last_storage: dict[str, tuple[int, int]] = {}
-        self._storage: dict[str, tuple[int, int]] = {}
+        self._last_storage: dict[str, tuple[tuple, Any]] = {}
+        self._storage: dict[str, tuple[tuple, Any]] = {}
         self._blocks: dict[str, tuple[torch.Tensor, Any]] = {}   # name -> (tensor, reg)
         self._own: dict[tuple[int, int], tuple[str, torch.Tensor, Any]] = {}
         self._prev: list[tuple] = []
@@ -173,9 +176,15 @@ class Arena:
         if self._mode == "staging" or dtype != local.dtype or not local.is_contiguous() \
                 or not local.numel():
             return False
-        storage = (local.data_ptr(), local.numel() * local.element_size())
-        self._storage[name] = storage
-        return self._mode == "params" or self._last_storage.get(name) == storage
+        ref = StorageWeakRef(local.untyped_storage())
+        storage = (local.data_ptr(), local.numel() * local.element_size(), ref.cdata)
+        self._storage[name] = (storage, ref)
+        if self._mode == "params":
+            return True
+        # the same bytes of the same storage, alive since the last sync: a fresh temporary
+        # allocated where last sync's one was freed is not (its storage differs)
+        last = self._last_storage.get(name)
+        return last is not None and last[0] == storage and not last[1].expired()
 
     def finish(self) -> None:
         self._last_storage = self._storage
