@@ -587,14 +587,14 @@ def test_a_trainer_serving_live_parameters_offers_no_join(monkeypatch):
         trainer.finalize()
 
 
-def _pair_here():
+def _pair_here(device="cpu"):
     """A trainer and a receiver engine of one nixl group, both in this process."""
     from concurrent.futures import ThreadPoolExecutor
 
     from weightsync.transport.base import worker_kwargs
     cls = CheckpointEngineRegistry.get("nixl")
-    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20)
-    recv = cls(role="rollout", bucket_size=BUCKET, timeout=20)
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20, device=device)
+    recv = cls(role="rollout", bucket_size=BUCKET, timeout=20, device=device)
     tk, rk = cls.build_topology(1, 1, [trainer.prepare(), recv.prepare()])
     with ThreadPoolExecutor(2) as pool:
         a = pool.submit(trainer.init_process_group, **worker_kwargs(tk, 0))
@@ -603,8 +603,10 @@ def _pair_here():
     return trainer, recv
 
 
-def _sync_here(trainer, recv, version, into=None):
-    """One sync between the two engines of :func:`_pair_here`; the receiver's tensors."""
+def _sync_here(trainer, recv, version, into=None, tensors=None, clone=True):
+    """One sync between the two engines of :func:`_pair_here` (``tensors``: what the
+    trainer yields, default ``make_tensors(version)``); the receiver's tensors (cloned:
+    views of its landing buffer are valid only until the next sync)."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
@@ -612,11 +614,11 @@ def _sync_here(trainer, recv, version, into=None):
 
     async def take():
         stream = recv.receive_weights(version) if into is None else recv.receive_into(into, version)
-        return {n: t.clone() async for n, t in stream}
+        return {n: t.clone() if clone else t async for n, t in stream}
+    sent = tensors if tensors is not None else make_tensors(version, bucket_size=BUCKET, tiny=20)
     with ThreadPoolExecutor(2) as pool:
         got = pool.submit(asyncio.run, take())
-        asyncio.run(trainer.send_weights(make_tensors(version, bucket_size=BUCKET, tiny=20),
-                                         version))
+        asyncio.run(trainer.send_weights(sent, version))
         return got.result(60)
 
 
@@ -722,3 +724,64 @@ def test_vram_to_vram_every_dtype_three_syncs(trainers, receivers):
     spec = _spec(None, trainers=trainers, receivers=receivers, steps=3, device="cuda",
                  engine_kwargs={"device": "cuda", "timeout": 60}, timeout=240)
     assert_clean(run_group(spec), spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vram_slices_land_exactly_and_a_vram_receiver_serves_a_joiner():
+    """On the GPU: a receiver keeping row and column boxes of VRAM tensors gets exactly
+    those bytes (fresh tensors marked with their boxes, one placed into the caller's
+    tensor) for three syncs; a receiver keeping everything whole serves a joiner in VRAM."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.core.xferplan import Keep
+    from weightsync.transport.tensors import partial_boxes
+    cls = CheckpointEngineRegistry.get("nixl")
+
+    def tensors(step):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        return [(n, torch.randn(sh, generator=g, device="cuda").to(dt)) for n, sh, dt in
+                (("q", (64, 96), torch.bfloat16), ("up", (300, 40), torch.float32),
+                 ("norm", (96,), torch.float16))]
+    keep = Keep(boxes={"q": (((0, 64), (48, 96)),), "up": (((100, 250), (0, 40)),)})
+    trainer, recv = _pair_here("cuda")
+    into = {"up": torch.zeros(300, 40, device="cuda")}
+    try:
+        recv.keep_slices(lambda layout: keep)
+        for step in range(3):
+            sent = dict(tensors(step))
+            got = _sync_here(trainer, recv, step, into=into if step else None,
+                             tensors=list(sent.items()), clone=False)
+            for n, w in sent.items():
+                assert got[n].device.type == "cuda"
+                for box in keep.of(n, w.shape):
+                    idx = tuple(slice(a, b) for a, b in box)
+                    assert torch.equal(got[n][idx], w[idx]), (step, n)
+            assert partial_boxes(got["norm"]) is None
+            if step == 0:
+                assert partial_boxes(got["q"]) == keep.boxes["q"]
+            else:
+                assert torch.equal(into["up"][100:250], sent["up"][100:250])
+        with pytest.raises(WeightSyncError, match="only in part"):
+            recv.join_offer("replica-9")
+        recv.keep_slices(None)                      # whole tensors from now on
+        sent = dict(tensors(3))
+        _sync_here(trainer, recv, 3, tensors=list(sent.items()))
+        offer = recv.join_offer("replica-9", lease_s=60)
+        assert decode(offer["source"]).mem == "VRAM"
+        joiner = cls(role="rollout", bucket_size=BUCKET, timeout=20, device="cuda")
+        joiner.prepare()
+        joiner.init_process_group(**cls.join_topology([offer], 1)[0])
+
+        async def take():
+            return {n: t.clone() async for n, t in joiner.receive_weights(3)}
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(asyncio.run, take()).result(60)
+        assert all(torch.equal(joined[n], sent[n]) for n in sent)
+        assert recv.join_done(offer["lease"]) is True
+        joiner.finalize()
+    finally:
+        recv.finalize()
+        trainer.finalize()
