@@ -93,7 +93,7 @@ $(SWIFT_STAMP): $(VERL_STAMP)
 
 test: $(VERL_STAMP) $(SWIFT_STAMP)
 	$(VPY) scripts/check_layers.py
-	$(RUN_ENV) $(VPY) -m pytest -q
+	$(RUN_ENV) $(VPY) -m pytest -q --durations=30
 
 demo: $(VLLM_STAMP)
 	$(RUN_ENV) $(VENV)/bin/weightsync demo

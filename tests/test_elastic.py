@@ -110,7 +110,7 @@ def test_replicas_added_and_removed_leave_no_descriptor_behind():
     and thread it opened with it (its adapter's loop was left running before)."""
     with _after_one_sync() as (trainer, first, manager):
         counts, step = [], 1
-        for _ in range(4):
+        for _ in range(5):
             joiner = HFRolloutWorker(CFG, seed=9)
             manager.add_replica(joiner)
             for _ in range(2):
@@ -123,7 +123,10 @@ def test_replicas_added_and_removed_leave_no_descriptor_behind():
             assert manager.update_weights(step).ok
             del joiner
             counts.append((_open_fds(), threading.active_count()))
-        assert counts[1:] == counts[:1] * 3, counts
+        # (UCX may close a removed peer's endpoints a cycle late: at most one cycle's
+        # worth; the leak this pins grew by 3 every cycle)
+        assert counts[-1][0] <= counts[0][0] + 3, counts
+        assert {t for _, t in counts} == {counts[0][1]}, counts
 
 
 def test_a_joiner_that_does_not_fit_is_refused_before_any_byte():

@@ -154,15 +154,15 @@ def _receiver(rank, conn):
     engine.finalize()
 
 
-def _fsdp_group(receiver):
-    """Two FSDP2 trainer ranks (``_fsdp_trainer``) and two ``receiver`` processes in one
-    nixl group; every process's result, trainers first."""
+def _fsdp_group(receiver, trainer=None):
+    """Two FSDP2 trainer ranks (``trainer``, default ``_fsdp_trainer``) and two
+    ``receiver`` processes in one nixl group; every process's result, trainers first."""
     from weightsync.transport.base import worker_kwargs
 
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes, procs = [], []
-    for target, args in [(_fsdp_trainer, (i, port)) for i in range(2)] + \
+    for target, args in [(trainer or _fsdp_trainer, (i, port)) for i in range(2)] + \
             [(receiver, (j,)) for j in range(2)]:
         a, b = ctx.Pipe()
         procs.append(ctx.Process(target=target, args=(*args, b)))
@@ -198,6 +198,76 @@ def test_fsdp2_shards_are_served_as_they_are():
         assert steps[1]["layout_sent"] is False
     served = [sum(s[1]["served"].values()) for s in trainers]
     assert abs(served[0] - served[1]) <= 0.1 * max(served), served
+
+
+def _fsdp_model_trainer(rank, port, conn):
+    """A real FSDP2 model (``fully_shard``), exported as the trainer mixin does for a
+    backend that serves shards (``export_weights(shards=True)``), trained between syncs."""
+    import asyncio
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync.core.digests import tensor_digest
+    from weightsync.trainer.export import export_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(1001, 64), torch.nn.Linear(64, 256),
+                                torch.nn.Linear(256, 64, bias=False))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    engine = CheckpointEngineRegistry.new("nixl", role="trainer", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    out, digests = [], []
+    for step in range(3):
+        with torch.no_grad():                 # a "training step": every parameter moves
+            for p in model.parameters():
+                p.mul_(1.0 + 0.1 * step).add_(0.01)
+        digests.append({n: tensor_digest(p.full_tensor()) for n, p in model.named_parameters()})
+        out.append(asyncio.run(engine.send_weights(export_weights(model, shards=True), step)))
+    conn.send({"steps": out, "digests": digests})
+    engine.finalize()
+    dist.destroy_process_group()
+
+
+def _digest_receiver(rank, conn):
+    import asyncio
+
+    from weightsync.core.digests import tensor_digest
+    engine = CheckpointEngineRegistry.new("nixl", role="rollout", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    got = []
+    for step in range(3):
+        async def go():
+            return {n: tensor_digest(t) async for n, t in engine.receive_weights(step)}
+        got.append(asyncio.run(go()))
+    conn.send(got)
+    engine.finalize()
+
+
+@pytest.mark.timeout(200)
+def test_an_fsdp2_model_is_served_from_its_own_shards_from_the_first_sync():
+    """The default ``auto`` serving with a real ``fully_shard`` model: each rank serves its
+    parameters' local shards from their own storage from the first sync (the export marks
+    them as parameters), so the trainer holds no staging memory at all (goal: <= 2
+    buckets), nothing is gathered, the layout goes out once, every rank serves about as
+    much as the other, and every receiver gets each step's full weights exactly."""
+    results = _fsdp_group(_digest_receiver, trainer=_fsdp_model_trainer)
+    trainers, receivers = results[:2], results[2:]
+    for t in trainers:
+        assert [s["held_bytes"] for s in t["steps"]] == [0, 0, 0], t["steps"]
+        assert [s["layout_sent"] for s in t["steps"]] == [True, False, False]
+    for got in receivers:
+        assert got == trainers[0]["digests"]
+    for step in range(3):
+        served = [sum(t["steps"][step]["served"].values()) for t in trainers]
+        assert abs(served[0] - served[1]) <= 0.1 * max(served), served
 
 
 def _slice_keep(rank):

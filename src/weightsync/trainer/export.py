@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from weightsync.transport.tensors import mark_stable
 from weightsync.trainer.fsdp import (coalescible, dist_rank_world, gather_many_to_owners, gather_to_owner,
                    is_dtensor)
 from weightsync.trainer.lora import (active_adapter, adapter_name, check_supported, hf_name, is_lora_param,
@@ -198,11 +199,13 @@ def _export_shards(items: list[ExportItem], dtype: Optional[torch.dtype]
     for item in items:
         with torch.no_grad():
             if item.combine is None:
-                out = item.sources[0].detach()
+                src = item.sources[0]
+                out = _cast(src.detach(), dtype)
+                if out.dtype == src.dtype:       # a view of the parameter: kept across syncs
+                    mark_stable(out)
             else:   # the same collectives in the same order on every rank
-                out = item.combine([s.full_tensor() if is_dtensor(s) else s
-                                    for s in item.sources])
-            out = _cast(out, dtype)
+                out = _cast(item.combine([s.full_tensor() if is_dtensor(s) else s
+                                          for s in item.sources]), dtype)
         yield item.name, out
 
 

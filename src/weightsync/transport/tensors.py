@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
 __all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
-           "mark_partial", "partial_boxes"]
+           "mark_partial", "partial_boxes", "mark_stable", "is_stable"]
 
 #: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -78,6 +78,23 @@ def mark_partial(t: torch.Tensor, boxes: tuple) -> torch.Tensor:
     in ``boxes`` (a ``(start, stop)`` per dimension each); its other elements are undefined."""
     setattr(t, _PARTIAL, tuple(boxes))
     return t
+
+
+_STABLE = "weightsync_stable"
+
+
+def mark_stable(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` (a tensor a trainer's export yields) as a view of storage the trainer
+    keeps from one sync to the next (a parameter, or an FSDP2 parameter's local shard),
+    not a temporary: a backend that serves from the caller's storage (``nixl``'s ``auto``)
+    may do so from the first sync."""
+    setattr(t, _STABLE, True)
+    return t
+
+
+def is_stable(t: torch.Tensor) -> bool:
+    """Whether :func:`mark_stable` marked ``t``."""
+    return bool(getattr(t, _STABLE, False))
 
 
 def partial_boxes(t: torch.Tensor) -> tuple | None:

@@ -14,7 +14,9 @@ from its own storage (registered once per storage, kept alive while served; no c
 always with ``mode="params"``; with ``mode="auto"`` (the default) once it is yielded from
 the same storage two syncs in a row, that storage alive in between (parameters and FSDP2
 local shards are; temporaries such as casts or merged LoRA weights are not, even when one
-is allocated where the last sync's was freed, and stay staged). Used by
+is allocated where the last sync's was freed, and stay staged), or from the first sync
+when the export marked it as a view of a parameter
+(:func:`~weightsync.transport.tensors.mark_stable`). Used by
 :mod:`weightsync.transport.backends.nixl.engine` on trainer ranks.
 """
 
@@ -33,7 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from weightsync.core.plan import dtype_name
 from weightsync.core.xferplan import HeldRange
 from weightsync.transport.fastcopy import memmove_at
-from weightsync.transport.tensors import plain_cpu
+from weightsync.transport.tensors import is_stable, plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
 
 __all__ = ["Arena", "held_part", "held_of"]
@@ -122,6 +124,7 @@ class Arena:
                 self._last_of[e[5]] = i
 
     def put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> list[str]:
+        stable = is_stable(tensor)
         local, start, stop, shape = held_part(name, tensor)
         if self._device is None:
             self._device = local.device
@@ -131,7 +134,7 @@ class Arena:
         wire = dtype_name(dtype)
         i = len(self._entries)
         key = (name, shape, wire, start, stop)
-        if self._serve_own(name, local, dtype):
+        if self._serve_own(name, local, dtype, stable):
             region = self._own_region(local)
             self._entries.append(key + (region, 0))
             self.changed = self.changed or i >= len(self._prev) or self._prev[i] != key + (region, 0)
@@ -172,14 +175,15 @@ class Arena:
             self._agent.deregister(reg)
         self._deferred = []
 
-    def _serve_own(self, name: str, local: torch.Tensor, dtype: torch.dtype) -> bool:
+    def _serve_own(self, name: str, local: torch.Tensor, dtype: torch.dtype,
+                   stable: bool = False) -> bool:
         if self._mode == "staging" or dtype != local.dtype or not local.is_contiguous() \
                 or not local.numel():
             return False
         ref = StorageWeakRef(local.untyped_storage())
         storage = (local.data_ptr(), local.numel() * local.element_size(), ref.cdata)
         self._storage[name] = (storage, ref)
-        if self._mode == "params":
+        if self._mode == "params" or stable:   # stable: marked by the export (a parameter)
             return True
         # the same bytes of the same storage, alive since the last sync: a fresh temporary
         # allocated where last sync's one was freed is not (its storage differs)
