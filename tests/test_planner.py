@@ -171,7 +171,8 @@ def test_bound_and_bottleneck_tiny_case():
     """Two FSDP2 ranks on node 0, one TP-2 replica on node 1, 1 GB/s NICs: each worker keeps
     half of a 2 MiB bf16 matrix, column-split: 1 MiB, all of it from one rank."""
     sc = Scenario(model=_one_tensor("x.q_proj.weight"), links=load_links(tiny_links()),
-                  trainer_gpus=2, replicas=1, tp=2, strategies=("p2p",))
+                  trainer_gpus=2, replicas=1, tp=2, strategies=("p2p",), pipelined=False,
+                  serve="staging")
     p = predict(sc)
     mib = 1 << 20
     assert p.bound["bytes"] == mib and p.bound["via"] == ["nic"]
@@ -190,7 +191,7 @@ def test_bound_and_bottleneck_tiny_case():
 def test_contention_on_a_shared_nic():
     """One trainer rank feeding two replicas through its one NIC: twice the bound."""
     sc = Scenario(model=_one_tensor("x.norm.weight", (1 << 20,)), links=load_links(tiny_links()),
-                  trainer_gpus=1, replicas=2, tp=1, strategies=("p2p",))
+                  trainer_gpus=1, replicas=2, tp=1, strategies=("p2p",), pipelined=False)
     p = predict(sc)
     two_mib = 2 << 20
     assert p.bound["seconds"] == pytest.approx(two_mib / 1e9)
@@ -205,13 +206,41 @@ def test_row_parallel_reads_and_latency():
     links = tiny_links(nic={"GBps": 1.0, "latency_us": 7})
     links["software"].update(read_us=1, control_us=3)
     sc = Scenario(model=_one_tensor("x.o_proj.weight", (64, 128)), links=load_links(links),
-                  trainer_gpus=2, replicas=1, tp=2, strategies=("p2p",))
+                  trainer_gpus=2, replicas=1, tp=2, strategies=("p2p",), pipelined=False)
     r = predict(sc).results["p2p"]
     assert r.dest_reads == [64, 64]                # 64 rows of 64 columns each
     pull = r.phases[1]
     wire = 2 * 32 * 64 * 2 / 1e9                   # 2 ranks x 32 rows x 64 cols x 2 B
     assert pull.limit_seconds == pytest.approx(max(wire, 64e-6))
     assert pull.latency == pytest.approx(10e-6)
+
+
+def test_pipelined_staging_overlaps_the_pull_and_shares_its_resources():
+    """The backend's pipelined warm sync: staging and the pull are one phase that lasts
+    its busiest resource (loads of both added where they share one) plus the round trip
+    and the writing of the first block; unpipelined, the two phases add up."""
+    links = tiny_links(nic={"GBps": 1.0, "latency_us": 7},
+                       device_mem={"GBps": 0.5})              # staging slower than the NIC
+    model = _one_tensor("x.norm.weight", (4 << 20,))          # 8 MiB bf16, one rank
+    kw = dict(model=model, links=load_links(links), trainer_gpus=1, replicas=1, tp=1,
+              strategies=("p2p",), bucket_size=1 << 20, serve="staging")
+    serial = predict(Scenario(**kw, pipelined=False)).results["p2p"]
+    piped = predict(Scenario(**kw)).results["p2p"]
+    serve, pull = serial.phases[0], serial.phases[1]
+    both = piped.phases[0]
+    assert both.name == "serve+pull (pipelined)"
+    nbytes = 8 << 20
+    assert serve.limit_seconds == pytest.approx(nbytes / 0.5e9)
+    # the trainer's device memory carries the staging copy; the worker's the landing,
+    # and the busiest resource of the joint phase is the staging one, not the NIC
+    assert both.limit_seconds == pytest.approx(max(serve.limit_seconds, pull.limit_seconds))
+    first_block = serve.limit_seconds * (1 << 20) / nbytes
+    assert both.latency == pytest.approx(pull.latency + first_block)
+    assert piped.seconds < serial.seconds
+    assert piped.seconds == pytest.approx(both.seconds + piped.phases[1].seconds)
+    # served from its own storage (the default, no cast), the trainer stages nothing
+    own = predict(Scenario(**{**kw, "serve": "auto"})).results["p2p"]
+    assert own.phases[0].limit_seconds == pytest.approx(pull.limit_seconds)
 
 
 # ------------------------------------------------------------------ same code as the backends
@@ -347,8 +376,9 @@ def test_kimi_k2_plans_fast_and_near_the_bound():
     assert time.perf_counter() - t0 < 30
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 << 20   # KiB: 4 GiB
     assert 1.25 < p.bound["seconds"] < 1.4                     # ~66 GB at 50 GB/s
-    pull = next(ph for ph in p.results["p2p"].phases if ph.name == "pull")
+    pull = next(ph for ph in p.results["p2p"].phases if ph.name.startswith("serve+pull"))
     assert pull.seconds / p.bound["seconds"] < 1.01 and "nic_in" in pull.limit
+    assert p.ratio("p2p") <= 1.1                  # the whole sync, apply included
     assert p.stats.compile_calls < 40
 
 

@@ -4,8 +4,9 @@ Owns :func:`run` (the cases and their rows), :func:`format_text` and
 :func:`format_markdown`. Measurements come from ``benchmarks/results/`` of the checkout:
 ``cpu-2026-11-29/bench.json`` (``shm``, ``shm-buckets``, ``shm-direct``, ``collective``;
 1/2/4 receivers; the bench's own workloads, :mod:`weightsync.tools.bench.workloads`, on
-the ``cpu-2core`` preset), ``cpu-nixl-2026-12-01`` (``nixl``: the ``p2p`` strategy, with
-the preset and with that run's own raw READ / memcpy rates as the links),
+the ``cpu-2core`` preset), the ``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the
+``p2p`` strategy as the backend ran then, with the preset and with each run's own raw
+READ / memcpy rates as the links),
 ``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``cuda_ipc`` bucket
 ring, one H200: the ``ring`` strategy, colocated), ``multi-gpu-h200x2-2026-11-29`` and
 ``multi-gpu-h200x4-2026-11-29`` (``collective`` on NCCL: 1 -> 1, 1 -> 2, 2 senders -> 2;
@@ -162,11 +163,21 @@ def _nccl_cases() -> list[dict]:
     return rows
 
 
+#: the recorded nixl runs: (folder, file, pipelined, serve) as the backend then ran
+NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
+             ("cpu-nixl-2026-12-01", "bench_1g_run2.json", False, "staging"),
+             ("cpu-nixl-pipelined-2026-12-02", "bench_1g.json", True, "staging"),
+             ("cpu-nixl-pipelined-2026-12-02", "bench_1g_pipeline_off.json", False, "staging"),
+             ("cpu-nixl-pipelined-2026-12-02", "bench_1g_serve_auto.json", True, "auto"),
+             ("cpu-nixl-auto-2026-12-03", "bench_1g.json", True, "auto"))
+
+
 def _nixl_cases() -> list[dict]:
-    """``nixl`` 1 GiB 1 -> 1 on CPU: with the preset, and with the run's own limits (its raw
-    NIXL READ as the cross-process link, its memcpy as the copy rate)."""
-    rows, folder = [], "cpu-nixl-2026-12-01"
-    for name in ("bench_1g.json", "bench_1g_run2.json"):
+    """``nixl`` 1 GiB 1 -> 1 on CPU, each run as the backend ran then (pipelined or not,
+    staging or serving its own storage): with the preset, and with the run's own limits
+    (its raw NIXL READ as the cross-process link, its memcpy as the copy rate)."""
+    rows = []
+    for folder, name, pipelined, serve in NIXL_RUNS:
         if not os.path.exists(os.path.join(results_dir(), folder, name)):
             continue
         doc = _json(folder, name)
@@ -177,15 +188,24 @@ def _nixl_cases() -> list[dict]:
         model = _cpu_model(rec)
         variants = [("preset", {})]
         if "nixl-raw" in by and "memcpy" in by:
-            variants.append(("links from this run's limits", {
-                "links.intra.GBps": rec["bytes"] / by["nixl-raw"]["warm_median_s"] / 1e9,
+            # the raw READ run right before each nixl step in the same processes, where
+            # the bench paired them (it ran ~1.7 x slower there than in processes of its
+            # own: BENCHMARKS.md), else the raw READ's own run
+            paired = rec.get("paired") or {}
+            raw_s, which = (paired["warm_median_s"], "paired raw READ") \
+                if paired.get("method") == "nixl-raw" else \
+                (by["nixl-raw"]["warm_median_s"], "raw READ run")
+            variants.append((f"links from this run's limits ({which})", {
+                "links.intra.GBps": rec["bytes"] / raw_s / 1e9,
                 "links.device_mem.GBps": rec["bytes"] / by["memcpy"]["warm_median_s"] / 1e9}))
+        how = f"{'pipelined' if pipelined else 'not pipelined'}, {serve}"
         for label, sets in variants:
             sc = Scenario(model=model, links=load_links("cpu-2core", sets), trainer_gpus=1,
                           replicas=rec["receivers"], bucket_size=rec["bucket_size"],
-                          strategies=("p2p",))
-            rows.append(_row(f"CPU {rec['workload']} nixl R={rec['receivers']} ({name}, {label})",
-                             "p2p", sc, rec["warm_median_s"], f"{folder}/{name} warm_median_s"))
+                          strategies=("p2p",), pipelined=pipelined, serve=serve)
+            rows.append(_row(f"CPU {rec['workload']} nixl R={rec['receivers']} ({folder[9:]}/"
+                             f"{name}, {how}, {label})", "p2p", sc, rec["warm_median_s"],
+                             f"{folder}/{name} warm_median_s"))
     return rows
 
 

@@ -62,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="bucket size of broadcast/ring in MiB "
                          f"(default {DEFAULT_BUCKET_SIZE >> 20})")
     lk.add_argument("--max-read-mb", type=float, help="p2p: cap one READ (default: none)")
+    lk.add_argument("--serve", choices=("auto", "staging"), default="auto",
+                    help="p2p: where trainer ranks serve from (WEIGHTSYNC_NIXL_SERVE; "
+                         "default auto: their own storage where no cast is needed)")
+    lk.add_argument("--no-pipeline", action="store_true",
+                    help="p2p: stage everything, then pull (WEIGHTSYNC_NIXL_PIPELINE=0); "
+                         "default: each staging block is read once written")
     out = p.add_argument_group("output")
     out.add_argument("--label", default="", help="a title for the report")
     out.add_argument("--json", metavar="PATH", help="write the prediction as JSON ('-': stdout)")
@@ -95,6 +101,7 @@ def scenario_from_args(args: argparse.Namespace):
                     fp8_at=args.fp8_at, trainer_shard=args.trainer_shard,
                     placement=args.placement, bucket_size=bucket,
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
+                    pipelined=not args.no_pipeline, serve=args.serve,
                     strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                     label=args.label)
 

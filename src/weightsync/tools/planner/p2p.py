@@ -3,12 +3,20 @@
 Owns :func:`predict_p2p`. The phases follow the backend's code (:mod:`weightsync.transport
 .backends.nixl.engine`): every trainer rank first puts what it serves into its staging
 arena (a copy per byte it holds; with FP8 on the trainer, that copy is the block
-quantization), then one control round trip starts the pull, every worker posts the
+quantization; with ``serve="auto"``, the backend's default, tensors served in the model's
+own dtype are served from their own storage and cost only the per-tensor put), then one control round trip starts the pull, every worker posts the
 READs of the compiled plan (:func:`.compiled.pull_stats`: bytes per (rank, worker) and
 the number of READs, ``read_us`` of software each), and once all have landed the worker
 applies them: whole tensors land in its own (``receive_into``: software only), TP/EP
-slices and casts are copied by the loader (vLLM's, a receiver-side FP8 cast). The three
-phases run one after another.
+slices and casts are copied by the loader (vLLM's, a receiver-side FP8 cast).
+
+A warm sync is pipelined (``WEIGHTSYNC_NIXL_PIPELINE``, on by default; ``pipelined`` of
+the scenario): each rank tells the workers to pull before it stages and names each
+staging block (``bucket_size``) once written, and the workers read it at once. So
+staging and the pull are one phase: their loads share every resource they both use
+(a host's memory, say), and the phase lasts its busiest resource, plus the control round
+trip, plus the time to write the first block (nothing can be read before it). The apply
+runs after the pull.
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ from weightsync.tools.planner.scenario import Placement, Scenario
 __all__ = ["predict_p2p", "held_bytes"]
 
 
-def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str) -> tuple:
-    """Per trainer rank: (bytes it serves, bytes its staging copy moves, tensors it puts)."""
+def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
+               serve: str = "staging") -> tuple:
+    """Per trainer rank: (bytes it serves, bytes its staging copy moves, tensors it puts).
+    ``serve="auto"``: a tensor served in the model's own dtype is served from its own
+    storage (an FSDP2 shard, marked by the export), so only casts and FP8 are staged."""
     served, moved, count = np.zeros(world), np.zeros(world), np.zeros(world)
     rows_of: dict[tuple, np.ndarray] = {}
     for pt in pts:
@@ -41,14 +52,15 @@ def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str) -> tuple:
         elems = rows_of[pt.shape]
         src = itemsize(model_dtype) if not pt.rule.endswith("_scale") else 0
         served += elems * itemsize(pt.src_dtype)
-        moved += elems * (src + itemsize(pt.src_dtype)) / 2
+        if serve == "staging" or pt.src_dtype != model_dtype or not src:
+            moved += elems * (src + itemsize(pt.src_dtype)) / 2
         count += elems > 0
     return served, moved, count
 
 
 def _serve(sc: Scenario, pl: Placement, pts, res: StrategyResult) -> Loads:
     loads = Loads(pl)
-    served, moved, count = held_bytes(pts, sc.trainer_gpus, sc.src_dtype)
+    served, moved, count = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve)
     for r, dev in enumerate(pl.trainer):
         loads.copy(dev, moved[r])
         loads.work(f"trainer rank {r}", count[r] * pl.links_of(dev).sw("tensor_us"))
@@ -96,13 +108,32 @@ def _apply(sc: Scenario, pl: Placement, pts, res: StrategyResult) -> Loads:
     return loads
 
 
+def _pipelined(pl: Placement, serve: Loads, pull: Loads, first_block: float) -> Loads:
+    """Staging and the pull as one phase (see the module doc)."""
+    both = Loads(pl)
+    both.absorb(serve)
+    both.absorb(pull)
+    for actor, secs in list(serve.busy.items()) + list(pull.busy.items()):
+        both.work(actor, secs)
+    both.latency = serve.latency + pull.latency + first_block
+    return both
+
+
 def predict_p2p(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
                 stats: PullStats) -> StrategyResult:
     res = StrategyResult("p2p")
-    for name, fn in (("serve", lambda: _serve(sc, pl, pts, res)),
-                     ("pull", lambda: _pull(sc, pl, stats, res)),
-                     ("apply", lambda: _apply(sc, pl, pts, res))):
-        loads = fn()
+    serve = _serve(sc, pl, pts, res)
+    pull = _pull(sc, pl, stats, res)
+    if sc.pipelined:
+        staged = serve.result("serve")
+        served, moved, _ = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve)
+        share = min(1.0, sc.bucket_size / moved.max()) if moved.max() > 0 else 0.0
+        phases = [("serve+pull (pipelined)",
+                   _pipelined(pl, serve, pull, staged.limit_seconds * share))]
+    else:
+        phases = [("serve", serve), ("pull", pull)]
+    phases.append(("apply", _apply(sc, pl, pts, res)))
+    for name, loads in phases:
         res.phases.append(loads.result(name))
         res.add_links(loads)
     res.seconds = sum(p.seconds for p in res.phases)

@@ -52,6 +52,8 @@ class Scenario:
     rollout_links: Optional[Links] = None
     bucket_size: int = DEFAULT_BUCKET_SIZE
     max_read_bytes: Optional[int] = None
+    pipelined: bool = True          # p2p: WEIGHTSYNC_NIXL_PIPELINE (warm syncs; default on)
+    serve: str = "auto"             # p2p: WEIGHTSYNC_NIXL_SERVE ("auto" or "staging")
     strategies: tuple[str, ...] = STRATEGIES
     label: str = ""
     notes: tuple[str, ...] = field(default=())
@@ -64,6 +66,8 @@ class Scenario:
         _positive(self.bucket_size, "bucket_size")
         if self.max_read_bytes is not None:
             _positive(self.max_read_bytes, "max_read_bytes")
+        if self.serve not in ("auto", "staging"):
+            raise PlannerError("serve", f"must be 'auto' or 'staging', got {self.serve!r}")
         if self.trainer_shard not in ("fsdp", "full"):
             raise PlannerError("trainer.shard", f"must be 'fsdp' or 'full', got "
                                                 f"{self.trainer_shard!r}")
