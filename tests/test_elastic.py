@@ -57,7 +57,9 @@ def _after_one_sync():
         yield trainer, first, manager
 
 
-def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others():
+def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others(monkeypatch):
+    # every tensor staged: the trainer's arena keeps version 1 while it trains on
+    monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "staging")
     with _after_one_sync() as (trainer, first, manager):
         agents_alone = _agents()
         ref1 = trainer.reference(PROMPTS, 5)
@@ -74,6 +76,7 @@ def test_a_replica_added_between_syncs_joins_at_once_without_pausing_the_others(
         name = manager.add_replica(joiner)
         t.join(60)
         assert manager.last_join is not None and manager.last_join["bytes"] > 0
+        assert manager.last_join["source"] == "trainer ranks"
         assert joiner in manager.healthy_replicas()          # routed to at once
         assert_matches(_gen(joiner), ref1, 1)                # exactly version 1's bytes
         assert not any(g.aborted for gens in busy["gens"] for g in gens)
@@ -166,7 +169,9 @@ def test_a_trainer_serving_live_parameters_lets_a_healthy_replica_serve_the_join
         assert manager.update_weights(2).ok
 
 
-def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica():
+def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica(monkeypatch):
+    # staged: the trainer could offer version 1; it is only too busy to answer in time
+    monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "staging")
     trainer = BusyTrainer(_trainer())
     first = HFRolloutWorker(CFG, seed=5)
     with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
@@ -196,7 +201,8 @@ def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica(
         # the offer that was given up on reaches the trainer only now: refused or ended,
         # it leaves no lease that would hold up the next send
         for _ in range(100):
-            if trainer.engine_calls.count("join_done") and \
+            calls = trainer.engine_calls
+            if "join_done" in calls and "join_offer" in calls and \
                     trainer._ws().engine._leases == {}:
                 break
             threading.Event().wait(0.05)

@@ -154,13 +154,16 @@ def test_a_worker_whose_loader_cannot_be_recorded_pulls_that_tensor_whole(tp2, t
         assert r["boxes"]["model.layers.0.mlp.down_proj.weight"] == [[[0, 128], list(cols)]], out
 
 
-def test_a_tensor_parallel_replica_joins_pulling_only_its_slices(tp2):
+def test_a_tensor_parallel_replica_joins_pulling_only_its_slices(tp2, monkeypatch):
     """``add_replica`` of the TP 2 vLLM replica after a sync: each of its workers pulls
     only its slices of the current version, from the trainer's arena, then (removed and
     added again) from a healthy HF replica that holds it whole; each time it then
     generates what the trainer's model of that version does."""
     from weightsync.integrations.ray.workers import HFRolloutWorker
 
+    # the trainer keeps each version in its arena (with ``auto`` it serves its live
+    # parameters, which hold no past version to offer)
+    monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "staging")
     trainer = ToyTrainerWorker()
     trainer.build(CFG, lr=0.05)
     full = sum(p.numel() * p.element_size() for p in trainer.model.state_dict().values())

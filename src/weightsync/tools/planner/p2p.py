@@ -4,7 +4,8 @@ Owns :func:`predict_p2p`. The phases follow the backend's code (:mod:`weightsync
 .backends.nixl.engine`): every trainer rank first puts what it serves into its staging
 arena (a copy per byte it holds; with FP8 on the trainer, that copy is the block
 quantization; with ``serve="auto"``, the backend's default, tensors served in the model's
-own dtype are served from their own storage and cost only the per-tensor put), then one control round trip starts the pull, every worker posts the
+own dtype are served from their own storage and cost only the per-tensor put), then one
+control round trip starts the pull, every worker posts the
 READs of the compiled plan (:func:`.compiled.pull_stats`: bytes per (rank, worker) and
 the number of READs, ``read_us`` of software each), and once all have landed the worker
 applies them: whole tensors land in its own (``receive_into``: software only), TP/EP

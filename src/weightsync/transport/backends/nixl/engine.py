@@ -484,7 +484,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 not 0 < lease_s <= 3600:
             raise ValueError(f"lease_s must be a number of seconds in (0, 3600], got {lease_s!r}")
         if lease is not None and (not isinstance(lease, str) or not 0 < len(lease) <= 64):
-            raise ValueError(f"lease must be a non-empty str of at most 64 characters, got {lease!r}")
+            raise ValueError(f"lease must be a non-empty str of at most 64 characters, "
+                             f"got {lease!r}")
         who = f"{role} rank {self._rank}"
         if not self._served or (role != "trainer" and self._pull_plan is None):
             raise WeightSyncError(f"{who} holds no complete version to offer {joiner}",
