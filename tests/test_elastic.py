@@ -46,9 +46,10 @@ def _trainer():
 
 
 @contextlib.contextmanager
-def _after_one_sync():
-    """A trainer and one HF replica under a nixl manager, version 1 synced."""
-    trainer = _trainer()
+def _after_one_sync(busy=False):
+    """A trainer (``busy``: a :class:`BusyTrainer`) and one HF replica under a nixl
+    manager, version 1 synced."""
+    trainer = BusyTrainer(_trainer()) if busy else _trainer()
     first = HFRolloutWorker(CFG, seed=5)
     with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
                                  timeout=30) as manager:
@@ -172,12 +173,7 @@ def test_a_trainer_serving_live_parameters_lets_a_healthy_replica_serve_the_join
 def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica(monkeypatch):
     # staged: the trainer could offer version 1; it is only too busy to answer in time
     monkeypatch.setenv("WEIGHTSYNC_NIXL_SERVE", "staging")
-    trainer = BusyTrainer(_trainer())
-    first = HFRolloutWorker(CFG, seed=5)
-    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
-                                 timeout=30) as manager:
-        trainer.train_step(1)
-        manager.update_weights(1)
+    with _after_one_sync(busy=True) as (trainer, first, manager):
         ref1 = trainer.reference(PROMPTS, 5)
         first.rollout.clear_call_log()
         busy = {}
@@ -215,12 +211,7 @@ def test_a_replica_added_while_the_trainer_is_busy_joins_from_a_healthy_replica(
 
 
 def test_join_from_a_replica_asks_nothing_of_the_trainer_and_checks_before_bytes():
-    trainer = BusyTrainer(_trainer())
-    first = HFRolloutWorker(CFG, seed=5)
-    with CheckpointEngineManager("nixl", [trainer], [first], bucket_size=1 << 20,
-                                 timeout=30) as manager:
-        trainer.train_step(1)
-        manager.update_weights(1)
+    with _after_one_sync(busy=True) as (trainer, first, manager):
         trainer.engine_calls.clear()
         other = HFRolloutWorker({**CFG, "intermediate_size": 96}, seed=3)
         with pytest.raises(PlanMismatch, match="mlp"):

@@ -59,9 +59,9 @@ def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
     return served, moved, count
 
 
-def _serve(sc: Scenario, pl: Placement, pts, res: StrategyResult) -> Loads:
+def _serve(sc: Scenario, pl: Placement, held: tuple, res: StrategyResult) -> Loads:
     loads = Loads(pl)
-    served, moved, count = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve)
+    served, moved, count = held
     for r, dev in enumerate(pl.trainer):
         loads.copy(dev, moved[r])
         loads.work(f"trainer rank {r}", count[r] * pl.links_of(dev).sw("tensor_us"))
@@ -123,11 +123,12 @@ def _pipelined(pl: Placement, serve: Loads, pull: Loads, first_block: float) -> 
 def predict_p2p(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
                 stats: PullStats) -> StrategyResult:
     res = StrategyResult("p2p")
-    serve = _serve(sc, pl, pts, res)
+    held = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve)
+    serve = _serve(sc, pl, held, res)
     pull = _pull(sc, pl, stats, res)
     if sc.pipelined:
         staged = serve.result("serve")
-        served, moved, _ = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve)
+        moved = held[1]
         share = min(1.0, sc.bucket_size / moved.max()) if moved.max() > 0 else 0.0
         phases = [("serve+pull (pipelined)",
                    _pipelined(pl, serve, pull, staged.limit_seconds * share))]

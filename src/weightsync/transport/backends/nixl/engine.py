@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -65,7 +64,7 @@ from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, Stage
 from weightsync.core.xferplan import Keep, TransferPlan
 from weightsync.transport.backends.nixl.agent import (NixlAgent, mem_type, require_nixl,
                                                     ucx_transports, wait_all)
-from weightsync.transport.backends.nixl.layout import Arena
+from weightsync.transport.backends.nixl.layout import Arena, layout_digest
 from weightsync.transport.backends.nixl.pull import OWN, PullPlan, plan_key, union_of
 from weightsync.transport.base import CheckpointEngine
 from weightsync.transport.control.group import StoreGroupMixin
@@ -507,8 +506,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                       peer=who, phase="join", version=self._served_version)
             stream, mem = 0, mem_type(torch.device(self.config.device))
             regions, held = layout
-            digest = hashlib.sha256(json.dumps([list(regions), list(held)],
-                                               separators=(",", ":")).encode()).hexdigest()
+            digest = layout_digest(held, regions)
         lease = lease or secrets.token_hex(8)
         with self._lease_cv:
             if lease in self._revoked or lease in self._leases:

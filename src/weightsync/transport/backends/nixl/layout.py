@@ -38,7 +38,7 @@ from weightsync.transport.fastcopy import memmove_at
 from weightsync.transport.tensors import is_stable, plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
 
-__all__ = ["Arena", "held_part", "held_of"]
+__all__ = ["Arena", "held_part", "held_of", "layout_digest"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 256
@@ -70,6 +70,13 @@ def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple
         logger.warning("weightsync nixl: %s has placements %s: gathered in full to serve it",
                        name, placements)
     return t.full_tensor(), 0, numel, shape
+
+
+def layout_digest(held: Any, regions: Any) -> str:
+    """The digest of a served layout (its ``held`` entries and ``regions``, in a
+    :class:`~weightsync.core.wire.SourceMsg`'s form): equal layouts, equal digests."""
+    body = [list(e) for e in held] + [list(r) for r in regions]
+    return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
 
 def held_of(msg: Any) -> tuple[HeldRange, ...]:
@@ -180,11 +187,11 @@ class Arena:
         if self._mode == "staging" or dtype != local.dtype or not local.is_contiguous() \
                 or not local.numel():
             return False
+        if self._mode == "params" or stable:   # stable: marked by the export (a parameter)
+            return True
         ref = StorageWeakRef(local.untyped_storage())
         storage = (local.data_ptr(), local.numel() * local.element_size(), ref.cdata)
         self._storage[name] = (storage, ref)
-        if self._mode == "params" or stable:   # stable: marked by the export (a parameter)
-            return True
         # the same bytes of the same storage, alive since the last sync: a fresh temporary
         # allocated where last sync's one was freed is not (its storage differs)
         last = self._last_storage.get(name)
@@ -197,8 +204,7 @@ class Arena:
         if self.changed:
             self._drop_unused()
         self._prev = list(self._entries)
-        body = [list(e) for e in self._entries] + [list(r) for r in self.regions()]
-        self.digest = hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
+        self.digest = layout_digest(self._entries, self.regions())
 
     def held(self) -> tuple[tuple, ...]:
         return tuple((n, list(s), d, a, b, r, o) for n, s, d, a, b, r, o in self._entries)
