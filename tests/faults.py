@@ -79,8 +79,12 @@ def never_init_rollout_1(engine, role, rank):
         engine.init_process_group = stuck
 
 
+LINGER_S = 6.0
+
+
 def linger_rollouts_on_error(engine, role, rank):
-    """A rollout rank that fails (e.g. version mismatch) but whose process stays alive."""
+    """A rollout rank that fails (e.g. version mismatch) but whose process stays alive
+    ``LINGER_S`` longer."""
     if role != "rollout":
         return
     orig = engine.receive_weights
@@ -91,7 +95,7 @@ def linger_rollouts_on_error(engine, role, rank):
                 yield item
         except Exception:
             import asyncio
-            await asyncio.sleep(12)
+            await asyncio.sleep(LINGER_S)
             raise
 
     engine.receive_weights = wrapped

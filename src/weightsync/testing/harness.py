@@ -101,10 +101,16 @@ class GroupSpec:
     device: str = "cpu"                 # where trainers create their tensors ("cuda": GPU)
     hold: bool = False                  # workers stay up after their run until every
                                         # worker reported (as long-lived workers do)
+    straggler_s: Optional[float] = None  # once some worker reported its result, the rest
+                                        # count as hung when no report came for this long
+                                        # (a fault that leaves a rank stuck); None: only
+                                        # ``timeout`` bounds the wait
 
     def __post_init__(self) -> None:
         if self.pattern not in ("full", "disjoint"):
             raise ValueError(f"pattern must be 'full' or 'disjoint', got {self.pattern!r}")
+        if self.straggler_s is not None and not self.straggler_s > 0:
+            raise ValueError(f"straggler_s must be > 0 or None, got {self.straggler_s!r}")
 
 
 def _trainer_items(spec: GroupSpec, step: int, rank: int):
@@ -221,8 +227,8 @@ def run_group(spec: GroupSpec) -> list[dict[str, Any]]:
               [worker_kwargs(rk, j) for j in range(spec.receivers)]
         for c, kw in zip(pipes, kws):
             c.send(kw)
-        deadline = time.monotonic() + spec.timeout
-        results = [_recv(c, p, deadline, what="result") for c, p in zip(pipes, procs)]
+        results = _recv_results(pipes, procs, time.monotonic() + spec.timeout,
+                                spec.straggler_s)
         if spec.hold:
             for c in pipes:
                 try:
@@ -235,6 +241,29 @@ def run_group(spec: GroupSpec) -> list[dict[str, Any]]:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def _recv_results(pipes, procs, deadline: float, straggler_s: Optional[float]) -> list[Any]:
+    """Every worker's result, polled together: a worker that reports nothing before
+    ``deadline``, or for ``straggler_s`` after the latest report of another one, is
+    killed and reported as ``{"hung": "result"}``."""
+    results: list[Any] = [None] * len(pipes)
+    last_report = None
+    while any(r is None for r in results):
+        now = time.monotonic()
+        quiet = straggler_s is not None and last_report is not None \
+            and now - last_report > straggler_s
+        for i, (conn, proc) in enumerate(zip(pipes, procs)):
+            if results[i] is not None:
+                continue
+            if now > deadline or quiet:
+                proc.kill()
+                results[i] = {"hung": "result"}
+            elif conn.poll(0) or not proc.is_alive():
+                results[i] = _recv(conn, proc, deadline, what="result")
+                last_report = time.monotonic()
+        time.sleep(0.05)
+    return results
 
 
 def _recv(conn, proc, deadline: float, *, what: str) -> Any:
