@@ -87,7 +87,8 @@ json_values = st.recursive(
     max_leaves=12)
 
 
-@settings(max_examples=2000, deadline=None)
+# 600 examples: 6 s on this 2-core box (2000 took 19 s of the CI budget)
+@settings(max_examples=600, deadline=None)
 @given(st.sampled_from(["bucket", "done", "error", "names", "ack", "hello"]),
        st.dictionaries(st.sampled_from(["version", "seq", "stream", "index", "slot", "nbytes",
                                         "layout", "entries", "checksum", "num_buckets",
