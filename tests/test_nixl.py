@@ -420,8 +420,8 @@ def test_auto_serving_tells_a_temporary_at_a_reused_address_from_a_stable_tensor
 
     agent = NixlAgent("ws-test-arena")
     arena = Arena(agent, 1 << 16, mode="auto")
-    raw = bytearray(4096)
-    kept = torch.ones(256)
+    raw = bytearray(256 << 10)            # both over the size auto serves as they are
+    kept = torch.ones(64 << 10)
     try:
         for step in range(3):
             temp = torch.frombuffer(raw, dtype=torch.float32)    # a new storage each sync
@@ -436,6 +436,66 @@ def test_auto_serving_tells_a_temporary_at_a_reused_address_from_a_stable_tensor
     finally:
         arena.close()
         agent.close()
+
+
+def _refilled(version, buf, names):
+    """An export that refills one buffer for every name (a cast or gather buffer)."""
+    for i, name in enumerate(names):
+        buf.copy_(torch.full_like(buf, float(version * 100 + i)))
+        yield name, buf
+
+
+@pytest.mark.timeout(120)
+def test_a_buffer_the_export_refills_for_every_name_is_staged_not_served():
+    """Under ``auto`` the same storage alive from sync to sync is served as it is, unless
+    several names come from it: then each name's bytes are staged when yielded. (Served
+    as they are, every name read the last name's bytes: 105.0 six times in sync 1.)"""
+    trainer, recv = _pair_here()
+    buf, names = torch.empty(1 << 15), [f"w{i}" for i in range(6)]   # 128 KiB: may be served
+    try:
+        for v in range(3):
+            got = _sync_here(trainer, recv, v, tensors=_refilled(v, buf, names))
+            assert {n: float(t[0]) for n, t in got.items()} == \
+                {n: float(v * 100 + i) for i, n in enumerate(names)}, v
+            assert not trainer._arena.serves_live
+    finally:
+        trainer.finalize()
+        recv.finalize()
+
+
+@pytest.mark.timeout(120)
+def test_an_export_that_starts_refilling_a_served_tensor_fails_the_sync_not_the_bytes():
+    """A tensor served as it is (its storage lived on, one name) and then, within one
+    sync, rewritten for the next name: the sync fails with IntegrityError naming both,
+    on the trainer and the receiver; the next sync, staged anew, lands exact bytes."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.core.errors import IntegrityError, WeightSyncError
+
+    trainer, recv = _pair_here()
+    kept = {f"w{i}": torch.full((1 << 15,), float(i)) for i in range(3)}
+    try:
+        for v in range(2):                       # w0..w2 each from its own storage
+            got = _sync_here(trainer, recv, v, tensors=list(kept.items()))
+            assert {n: float(t[0]) for n, t in got.items()} == {"w0": 0.0, "w1": 1.0, "w2": 2.0}
+        assert trainer._arena.serves_live
+        names = list(kept)
+
+        async def take():
+            return {n: t.clone() async for n, t in recv.receive_weights(2)}
+        with ThreadPoolExecutor(1) as pool:      # now w0's buffer is refilled for w1, w2
+            got = pool.submit(asyncio.run, take())
+            with pytest.raises(IntegrityError, match="'w1' was yielded over the bytes of 'w0'"):
+                asyncio.run(trainer.send_weights(_refilled(2, kept["w0"], names), 2))
+            with pytest.raises(WeightSyncError):
+                got.result(60)
+        fresh = {n: torch.full((1 << 15,), float(300 + i)) for i, n in enumerate(names)}
+        got = _sync_here(trainer, recv, 3, tensors=list(fresh.items()))
+        assert {n: float(t[0]) for n, t in got.items()} == {"w0": 300.0, "w1": 301.0, "w2": 302.0}
+    finally:
+        trainer.finalize()
+        recv.finalize()
 
 
 def _one_receiver_group(target, *args):

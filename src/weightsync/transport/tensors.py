@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 import zlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from weightsync.core.errors import IntegrityError
 
 try:  # optional, faster
     import xxhash as _xxhash
@@ -13,7 +17,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
 __all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
-           "mark_partial", "partial_boxes", "mark_stable", "is_stable"]
+           "mark_partial", "partial_boxes", "mark_stable", "is_stable", "LastingStorage"]
 
 #: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -100,3 +104,128 @@ def is_stable(t: torch.Tensor) -> bool:
 def partial_boxes(t: torch.Tensor) -> tuple | None:
     """The boxes of a tensor marked by :func:`mark_partial`, else None (a whole tensor)."""
     return getattr(t, _PARTIAL, None)
+
+
+class LastingStorage:
+    """Which tensors a caller's iterator yields from storage that outlives the item.
+
+    A backend that reads a yielded tensor after the iterator moved on (``nixl`` serving
+    from the caller's storage, ``shm`` letting a receiver read while the next item comes)
+    may do so only when the next items cannot write those bytes. :meth:`lasting` says so
+    for a tensor the export marked (:func:`mark_stable`), and for one yielded under the
+    same name from the same bytes of the same storage, alive since the last sync, that no
+    other name of the last sync overlapped (parameters and FSDP2 local shards pass;
+    temporaries do not, even when allocated where the last sync's was freed; nor does a
+    buffer the export refills for every name, nor tied weights, which stay merely staged).
+
+    A tensor whose bytes overlap those of a tensor this sync already treated as lasting,
+    under another name, means the export rewrote bytes a reader may still read: that is
+    an :class:`~weightsync.core.errors.IntegrityError` (the sync must fail; after
+    :meth:`reset` the next one trusts nothing from before). Marked tensors are exempt: two
+    names of one parameter (tied weights) are the same bytes.
+
+    Unmarked tensors of fewer than ``min_bytes`` bytes are never lasting (copying them is
+    cheaper than keeping track); they are still checked against the lasting ones.
+
+    Lifecycle: :meth:`begin` · :meth:`lasting` per tensor · :meth:`finish` (the sync went
+    through) or :meth:`reset` (it failed).
+    """
+
+    def __init__(self, *, min_bytes: int = 0) -> None:
+        if not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        self._min_bytes = min_bytes
+        self._last: dict[str, tuple[tuple, Any]] = {}
+        self._shared_last: set[str] = set()
+        self.begin()
+
+    def begin(self) -> None:
+        self._now: dict[str, tuple[tuple, Any]] = {}
+        self._shared: set[str] = set()
+        self._marked: set[str] = set()
+        # disjoint byte spans of this sync's tensors: start -> [end, names, lasting names]
+        self._starts: list[int] = []
+        self._spans: dict[int, list] = {}
+
+    def lasting(self, name: str, t: torch.Tensor, *, marked: Optional[bool] = None,
+                phase: str = "send", version: Any = None) -> bool:
+        """Whether ``t``'s bytes (contiguous) may be read after the iterator moves past
+        it. ``marked``: whether the export marked it (default: :func:`is_stable` of ``t``;
+        pass it for the local part of a marked DTensor)."""
+        nbytes = t.numel() * t.element_size()
+        marked = is_stable(t) if marked is None else marked
+        start = t.data_ptr()
+        end = start + nbytes
+        if nbytes < self._min_bytes and not marked:
+            if self._starts:               # only look: a small one is copied, never kept
+                i, j = self._overlapping(start, end)
+                for s in self._starts[i:j]:
+                    span = self._spans[s]
+                    self._refuse(name, span[2], False, phase, version)
+                    self._shared |= span[1] - {name}
+            return False
+        merged = self._take_overlapping(start, end) if nbytes else []
+        names = set().union(*(m[1] for m in merged)) - {name} if merged else set()
+        lasting_others = set().union(*(m[2] for m in merged)) - {name} if merged else set()
+        self._refuse(name, lasting_others, marked, phase, version)
+        if names:
+            self._shared |= names | {name}
+        ok = marked
+        if marked:
+            self._marked.add(name)
+        else:
+            ref = StorageWeakRef(t.untyped_storage())
+            key = (start, nbytes, ref.cdata)
+            self._now[name] = (key, ref)
+            last = self._last.get(name)
+            ok = not names and last is not None and last[0] == key \
+                and not last[1].expired() and name not in self._shared_last
+        if nbytes:
+            span = [max([end] + [m[0] for m in merged]), names | {name},
+                    lasting_others | ({name} if ok else set())]
+            first = min([start] + [m[3] for m in merged])
+            bisect.insort(self._starts, first)
+            self._spans[first] = span
+        return ok
+
+    def _refuse(self, name: str, lasting: set, marked: bool, phase: str,
+                version: Any) -> None:
+        """Raise if ``name`` lies over bytes of another name kept lasting this sync."""
+        lasting = lasting - {name}
+        if lasting and not (marked and lasting <= self._marked):
+            other = sorted(lasting)[0]
+            raise IntegrityError(
+                f"{name!r} was yielded over the bytes of {other!r}, which this sync reads "
+                f"after the iterator moved on: the export rewrote them within the sync "
+                f"(a buffer reused for several names must be so in every sync, and "
+                f"mark_stable is for parameters only)", phase=phase, version=version)
+
+    def _overlapping(self, start: int, end: int) -> tuple[int, int]:
+        """The index range in ``_starts`` of the spans overlapping ``[start, end)``."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or self._spans[self._starts[i]][0] <= start:
+            i += 1
+        j = i
+        while j < len(self._starts) and self._starts[j] < end:
+            j += 1
+        return i, j
+
+    def _take_overlapping(self, start: int, end: int) -> list[list]:
+        """Remove and return the spans overlapping ``[start, end)`` (each with its start)."""
+        i, j = self._overlapping(start, end)
+        if i == j:
+            return []
+        out = []
+        for s in self._starts[i:j]:
+            span = self._spans.pop(s)
+            out.append(span + [s])
+        del self._starts[i:j]
+        return out
+
+    def finish(self) -> None:
+        self._last, self._shared_last = self._now, set(self._shared)
+        self.begin()
+
+    def reset(self) -> None:
+        self._last, self._shared_last = {}, set()
+        self.begin()

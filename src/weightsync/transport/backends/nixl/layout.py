@@ -30,18 +30,18 @@ from typing import Any, Optional
 
 import torch
 
-from torch.multiprocessing.reductions import StorageWeakRef
-
 from weightsync.core.plan import dtype_name
 from weightsync.core.xferplan import HeldRange
 from weightsync.transport.fastcopy import memmove_at
-from weightsync.transport.tensors import is_stable, plain_cpu
+from weightsync.transport.tensors import LastingStorage, is_stable, plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
 
 __all__ = ["Arena", "held_part", "held_of", "layout_digest"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 256
+#: ``auto`` serves unmarked tensors of at least this size from their own storage
+OWN_MIN_BYTES = 64 << 10
 _warned: set[str] = set()
 
 
@@ -94,8 +94,9 @@ class Arena:
         self._agent = agent
         self._block_size = max(int(block_size), _ALIGN)
         self._mode = mode
-        self._last_storage: dict[str, tuple[tuple, Any]] = {}
-        self._storage: dict[str, tuple[tuple, Any]] = {}
+        # which tensors ``auto`` may serve as they are (small ones are staged: a copy
+        # costs less than a registration and a descriptor each)
+        self._lasting = LastingStorage(min_bytes=OWN_MIN_BYTES)
         self._blocks: dict[str, tuple[torch.Tensor, Any]] = {}   # name -> (tensor, reg)
         self._own: dict[tuple[int, int], tuple[str, torch.Tensor, Any]] = {}
         self._prev: list[tuple] = []
@@ -123,7 +124,8 @@ class Arena:
         """Start a sync. ``pipelined``: the previous layout is expected again and readers
         start on each block once it is written: :meth:`put` then returns the blocks it
         completed, and blocks are not freed until :meth:`release_deferred`."""
-        self._entries, self.changed, self._storage = [], False, {}
+        self._entries, self.changed = [], False
+        self._lasting.begin()
         self._pipelined = pipelined
         self._last_of = {}
         if pipelined:
@@ -131,7 +133,7 @@ class Arena:
                 self._last_of[e[5]] = i
 
     def put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> list[str]:
-        stable = is_stable(tensor)
+        marked = is_stable(tensor)              # the mark is on what the export yielded
         local, start, stop, shape = held_part(name, tensor)
         if self._device is None:
             self._device = local.device
@@ -141,7 +143,7 @@ class Arena:
         wire = dtype_name(dtype)
         i = len(self._entries)
         key = (name, shape, wire, start, stop)
-        if self._serve_own(name, local, dtype, stable):
+        if self._serve_own(name, local, dtype, marked):
             region = self._own_region(local)
             self._entries.append(key + (region, 0))
             self.changed = self.changed or i >= len(self._prev) or self._prev[i] != key + (region, 0)
@@ -183,22 +185,19 @@ class Arena:
         self._deferred = []
 
     def _serve_own(self, name: str, local: torch.Tensor, dtype: torch.dtype,
-                   stable: bool = False) -> bool:
-        if self._mode == "staging" or dtype != local.dtype or not local.is_contiguous() \
-                or not local.numel():
+                   marked: bool) -> bool:
+        if self._mode == "staging" or not local.is_contiguous() or not local.numel():
             return False
-        if self._mode == "params" or stable:   # stable: marked by the export (a parameter)
-            return True
-        ref = StorageWeakRef(local.untyped_storage())
-        storage = (local.data_ptr(), local.numel() * local.element_size(), ref.cdata)
-        self._storage[name] = (storage, ref)
-        # the same bytes of the same storage, alive since the last sync: a fresh temporary
-        # allocated where last sync's one was freed is not (its storage differs)
-        last = self._last_storage.get(name)
-        return last is not None and last[0] == storage and not last[1].expired()
+        if self._mode == "params":
+            return dtype == local.dtype
+        # auto: a marked parameter, or the same storage alive since the last sync that no
+        # other name shares (a buffer the export refills per name is staged); raises if
+        # the export rewrites the bytes of a tensor this sync already serves as they are
+        lasting = self._lasting.lasting(name, local, marked=marked)
+        return lasting and dtype == local.dtype
 
     def finish(self) -> None:
-        self._last_storage = self._storage
+        self._lasting.finish()
         if not self.changed and len(self._entries) != len(self._prev):
             self._relocate()
         if self.changed:
@@ -291,7 +290,8 @@ class Arena:
 
     def reset(self) -> None:
         """Forget the layout (after a failed sync): the next one is published anew."""
-        self._prev, self.digest, self._last_storage = [], "", {}
+        self._prev, self.digest = [], ""
+        self._lasting.reset()
 
     def close(self) -> None:
         self._pipelined = False
