@@ -11,12 +11,14 @@ whose layout (names, shapes, dtypes, held ranges, in order) is the one of the sy
 before. A changed layout is re-placed into fresh blocks, so the blocks always hold exactly
 the current layout. A contiguous tensor already in the wire dtype may instead be served
 from its own storage (registered once per storage, kept alive while served; no copy):
-always with ``mode="params"``; with ``mode="auto"`` (the default) once it is yielded from
-the same storage two syncs in a row, that storage alive in between (parameters and FSDP2
-local shards are; temporaries such as casts or merged LoRA weights are not, even when one
-is allocated where the last sync's was freed, and stay staged), or from the first sync
-when the export marked it as a view of a parameter
-(:func:`~weightsync.transport.tensors.mark_stable`). Used by
+always with ``mode="params"``; with ``mode="auto"`` (the default) when
+:class:`~weightsync.transport.tensors.LastingStorage` says its bytes outlive the item:
+from the first sync when the export marked it as a view of a parameter
+(:func:`~weightsync.transport.tensors.mark_stable`), else once it has ``OWN_MIN_BYTES`` or
+more and is yielded under one name from the same storage two syncs in a row, that storage
+alive in between (parameters and FSDP2 local shards are; temporaries such as casts or
+merged LoRA weights are not, even when allocated where the last sync's was freed, nor is
+a buffer refilled for several names: those stay staged). Used by
 :mod:`weightsync.transport.backends.nixl.engine` on trainer ranks.
 """
 
