@@ -120,3 +120,75 @@ def test_cma_read_split_over_threads_is_exact():
         with ThreadPoolExecutor(max(1, parts - 1)) as pool:
             cma_read(os.getpid(), src.data_ptr(), dst, pool, parts)
         assert torch.equal(dst, src)
+
+
+def kept_params_hook(engine, role, rank):
+    """Trainer: yield the same tensors every sync, refilled in place (as parameters are).
+    Receiver: every direct read takes 30 ms longer, so a trainer that moves on early is
+    seen doing so."""
+    if role == "trainer":
+        orig, held = engine.send_weights, {}
+
+        async def wrapped(named_tensors, version=None):
+            items = []
+            for name, t in named_tensors:
+                if t.is_contiguous():
+                    if name in held:
+                        held[name].copy_(t)
+                    else:
+                        held[name] = t
+                items.append((name, held.get(name, t)))
+            return await orig(iter(items), version)
+        engine.send_weights = wrapped
+    else:
+        import time
+        orig_rx = engine._rx_direct
+
+        def slow(stream, msg, aux, dest):
+            time.sleep(0.03)
+            orig_rx(stream, msg, aux, dest)
+        engine._rx_direct = slow
+
+
+def refilled_buffer_hook(engine, role, rank):
+    """Trainer: every direct-sized tensor is yielded from one byte buffer kept from sync
+    to sync, refilled per name (a cast or gather buffer). Receiver: slow direct reads."""
+    if role == "trainer":
+        orig, buf = engine.send_weights, torch.empty(1 << 20, dtype=torch.uint8)
+
+        async def wrapped(named_tensors, version=None):
+            def gen():
+                for name, t in named_tensors:
+                    nbytes = t.numel() * t.element_size()
+                    if t.is_contiguous() and nbytes >= 1024:
+                        view = buf[:nbytes].view(t.dtype).view(t.shape)
+                        view.copy_(t)
+                        yield name, view
+                    else:
+                        yield name, t
+            return await orig(gen(), version)
+        engine.send_weights = wrapped
+    else:
+        kept_params_hook(engine, role, rank)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("hook,moves_on", [("kept_params_hook", True),
+                                           ("refilled_buffer_hook", False)])
+def test_shm_moves_on_from_lasting_direct_tensors_only(monkeypatch, hook, moves_on):
+    """Parameters (the same storage every sync) are read while the trainer asks for the
+    next item, from the second sync; a buffer refilled per name is waited for each time.
+    Both land bit-exact with slow receivers (with the wait gone for the refilled buffer,
+    every twin would carry the last twin's bytes)."""
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", "1024")
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
+    spec = GroupSpec(backend="shm", receivers=2, steps=3, tiny=5,
+                     hook=f"test_direct_tensors:{hook}",
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+    results = run_group(spec)
+    _clean(results)
+    unwaited = [s["direct_unwaited"] for s in results[0]["steps"]]
+    if moves_on:
+        assert unwaited[0] == 0 and unwaited[1] > 0 and unwaited[2] == unwaited[1], unwaited
+    else:
+        assert unwaited == [0, 0, 0], unwaited

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -35,7 +36,8 @@ from weightsync.core.plan import (Bucket, PlanBuilder, Replay, ReplayBuilder, Te
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
 from weightsync.transport.fastcopy import can_memmove, copy_into, memmove_at
-from weightsync.transport.tensors import aiter_items, as_bytes, checksum, plain_cpu, wire_dtype
+from weightsync.transport.tensors import (LastingStorage, aiter_items, as_bytes, checksum, plain_cpu,
+                                         wire_dtype)
 from weightsync.transport.protocol.ownership import Ownership
 from weightsync.transport.base import CheckpointEngine
 
@@ -62,6 +64,9 @@ class _SendState:
     nbytes: int = 0
     changed: int = 0
     yielded: list = field(default_factory=list)
+    lasting: set = field(default_factory=set)    # names whose bytes outlive their item
+    direct_pending: Any = field(default_factory=collections.deque)  # direct indices unacked
+    direct_unwaited: int = 0     # direct tensors moved on from before receivers read them
 
 
 def direct_header(engine: Any, state: Any, name: str, tensor: torch.Tensor,
@@ -96,6 +101,51 @@ class DirectTensors:
 
     _direct_min: int = 0
     _direct_seq: tuple = (0, 0)        # (seq, k): the k-th direct tensor of sync seq
+    #: direct tensors a sender may leave unacknowledged (1: each is read before the next
+    #: item is asked for); more only for tensors whose bytes outlive their item
+    #: (:class:`~weightsync.transport.tensors.LastingStorage`), tracked for every
+    #: contiguous CPU tensor the caller yields
+    _direct_window: int = 1
+
+    def _lasting_tracker(self) -> LastingStorage:
+        tracker = self.__dict__.get("_lasting")
+        if tracker is None:
+            tracker = self.__dict__["_lasting"] = LastingStorage(min_bytes=max(self._direct_min, 1))
+        return tracker
+
+    async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
+        if self._direct_window < 2:
+            return await super().send_weights(named_tensors, version)
+        tracker = self._lasting_tracker()
+        tracker.begin()
+        try:
+            report = await super().send_weights(named_tensors, version)
+        except BaseException:
+            tracker.reset()         # a failed sync: trust no storage from before it
+            raise
+        tracker.finish()
+        return report
+
+    async def _pack(self, state: Any, name: str, tensor: torch.Tensor) -> None:
+        if self._direct_window > 1 and tensor.device.type == "cpu" and tensor.is_contiguous():
+            if self._lasting_tracker().lasting(name, tensor, version=state.version):
+                state.lasting.add(name)
+        await super()._pack(state, name, tensor)
+
+    def _await_direct(self, state: Any, msg: BucketMsg) -> None:
+        """After ``msg``'s header went out: wait until the receivers read it, or, for a
+        tensor whose bytes outlive its item, only until at most ``_direct_window`` are
+        unread (the receiver reads the next while this thread asks for another)."""
+        pending = state.direct_pending
+        if self._direct_window > 1 and msg.entries[0].name in state.lasting:
+            pending.append(msg.index)
+            state.direct_unwaited += 1
+            while len(pending) > self._direct_window:
+                self._await_acks(state, final=False, index=pending.popleft())
+            return
+        while pending:
+            self._await_acks(state, final=False, index=pending.popleft())
+        self._await_acks(state, final=False, index=msg.index)
 
     def _direct_on(self) -> bool:
         """Hook: may any tensor go direct now (the backend's own conditions)."""
@@ -425,4 +475,5 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                     gbps, self._num_receivers, state.changed, state.published)
         return {"version": state.version, "bytes": state.nbytes, "seconds": seconds,
                 "gbps": gbps, "tensors": state.tensors, "buckets": state.published,
-                "buckets_with_layout": state.changed, "backend": self.backend_name}
+                "buckets_with_layout": state.changed, "backend": self.backend_name,
+                "direct_unwaited": state.direct_unwaited}

@@ -12,8 +12,13 @@ Speed (see BENCHMARKS.md): per-bucket headers and acks travel on one Unix socket
 receiver (:mod:`weightsync.transport.control.links`), not through the control store.
 Where the kernel lets rollout ranks read the trainer's memory (``process_vm_readv``,
 probed in ``init_process_group``), every contiguous tensor of at least
-``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (8 MiB) skips the ring: the trainer sends its address and waits until every receiver has read it (the
-tensor is valid only until the next item), so one copy remains instead of two; with
+``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (8 MiB) skips the ring: the trainer sends its
+address and waits until every receiver has read it (the tensor is valid only until the
+next item), so one copy remains instead of two. A tensor whose bytes outlive the item
+(a parameter: marked by the export, or the same storage under one name since the last
+sync, :class:`~weightsync.transport.tensors.LastingStorage`) is not waited for: up to
+``WEIGHTSYNC_SHM_DIRECT_WINDOW`` (2) such tensors are unread at a time, so receivers read
+one while the trainer asks its iterator for the next (``1``: wait for each); with
 ``receive_into`` that copy lands straight in the receiver's own tensor. Copies use
 ``memmove`` rather than torch's thread pool (:mod:`weightsync.transport.fastcopy`).
 ``WEIGHTSYNC_SHM_DIRECT``: ``auto`` (default: only while every receiver has two cores, or
@@ -76,6 +81,11 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         self._direct_mode = "auto" if env == "auto" else \
             ("off" if env in ("0", "false", "no", "off") else "on")
         self._direct_min = direct_min_bytes("WEIGHTSYNC_SHM_DIRECT_MIN", 8 << 20)
+        window = os.environ.get("WEIGHTSYNC_SHM_DIRECT_WINDOW", "2").strip()
+        if not window.isdigit() or int(window) < 1:
+            raise ValueError(f"WEIGHTSYNC_SHM_DIRECT_WINDOW must be an integer >= 1, "
+                             f"got {window!r}")
+        self._direct_window = int(window)
 
     def _init_sender(self) -> None:
         sweep_stale()
@@ -191,7 +201,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
 
     def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
         self._hub.push_many(self._receiver_boxes(), msg, aux=tensor.data_ptr())
-        self._await_acks(state, final=False, index=msg.index)
+        self._await_direct(state, msg)
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
         try:
