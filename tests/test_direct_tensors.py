@@ -173,16 +173,18 @@ def refilled_buffer_hook(engine, role, rank):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["shm", "collective"])
 @pytest.mark.parametrize("hook,moves_on", [("kept_params_hook", True),
                                            ("refilled_buffer_hook", False)])
-def test_shm_moves_on_from_lasting_direct_tensors_only(monkeypatch, hook, moves_on):
-    """Parameters (the same storage every sync) are read while the trainer asks for the
-    next item, from the second sync; a buffer refilled per name is waited for each time.
+def test_the_trainer_moves_on_from_lasting_direct_tensors_only(monkeypatch, backend, hook,
+                                                               moves_on):
+    """Parameters (the same storage every sync) are read (shm) or broadcast (collective)
+    while the trainer asks for the next item, from the second sync; a buffer refilled per name is waited for each time.
     Both land bit-exact with slow receivers (with the wait gone for the refilled buffer,
     every twin would carry the last twin's bytes)."""
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", "1024")
+    monkeypatch.setenv(ENV[backend], "1024")
     monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
-    spec = GroupSpec(backend="shm", receivers=2, steps=3, tiny=5,
+    spec = GroupSpec(backend=backend, receivers=2, steps=3, tiny=5,
                      hook=f"test_direct_tensors:{hook}",
                      engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
     results = run_group(spec)

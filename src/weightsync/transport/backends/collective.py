@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError, WireError
 from weightsync.core.wire import AckMsg, BucketMsg, ErrorMsg
-from weightsync.transport.protocol.sender import BucketedEngine, DirectTensors, direct_min_bytes, wait_stream
+from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
+                                                 direct_window, wait_stream)
 from weightsync.core.remote import raise_remote
 from weightsync.transport.control.links import Link, LinkHub
 from weightsync.transport.control.server import C10dStore, StoreTimeout
@@ -125,6 +126,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
         # CPU: tensors at least this big are broadcast as they are (0: never)
         self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", 16 << 20)
+        self._direct_window = direct_window("WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")
         self._aborted = False
         self._hub: Any = None
         self._links: dict[int, Link] = {}
@@ -336,6 +338,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
             self._wait_work(work, state.version)
 
     def _finish_stream(self, state: Any) -> None:
+        self._drain_direct(state)
         for slot in list(self._works):
             self._tx_wait_free(slot, state)
         super()._finish_stream(state)
@@ -360,8 +363,10 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
 
     def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
         self._tx_control().push_many(self._receiver_boxes(), msg)
-        self._wait_work(self._groups[self._rank].broadcast(as_bytes(tensor), 0),
-                        state.version)  # the tensor may change once we return
+        work = self._groups[self._rank].broadcast(as_bytes(tensor), 0)
+        # waited for before we return unless the tensor's bytes outlive the item
+        self._await_direct(state, msg, work,
+                           lambda w: self._wait_work(w, state.version))
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
         self._wait_work(self._groups[stream].broadcast(as_bytes(dest), 0), msg.version,

@@ -41,7 +41,8 @@ from weightsync.transport.tensors import (LastingStorage, aiter_items, as_bytes,
 from weightsync.transport.protocol.ownership import Ownership
 from weightsync.transport.base import CheckpointEngine
 
-__all__ = ["BucketedEngine", "DirectTensors", "direct_header", "direct_min_bytes", "plain_cpu"]
+__all__ = ["BucketedEngine", "DirectTensors", "direct_header", "direct_min_bytes", "direct_window",
+           "plain_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,15 @@ def direct_min_bytes(env: str, default: int) -> int:
         raise ValueError(f"{env} must be a number of bytes") from None
 
 
+def direct_window(env: str, default: int = 2) -> int:
+    """How many direct tensors whose bytes outlive their item a sender may leave unread:
+    environment variable ``env`` (an integer >= 1; 1 waits for each)."""
+    raw = os.environ.get(env, str(default)).strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{env} must be an integer >= 1, got {raw!r}")
+    return int(raw)
+
+
 class DirectTensors:
     """The half of the direct-tensor hooks that ``shm`` and ``collective`` share; mix it in
     before :class:`BucketedEngine`. A tensor goes direct when the backend allows it now
@@ -132,29 +142,33 @@ class DirectTensors:
                 state.lasting.add(name)
         await super()._pack(state, name, tensor)
 
-    def _await_direct(self, state: Any, msg: BucketMsg) -> None:
-        """After ``msg``'s header went out: wait until the receivers read it, or, for a
-        tensor whose bytes outlive its item, only until at most ``_direct_window`` are
-        unread (the receiver reads the next while this thread asks for another)."""
+    def _await_direct(self, state: Any, msg: BucketMsg, token: Any = None,
+                      wait: Any = None) -> None:
+        """After ``msg``'s header (and bytes) went out: wait until the receivers have
+        them, or, for a tensor whose bytes outlive its item, only until at most
+        ``_direct_window`` are unread (the receivers read the next while this thread asks
+        for another). ``wait(token)`` waits for one tensor (default: every receiver's
+        ack of ``msg.index``)."""
+        if wait is None:
+            token = msg.index
+            wait = lambda index: self._await_acks(state, final=False, index=index)  # noqa: E731
         pending = state.direct_pending
         if self._direct_window > 1 and msg.entries[0].name in state.lasting:
-            pending.append(msg.index)
+            pending.append((token, wait))
             state.direct_unwaited += 1
             while len(pending) > self._direct_window:
-                self._await_acks(state, final=False, index=pending.popleft())
+                self._drain_direct(state, 1)
             return
-        while pending:
-            self._await_acks(state, final=False, index=pending.popleft())
-        self._await_acks(state, final=False, index=msg.index)
+        self._drain_direct(state)
+        wait(token)
 
-    def _direct_on(self) -> bool:
-        """Hook: may any tensor go direct now (the backend's own conditions)."""
-        return False
-
-    def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
-        """Hook: send header ``msg`` and ``tensor``'s bytes; return once receivers have them
-        (the tensor may change after that)."""
-        raise NotImplementedError
+    @staticmethod
+    def _drain_direct(state: Any, count: Optional[int] = None) -> None:
+        """Wait for the oldest ``count`` (default: all) direct tensors not waited for yet."""
+        pending = state.direct_pending
+        for _ in range(len(pending) if count is None else count):
+            token, wait = pending.popleft()
+            wait(token)
 
     def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
         return (self._direct_on() and tensor.dtype == dtype and plain_cpu(tensor)

@@ -46,7 +46,8 @@ import torch
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
 from weightsync.core.wire import BucketMsg, HelloMsg
-from weightsync.transport.protocol.sender import BucketedEngine, DirectTensors, direct_min_bytes
+from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
+                                                 direct_window)
 from weightsync.transport.control.links import Link, LinkHub, unix_address
 from weightsync.transport.fastcopy import cma_available, cma_read, copy_threads
 from weightsync.transport.control.group import StoreGroupMixin
@@ -81,11 +82,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         self._direct_mode = "auto" if env == "auto" else \
             ("off" if env in ("0", "false", "no", "off") else "on")
         self._direct_min = direct_min_bytes("WEIGHTSYNC_SHM_DIRECT_MIN", 8 << 20)
-        window = os.environ.get("WEIGHTSYNC_SHM_DIRECT_WINDOW", "2").strip()
-        if not window.isdigit() or int(window) < 1:
-            raise ValueError(f"WEIGHTSYNC_SHM_DIRECT_WINDOW must be an integer >= 1, "
-                             f"got {window!r}")
-        self._direct_window = int(window)
+        self._direct_window = direct_window("WEIGHTSYNC_SHM_DIRECT_WINDOW")
 
     def _init_sender(self) -> None:
         sweep_stale()
