@@ -194,3 +194,12 @@ def test_the_trainer_moves_on_from_lasting_direct_tensors_only(monkeypatch, back
         assert unwaited[0] == 0 and unwaited[1] > 0 and unwaited[2] == unwaited[1], unwaited
     else:
         assert unwaited == [0, 0, 0], unwaited
+
+
+@pytest.mark.parametrize("backend,env", [("shm", "WEIGHTSYNC_SHM_DIRECT_WINDOW"),
+                                         ("collective", "WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")])
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_a_bad_direct_window_is_a_clear_error(monkeypatch, backend, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=env):
+        CheckpointEngineRegistry.new(backend, role="trainer", bucket_size=BUCKET)
