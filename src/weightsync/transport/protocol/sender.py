@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from weightsync.core.config import env_value
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
 from weightsync.core.plan import (Bucket, PlanBuilder, Replay, ReplayBuilder, TensorMeta, bucket_digest,
                                   dtype_name, plan_signature)
@@ -94,11 +95,11 @@ def direct_min_bytes(env: str, default: int) -> int:
 
 def direct_window(env: str, default: int = 2) -> int:
     """How many direct tensors whose bytes outlive their item a sender may leave unread:
-    environment variable ``env`` (an integer >= 1; 1 waits for each)."""
-    raw = os.environ.get(env, str(default)).strip()
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{env} must be an integer >= 1, got {raw!r}")
-    return int(raw)
+    environment variable ``env`` (``WEIGHTSYNC_*``; an integer >= 1, 1 waits for each)."""
+    value = env_value(env.removeprefix("WEIGHTSYNC_"), int, default)
+    if value < 1:
+        raise ValueError(f"{env} must be an integer >= 1, got {value!r}")
+    return value
 
 
 class DirectTensors:
@@ -137,7 +138,9 @@ class DirectTensors:
         return report
 
     async def _pack(self, state: Any, name: str, tensor: torch.Tensor) -> None:
-        if self._direct_window > 1 and tensor.device.type == "cpu" and tensor.is_contiguous():
+        # tracked only while something may go direct: nothing is in flight otherwise
+        if self._direct_window > 1 and tensor.device.type == "cpu" and tensor.is_contiguous() \
+                and self._direct_on():
             if self._lasting_tracker().lasting(name, tensor, version=state.version):
                 state.lasting.add(name)
         await super()._pack(state, name, tensor)
@@ -169,6 +172,15 @@ class DirectTensors:
         for _ in range(len(pending) if count is None else count):
             token, wait = pending.popleft()
             wait(token)
+
+    def _direct_on(self) -> bool:
+        """Hook: may any tensor go direct now (the backend's own conditions)."""
+        return False
+
+    def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
+        """Hook: send header ``msg`` and ``tensor``'s bytes, then :meth:`_await_direct`
+        (the tensor may change once that returns)."""
+        raise NotImplementedError
 
     def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
         return (self._direct_on() and tensor.dtype == dtype and plain_cpu(tensor)
