@@ -147,6 +147,12 @@ class LastingStorage:
         self._starts: list[int] = []
         self._spans: dict[int, list] = {}
 
+    @property
+    def watching(self) -> bool:
+        """Whether this sync has seen a tensor of ``min_bytes`` or more (or a marked one):
+        before that, a smaller tensor can overlap nothing that may last."""
+        return bool(self._starts)
+
     def lasting(self, name: str, t: torch.Tensor, *, marked: Optional[bool] = None,
                 phase: str = "send", version: Any = None) -> bool:
         """Whether ``t``'s bytes (contiguous) may be read after the iterator moves past

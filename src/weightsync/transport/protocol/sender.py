@@ -114,8 +114,8 @@ class DirectTensors:
     _direct_seq: tuple = (0, 0)        # (seq, k): the k-th direct tensor of sync seq
     #: direct tensors a sender may leave unacknowledged (1: each is read before the next
     #: item is asked for); more only for tensors whose bytes outlive their item
-    #: (:class:`~weightsync.transport.tensors.LastingStorage`), tracked for every
-    #: contiguous CPU tensor the caller yields
+    #: (:class:`~weightsync.transport.tensors.LastingStorage`, which sees every tensor
+    #: that may go direct, and every plain CPU tensor once one may be in flight)
     _direct_window: int = 1
 
     def _lasting_tracker(self) -> LastingStorage:
@@ -136,14 +136,6 @@ class DirectTensors:
             raise
         tracker.finish()
         return report
-
-    async def _pack(self, state: Any, name: str, tensor: torch.Tensor) -> None:
-        # tracked only while something may go direct: nothing is in flight otherwise
-        if self._direct_window > 1 and tensor.device.type == "cpu" and tensor.is_contiguous() \
-                and self._direct_on():
-            if self._lasting_tracker().lasting(name, tensor, version=state.version):
-                state.lasting.add(name)
-        await super()._pack(state, name, tensor)
 
     def _await_direct(self, state: Any, msg: BucketMsg, token: Any = None,
                       wait: Any = None) -> None:
@@ -182,9 +174,18 @@ class DirectTensors:
         (the tensor may change once that returns)."""
         raise NotImplementedError
 
-    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-        return (self._direct_on() and tensor.dtype == dtype and plain_cpu(tensor)
-                and tensor.numel() * tensor.element_size() >= self._direct_min)
+    def _tx_direct_ok(self, state: Any, name: str, tensor: torch.Tensor,
+                      dtype: torch.dtype) -> bool:
+        if not self._direct_on() or not plain_cpu(tensor):
+            return False
+        big = tensor.numel() * tensor.element_size() >= self._direct_min
+        if self._direct_window > 1:
+            # a tensor that may go direct, or any while one is in flight (it must not
+            # rewrite those bytes): nothing to track for small ones before that
+            tracker = self._lasting_tracker()
+            if (big or tracker.watching) and tracker.lasting(name, tensor, version=state.version):
+                state.lasting.add(name)
+        return big and tensor.dtype == dtype
 
     def _tx_direct(self, state: Any, name: str, tensor: torch.Tensor,
                    dtype: torch.dtype) -> None:
@@ -287,9 +288,10 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
     def _rx_release(self, stream: int, msg: BucketMsg) -> None: ...
 
     # -- optional hooks ---------------------------------------------------------------------
-    def _tx_direct_ok(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Hook: True if this tensor goes to receivers without a bucket (see
-        :class:`DirectTensors`)."""
+    def _tx_direct_ok(self, state: _SendState, name: str, tensor: torch.Tensor,
+                      dtype: torch.dtype) -> bool:
+        """Hook, for every tensor to send: True if it goes to receivers without a bucket
+        (see :class:`DirectTensors`)."""
         return False
 
     def _tx_direct(self, state: _SendState, name: str, tensor: torch.Tensor,
@@ -367,7 +369,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
 
     async def _pack(self, state: _SendState, name: str, tensor: torch.Tensor) -> None:
         dtype = wire_dtype(tensor, self.config.dtype)
-        if self._tx_direct_ok(tensor, dtype):
+        if self._tx_direct_ok(state, name, tensor, dtype):
             # it waits for the receivers: never on the caller's loop
             await self._blocking(self._tx_direct, state, name, tensor, dtype)
             return
