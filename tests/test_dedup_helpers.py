@@ -90,12 +90,15 @@ class _Direct(DirectTensors):
 def test_direct_tensors_predicate_and_bookkeeping(monkeypatch):
     big = torch.zeros(256)                     # 1 KiB of float32
     eng = _Direct(True, 1024)
-    assert eng._tx_direct_ok(big, torch.float32)
-    assert not eng._tx_direct_ok(big, torch.bfloat16)              # needs a cast
-    assert not eng._tx_direct_ok(big[::2], torch.float32)          # not contiguous
-    assert not eng._tx_direct_ok(torch.zeros(255), torch.float32)  # too small
-    assert not _Direct(False, 0)._tx_direct_ok(big, torch.float32)
     state = types.SimpleNamespace(seq=7, version="v", tensors=0, nbytes=0)
+
+    def ok(engine, tensor, dtype):
+        return engine._tx_direct_ok(state, "t", tensor, dtype)
+    assert ok(eng, big, torch.float32)
+    assert not ok(eng, big, torch.bfloat16)              # needs a cast
+    assert not ok(eng, big[::2], torch.float32)          # not contiguous
+    assert not ok(eng, torch.zeros(255), torch.float32)  # too small
+    assert not ok(_Direct(False, 0), big, torch.float32)
     eng._tx_direct(state, "a", big, torch.float32)
     eng._tx_direct(state, "b", big, torch.float32)
     (_, i1, n1), (_, i2, _) = eng.sent
