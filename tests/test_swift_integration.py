@@ -176,8 +176,10 @@ def test_full_syncs_through_ms_swift_manager(cluster, backend):
     assert manager.base_sync_done
     stats = cluster.stats()
     assert [s["rank"] for s in stats] == [0, -1, 1, 2]
-    for s in stats:                     # joined once; later syncs kept the group
-        assert (s["joins"], s["reuses"], s["releases"], s["syncs"]) == (1, 2, 0, 3), s
+    for s in stats:                     # joined once; later syncs kept the group, and
+        # their check used the reports that came with the hellos (one store round trip)
+        assert (s["joins"], s["reuses"], s["releases"], s["syncs"], s["reported"]) == \
+            (1, 2, 0, 3, 2), s
     # senders="all": the rank -1 trainer is in the group and sends its share, as rank 0
     sent = [s["sent_bytes"] for s in stats[:2]]
     assert min(sent) > 0.3 * sum(sent), sent

@@ -8,7 +8,9 @@ send_weights(iterator))``; every rank walks the export, rank 0's engine sends), 
 ``VllmServer``: an :class:`~weightsync.rollout.hf.HFRolloutReplica` whose
 ``receive_checkpoint_weights(base_sync_done, peft_config)`` streams
 ``engine.receive_weights()`` into the model (LoRA adapter when ``peft_config`` is given
-after the base sync, as ``VllmServer`` decides), plus ``sleep(level)`` / ``wake_up(tags)``.
+after the base sync, as ``VllmServer`` decides; the replica tells the stream where its
+tensors are, ``land_in``, so the backend lands the bytes there as under weightsync's own
+manager; ms-swift's ``VllmServer`` iterates the same stream without it), plus ``sleep(level)`` / ``wake_up(tags)``.
 :class:`SwiftReplica` has the surface of ms-swift's ``RolloutReplica`` the manager uses
 (``primary``, ``sleep``, ``wake_up``), with the same code. Both actor classes mix in
 :class:`~weightsync.integrations.swift.WeightsyncCheckpointMixin` (and weightsync's own
@@ -195,6 +197,31 @@ class SwiftTrainer(WeightsyncCheckpointMixin, ToyMegatronWorker):
                            self.export_edit, add=engine.rank == 0)
 
 
+class _Dying:
+    """The engine's stream as the replica loads it (``land_in`` passed on), ending the
+    process after ``die_after`` tensors (the fault test: the actor dies mid-sync)."""
+
+    def __init__(self, stream: Any, die_after: Optional[int]) -> None:
+        self._stream, self._left = stream, die_after
+        land = getattr(stream, "land_in", None)
+        if land is not None:
+            self.land_in = land
+
+    def __aiter__(self) -> "_Dying":
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self._stream.__anext__()
+        if self._left is not None:
+            if self._left <= 0:
+                os._exit(17)
+            self._left -= 1
+        return item
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
 class ToyVllmServer(CheckpointEngineMixin):
     """The calls ms-swift's manager makes on ``VllmServer``, over an HF replica."""
 
@@ -223,17 +250,10 @@ class ToyVllmServer(CheckpointEngineMixin):
         engine = self._get_or_create_checkpoint_engine()
         adapter = peft_config is not None and base_sync_done   # as VllmServer passes it on
 
-        async def stream() -> Any:
-            count = 0
-            async for name, tensor in engine.receive_weights():
-                if self.die_after is not None and count >= self.die_after:
-                    os._exit(17)                  # the fault test: the actor dies mid-sync
-                count += 1
-                yield name, tensor
-
         async def load() -> dict:
             return await self.rollout.load_weights(
-                stream(), version=engine.version, kind="adapter" if adapter else "full",
+                _Dying(engine.receive_weights(), self.die_after), version=engine.version,
+                kind="adapter" if adapter else "full",
                 adapter_config=peft_config if adapter else None)
 
         self.last = asyncio.run(load())

@@ -196,7 +196,8 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.accepted: dict[str, str] = {}       # rollouts: check key -> digest that fits
         self.stats = {"joins": 0, "reuses": 0, "releases": 0, "syncs": 0, "init_s": 0.0,
                       "refused": 0, "last_error": None, "checks": 0, "layout": None,
-                      "sent_bytes": 0, "check_s": 0.0, "send_s": 0.0, "join_s": 0.0}
+                      "sent_bytes": 0, "check_s": 0.0, "send_s": 0.0, "join_s": 0.0,
+                      "reported": 0}   # syncs whose check used the reports of the hellos
         self._round = 0
         self._rdv: Any = None            # rank 0: the client that owns the rendezvous store
         self._rdv_auth = ""
@@ -267,12 +268,16 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
 
     def _rendezvous(self, transfer: Any) -> Any:
         """This sync's join (keep or rebuild the group), then ``transfer``'s check."""
+        reported = None
         if self._join_pending:
             start = time.perf_counter()
-            (lead_join if self.rank == 0 else follow_join)(self)
+            reported = (lead_join if self.rank == 0 else follow_join)(self)
             self._join_pending = False
             self.stats["join_s"] = time.perf_counter() - start
-        return transfer(self)
+            self.stats["reported"] += bool(reported)
+        if self.rank == 0:
+            return transfer(self, reported or None)
+        return transfer(self, bool(reported))
 
     @property
     def sends(self) -> bool:
@@ -320,7 +325,13 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.stats["sent_bytes"] = int((metrics or {}).get("bytes") or 0)
         return metrics
 
-    async def receive_weights(self) -> AsyncIterator[tuple[str, Any]]:
+    def receive_weights(self) -> "SwiftReceive":
+        """This sync's ``(name, tensor)`` stream (ms-swift's call). A consumer that says
+        where the tensors go before it iterates (``land_in(targets)``, as weightsync's
+        replicas do) has them landed there by the backend (``receive_into``)."""
+        return SwiftReceive(self)
+
+    async def _receive(self, into: Optional[dict]) -> AsyncIterator[tuple[str, Any]]:
         self._check_active("receive_weights", trainer=False)
         try:
             refused = await asyncio.to_thread(self._rendezvous, follow_transfer)
@@ -330,7 +341,8 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         if refused is not None:
             self._refused()
             raise self._failed(refused)
-        inner = self.inner.receive_weights(version=self.version)
+        inner = (self.inner.receive_weights(version=self.version) if into is None
+                 else self.inner.receive_into(into, version=self.version))
         self._touched = True
         try:
             async for item in inner:
@@ -500,6 +512,31 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             raise RuntimeError(f"weightsync-swift: {what} needs init_process_group first")
         if trainer != (self.rank <= 0):
             raise RuntimeError(f"weightsync-swift: {what} on ms-swift rank {self.rank}")
+
+
+class SwiftReceive:
+    """What :meth:`WeightsyncSwiftEngine.receive_weights` returns: an async iterator of
+    ``(name, tensor)``, plus ``land_in(targets)`` before the first item."""
+
+    def __init__(self, engine: WeightsyncSwiftEngine) -> None:
+        self._engine, self._into, self._it = engine, None, None
+
+    def land_in(self, targets: dict) -> None:
+        if self._it is not None:
+            raise RuntimeError("land_in after the stream started")
+        self._into = targets
+
+    def __aiter__(self) -> "SwiftReceive":
+        return self
+
+    async def __anext__(self) -> tuple[str, Any]:
+        if self._it is None:
+            self._it = self._engine._receive(self._into)
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        if self._it is not None:
+            await self._it.aclose()
 
 
 def new_engine(backend: Optional[str] = None, **options: Any) -> WeightsyncSwiftEngine:

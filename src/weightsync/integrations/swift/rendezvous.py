@@ -22,7 +22,9 @@ token of a control store hosted by rank 0, so:
   asks the rollouts that have not accepted this sync's layout (every sender's part,
   :mod:`.layout`) to ``check`` it (names, shapes, dtypes; answered in ``checked``), and
   answers ``go`` or ``abort`` (the same text to every rollout and sender), so a bad sync
-  is refused before any byte moves.
+  is refused before any byte moves. Each follower's report rides on its hello; when rank
+  0 keeps the group it takes them from there (one store round trip in a steady sync),
+  after a rebuild it gathers them afresh.
 
 Every wait is bounded (followers wait ``_GRACE`` longer than the leader, so the leader
 reports first and can name the silent rank). Messages are JSON; boxes are fixed per leader
@@ -123,8 +125,21 @@ def _sender_boxes(engine: Any, prefix: str) -> list[str]:
     return [f"{prefix}/t{i}" for i in range(1, engine.trainers)]
 
 
-def lead_join(engine: Any) -> None:
-    """Rank 0 in ``init_process_group``: keep the group or build a new one."""
+def _reports(hellos: dict[int, dict], others: dict[int, dict]) -> Optional[tuple]:
+    """A kept group: the ``ready`` / ``tready`` reports the hellos carried (each of its
+    sender's rank), or None when one is missing (the followers then send them again)."""
+    ready = {r: h.get("report") for r, h in hellos.items()}
+    senders = {i: h.get("report") for i, h in others.items()}
+    for got in (ready, senders):
+        if any(not isinstance(m, dict) or m.get("rank") != k for k, m in got.items()):
+            return None
+    return ready, senders
+
+
+def lead_join(engine: Any) -> Optional[tuple]:
+    """Rank 0 at the start of a sync's send: keep the group or build a new one. A kept
+    group returns the followers' reports for :func:`lead_transfer` (they came with the
+    hellos: one store round trip a sync instead of two); a new one returns None."""
     n, a = engine.world_size - 1, engine.trainers
     boxes = [f"kw/{r}" for r in range(1, n + 1)] + _sender_boxes(engine, "kw")
     inner = engine.inner
@@ -141,9 +156,11 @@ def lead_join(engine: Any) -> None:
         if engine.reuse and engine.group is not None and members == engine.members and \
                 all(h.get("group") == engine.group
                     for h in list(hellos.values()) + list(others.values())):
-            engine.chan.tell_all(boxes, {"reuse": engine.group, "who": engine.who})
+            reported = _reports(hellos, others)
+            engine.chan.tell_all(boxes, {"reuse": engine.group, "who": engine.who,
+                                         "took_report": reported is not None})
             engine.stats["reuses"] += 1
-            return
+            return reported
         metas = [inner.prepare()] + [others[i].get("meta") for i in range(1, a)] + \
             [hellos[r].get("meta") for r in range(1, n + 1)]
         tk, rk = type(inner).build_topology(a, n, metas)
@@ -165,15 +182,17 @@ def lead_join(engine: Any) -> None:
     engine.stats["joins"] += 1
 
 
-def follow_join(engine: Any) -> None:
-    """A rollout, or a rank -1 sender, in ``init_process_group``: report, then join or keep
-    what rank 0 says."""
+def follow_join(engine: Any) -> bool:
+    """A rollout, or a rank -1 sender, at the start of its receive / send: say hello (with
+    this sync's report for :func:`follow_transfer`), then join or keep what rank 0 says.
+    True when rank 0 kept the group and took the report."""
     inner = engine.inner
     sender = engine.rank < 0
     me = engine.tindex if sender else engine.rank
     engine.chan.push("thello" if sender else "hello",
                      {"rank": me, "session": engine.session, "group": engine.group,
-                      "meta": inner.prepare(), "who": engine.who})
+                      "meta": inner.prepare(), "who": engine.who,
+                      "report": _sender_report(engine) if sender else _ready_report(engine)})
     reply = engine.chan.pop(f"kw/t{me}" if sender else f"kw/{me}", engine.timeout + GRACE,
                             peer="trainer rank 0",
                             waiting_for="the topology from trainer rank 0")
@@ -185,8 +204,10 @@ def follow_join(engine: Any) -> None:
         inner.init_process_group(**reply["kw"])
         engine.group = str(reply["join"])
         engine.stats["joins"] += 1
+        return False
     elif reply.get("reuse") == engine.group and engine.group is not None:
         engine.stats["reuses"] += 1
+        return bool(reply.get("took_report"))
     else:
         raise TopologyError(f"trainer rank 0 kept group {reply.get('reuse')!r}, this worker "
                             f"is in {engine.group!r}", peer="trainer rank 0", phase="init")
@@ -263,13 +284,17 @@ def _check_layout(engine: Any, ready: dict[int, dict],
     return None
 
 
-def lead_transfer(engine: Any) -> Optional[PlanMismatch]:
-    """Rank 0 before sending: the refusal (nothing moved) or ``None`` to go ahead."""
+def lead_transfer(engine: Any, reported: Optional[tuple] = None) -> Optional[PlanMismatch]:
+    """Rank 0 before sending: the refusal (nothing moved) or ``None`` to go ahead.
+    ``reported``: the followers' reports, taken from their hellos (else gathered now)."""
     boxes = [f"go/{r}" for r in range(1, engine.world_size)] + _sender_boxes(engine, "go")
     try:
-        ready = _gather(engine, "ready", "receive_checkpoint_weights of every rollout")
-        senders = _gather(engine, "tready", "send_checkpoint_weights of every other trainer "
-                          "rank", trainers=True) if engine.trainers > 1 else {}
+        if reported is not None:
+            ready, senders = reported
+        else:
+            ready = _gather(engine, "ready", "receive_checkpoint_weights of every rollout")
+            senders = _gather(engine, "tready", "send_checkpoint_weights of every other "
+                              "trainer rank", trainers=True) if engine.trainers > 1 else {}
         problems = _sender_problems(engine, senders) + _problems(engine, ready)
         if engine.intent.get("error"):
             problems.insert(0, str(engine.intent["error"]))
@@ -310,34 +335,53 @@ def _run_check(engine: Any, ask: dict) -> dict:
     return out
 
 
-def _follow_as_sender(engine: Any) -> dict:
-    """A rank -1 sender before sending: report what it sends, wait for rank 0's answer."""
+def _told(engine: Any) -> tuple:
     layout = engine.layout
     key = "adapter" if engine.intent.get("adapter_only") else "full"
-    told = (engine.leader, key, layout.digest if layout is not None else None)
-    engine.chan.push("tready", {
-        "rank": engine.tindex, "adapter_only": engine.intent.get("adapter_only"),
-        "error": engine.intent.get("error"), "key": key,
-        "digest": told[2], "source": layout.source if layout is not None else None,
-        "entries": layout.entries if layout is not None and told not in engine.told else None})
-    if layout is not None:
+    return engine.leader, key, layout.digest if layout is not None else None
+
+
+def _sender_report(engine: Any) -> dict:
+    """A rank -1 sender's ``tready``: the kind, its objection, its layout's digest (and the
+    layout itself when rank 0 has not got it)."""
+    layout, told = engine.layout, _told(engine)
+    return {"rank": engine.tindex, "adapter_only": engine.intent.get("adapter_only"),
+            "error": engine.intent.get("error"), "key": told[1], "digest": told[2],
+            "source": layout.source if layout is not None else None,
+            "entries": layout.entries if layout is not None and told not in engine.told
+            else None}
+
+
+def _ready_report(engine: Any) -> dict:
+    """A rollout's ``ready``: what it expects, whether it holds base weights, its
+    objection, the digest of the layout it last accepted for this weight set."""
+    key = engine.intent.get("key")
+    return {"rank": engine.rank, "has_base": engine.has_base,
+            "adapter_only": engine.intent.get("adapter_only"),
+            "error": engine.intent.get("error"),
+            "accepted": engine.accepted.get(key) if key else None}
+
+
+def _follow_as_sender(engine: Any, reported: bool) -> dict:
+    """A rank -1 sender before sending: report what it sends (unless its hello did), wait
+    for rank 0's answer."""
+    if not reported:
+        engine.chan.push("tready", _sender_report(engine))
+    if engine.layout is not None:   # rank 0 has this layout now
         if len(engine.told) > 16:   # bounded; forgetting only costs resending a layout
             engine.told.clear()
-        engine.told.add(told)
+        engine.told.add(_told(engine))
     return engine.chan.pop(f"go/t{engine.tindex}", 2 * engine.timeout + GRACE,
                            peer="trainer rank 0", waiting_for="trainer rank 0's go")
 
 
-def follow_transfer(engine: Any) -> Optional[PlanMismatch]:
-    """A rollout before receiving (or a rank -1 sender before sending): report, check rank
-    0's layout if asked, wait for its answer."""
+def follow_transfer(engine: Any, reported: bool = False) -> Optional[PlanMismatch]:
+    """A rollout before receiving (or a rank -1 sender before sending): report (unless its
+    hello did, ``reported``), check rank 0's layout if asked, wait for its answer."""
     if engine.rank < 0:
-        return _answer(engine, _follow_as_sender(engine))
-    key = engine.intent.get("key")
-    engine.chan.push("ready", {"rank": engine.rank, "has_base": engine.has_base,
-                               "adapter_only": engine.intent.get("adapter_only"),
-                               "error": engine.intent.get("error"),
-                               "accepted": engine.accepted.get(key) if key else None})
+        return _answer(engine, _follow_as_sender(engine, reported))
+    if not reported:
+        engine.chan.push("ready", _ready_report(engine))
     while True:     # rank 0 may gather every ready, then every check: twice its timeout
         reply = engine.chan.pop(f"go/{engine.rank}", 2 * engine.timeout + GRACE,
                                 peer="trainer rank 0", waiting_for="trainer rank 0's go")
