@@ -318,8 +318,11 @@ class ReceiveStream:
     version)``, which lands the bytes in those tensors (no copy left to the consumer; a
     tensor that does not fit them comes as ``receive_weights`` would give it)."""
 
-    def __init__(self, engine: Any, version: Any) -> None:
-        self._engine, self._version = engine, version
+    def __init__(self, engine: Any, version: Any, *,
+                 open_: Optional[Callable[[Optional[dict]], Any]] = None) -> None:
+        """``open_(targets or None)``: the iterator to run, if not ``engine``'s own."""
+        self._open = open_ or (lambda into: engine.receive_weights(version) if into is None
+                               else engine.receive_into(into, version))
         self._into: Optional[dict] = None
         self._it: Any = None
 
@@ -333,8 +336,7 @@ class ReceiveStream:
 
     async def __anext__(self) -> tuple:
         if self._it is None:
-            self._it = (self._engine.receive_weights(self._version) if self._into is None
-                        else self._engine.receive_into(self._into, self._version))
+            self._it = self._open(self._into)
         return await self._it.__anext__()
 
     async def aclose(self) -> None:

@@ -48,6 +48,7 @@ from weightsync.integrations.swift.layout import Layout, LayoutFeed
 from weightsync.integrations.swift.rendezvous import (GRACE, Channel, follow_join, follow_transfer,
                                                       lead_join, lead_transfer)
 from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
+from weightsync.rollout.protocol import ReceiveStream
 from weightsync.trainer.fsdp import dist_rank_world
 from weightsync.transport.registry import CheckpointEngineRegistry as WsRegistry
 
@@ -279,9 +280,7 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             self._join_pending = False
             self.stats["join_s"] = time.perf_counter() - start
             self.stats["reported"] += bool(reported)
-        if self.rank == 0:
-            return transfer(self, reported or None)
-        return transfer(self, bool(reported))
+        return transfer(self, reported)   # rank 0: the reports or None; others: taken?
 
     @property
     def sends(self) -> bool:
@@ -329,11 +328,11 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.stats["sent_bytes"] = int((metrics or {}).get("bytes") or 0)
         return metrics
 
-    def receive_weights(self) -> "SwiftReceive":
+    def receive_weights(self) -> ReceiveStream:
         """This sync's ``(name, tensor)`` stream (ms-swift's call). A consumer that says
         where the tensors go before it iterates (``land_in(targets)``, as weightsync's
         replicas do) has them landed there by the backend (``receive_into``)."""
-        return SwiftReceive(self)
+        return ReceiveStream(self, self.version, open_=self._receive)
 
     def start_receive(self) -> None:
         """A rollout, as its ``receive_checkpoint_weights`` begins: report to rank 0 now
@@ -550,31 +549,6 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
             raise RuntimeError(f"weightsync-swift: {what} needs init_process_group first")
         if trainer != (self.rank <= 0):
             raise RuntimeError(f"weightsync-swift: {what} on ms-swift rank {self.rank}")
-
-
-class SwiftReceive:
-    """What :meth:`WeightsyncSwiftEngine.receive_weights` returns: an async iterator of
-    ``(name, tensor)``, plus ``land_in(targets)`` before the first item."""
-
-    def __init__(self, engine: WeightsyncSwiftEngine) -> None:
-        self._engine, self._into, self._it = engine, None, None
-
-    def land_in(self, targets: dict) -> None:
-        if self._it is not None:
-            raise RuntimeError("land_in after the stream started")
-        self._into = targets
-
-    def __aiter__(self) -> "SwiftReceive":
-        return self
-
-    async def __anext__(self) -> tuple[str, Any]:
-        if self._it is None:
-            self._it = self._engine._receive(self._into)
-        return await self._it.__anext__()
-
-    async def aclose(self) -> None:
-        if self._it is not None:
-            await self._it.aclose()
 
 
 def new_engine(backend: Optional[str] = None, **options: Any) -> WeightsyncSwiftEngine:
