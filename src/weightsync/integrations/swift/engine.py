@@ -353,13 +353,9 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         threading.Thread(target=run, name="weightsync-swift-report", daemon=True).start()
 
     def _drop_early(self) -> None:
-        """A report started for a receive that never ran: end it (its connection to rank
-        0's store is dropped if it still waits; the next sync connects afresh)."""
+        """A report started for a receive that never ran: wait (bounded) for its answer."""
         fut, self._early = self._early, None
         if fut is not None:
-            if not fut.done() and self._client is not None:
-                self._client[1].abort()
-                self._client = None
             try:
                 fut.result(timeout=2 * self.timeout + GRACE + 1.0)
             except BaseException:  # that sync failed anyway; the next one re-joins
