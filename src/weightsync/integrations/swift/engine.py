@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import logging
 import os
 import re
 import secrets
 import socket
-import threading
 import time
 import weakref
 from typing import Any, AsyncIterator, Optional
@@ -45,7 +43,7 @@ from swift.ray.megatron.checkpoint_engine import CheckpointEngine as SwiftCheckp
 from weightsync.core.config import EngineConfig, env_value, parse_bool
 from weightsync.core.errors import TopologyError, WeightSyncError
 from weightsync.integrations.swift.layout import Layout, LayoutFeed
-from weightsync.integrations.swift.rendezvous import (GRACE, Channel, follow_join, follow_transfer,
+from weightsync.integrations.swift.rendezvous import (Channel, follow_join, follow_transfer,
                                                       lead_join, lead_transfer)
 from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
 from weightsync.rollout.protocol import ReceiveStream
@@ -206,13 +204,11 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self._rdv_auth = ""
         self._client: Any = None         # rollouts: ((host, port, auth), client)
         self._active = self._dirty = self._touched = self._join_pending = False
-        self._early: Optional[concurrent.futures.Future] = None   # rollouts: start_receive
         self._last_kind: Optional[bool] = None
         _live.add(self)
 
     # -- ms-swift's lifecycle -------------------------------------------------------------
     def prepare(self) -> Optional[dict]:
-        self._drop_early()
         if self._active:          # the last sync never reached finalize: it failed
             self._dirty = True
         if self._dirty:
@@ -334,40 +330,10 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         replicas do) has them landed there by the backend (``receive_into``)."""
         return ReceiveStream(self, self.version, open_=self._receive)
 
-    def start_receive(self) -> None:
-        """A rollout, as its ``receive_checkpoint_weights`` begins: report to rank 0 now
-        (join and check, in a thread), while the actor gets its model ready to load; the
-        receive then waits for that answer instead of starting the round trip itself."""
-        if self._early is not None or not self._active or not isinstance(self.rank, int) \
-                or self.rank <= 0 or self.chan is None:
-            return
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(self._rendezvous(follow_transfer))
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        self._early = fut
-        threading.Thread(target=run, name="weightsync-swift-report", daemon=True).start()
-
-    def _drop_early(self) -> None:
-        """A report started for a receive that never ran: wait (bounded) for its answer."""
-        fut, self._early = self._early, None
-        if fut is not None:
-            try:
-                fut.result(timeout=2 * self.timeout + GRACE + 1.0)
-            except BaseException:  # that sync failed anyway; the next one re-joins
-                logger.debug("an unused early report ended badly", exc_info=True)
-            self._dirty = True
-
     async def _receive(self, into: Optional[dict]) -> AsyncIterator[tuple[str, Any]]:
         self._check_active("receive_weights", trainer=False)
-        early, self._early = self._early, None
         try:
-            refused = await (asyncio.wrap_future(early) if early is not None else
-                             asyncio.to_thread(self._rendezvous, follow_transfer))
+            refused = await asyncio.to_thread(self._rendezvous, follow_transfer)
         except BaseException as exc:
             self._dirty = True
             raise self._failed(exc) from None

@@ -111,7 +111,6 @@ def _before_receive(actor: Any, base_sync_done: bool, peft_config: Any) -> Weigh
     engine.expect(adapter_only=adapter, error="; ".join(problems) or None,
                   check=lambda offered: checker(offered, adapter, peft_config if adapter else None),
                   key=_check_key(adapter, peft_config))
-    engine.start_receive()       # the report goes out while the actor gets ready to load
     return engine
 
 
