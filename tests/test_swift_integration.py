@@ -37,6 +37,33 @@ BACKENDS = [b for b in ("shm", "collective", "nixl") if b in CheckpointEngineReg
 
 # -- without a cluster ----------------------------------------------------------------------
 
+def test_an_early_report_no_receive_took_does_not_hold_the_next_sync():
+    """A rollout's call reported (``begin_receive``) and then ended before its receive ran,
+    while trainer rank 0 never answered (it never sent): the report is ended at once, not
+    after its bound (2 x timeout + grace), and the next ``prepare`` does not wait either."""
+    class Slow(ws.WeightsyncCheckpointMixin):
+        weightsync_backend = "shm"
+        weightsync_options = {"timeout": 30.0}
+
+    trainer, rollout = Slow(), Slow()
+    meta = trainer.prepare_checkpoint_engine(True)
+    rollout.prepare_checkpoint_engine(False)
+    rollout.init_checkpoint_process_group(rank=1, world_size=2, master_metadata=meta)
+    engine = rollout._get_or_create_checkpoint_engine()
+    engine.expect(adapter_only=False)
+    call = engine.begin_receive()
+    time.sleep(0.3)                      # the report is out, waiting for rank 0's answer
+    assert call is not None and not call.report.done()
+    start = time.monotonic()
+    engine.end_receive(call)
+    rollout.prepare_checkpoint_engine(False)
+    took = time.monotonic() - start
+    assert took < 30.0 / 4, took
+    assert call.report.done() and engine.group is None
+    for actor in (trainer, rollout):
+        actor._get_or_create_checkpoint_engine().close()
+
+
 def test_import_without_swift_names_the_fix():
     code = "import sys; sys.modules['swift'] = None; import weightsync.integrations.swift"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -183,6 +210,52 @@ def test_full_syncs_through_ms_swift_manager(cluster, backend):
     # senders="all": the rank -1 trainer is in the group and sends its share, as rank 0
     sent = [s["sent_bytes"] for s in stats[:2]]
     assert min(sent) > 0.3 * sum(sent), sent
+
+
+def test_a_rollout_reports_to_rank_0_before_it_gets_ready_to_load(cluster):
+    """The mixin's wrapper sends the rollout's report (join + check) as the call begins, so
+    a server that takes long to get ready (1 s here) does not hold rank 0 at its check once
+    the rollouts accepted the layout (the second sync checks it: that check waits until
+    the server is ready to load, its model no longer changing)."""
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(None)
+    manager, prompts = cluster.manager(), cluster.prompts()
+    for step in range(2):
+        manager.sync_weights(merge_and_sync=True)
+        cluster.train(step)
+    cluster._all("set_load_delay", cluster.rollouts, 1.0)
+    manager.sync_weights(merge_and_sync=True)
+    _check(cluster, prompts, version=3)
+    rank0 = cluster.stats()[0]
+    assert rank0["reported"] == 2 and rank0["check_s"] < 0.5, rank0
+    cluster._all("set_load_delay", cluster.rollouts, 0.0)
+
+
+def test_a_sync_right_after_a_refused_one_waits_for_a_rollouts_last_call(cluster):
+    """ms-swift's manager gives a sync up at its first failed call, so the next sync's
+    ``prepare`` can reach a rollout whose refused call still runs (here: still getting
+    ready to load, 1 s). That call must not take the new round's report: ``prepare`` waits
+    for it (bounded), and the next sync is exact."""
+    import ray
+    cluster.use_backend("shm", bucket_size=1 << 20)
+    cluster.build(_lora())
+    manager, prompts = cluster.manager(), cluster.prompts()
+    manager.sync_weights(merge_and_sync=False)
+    cluster.train(0)
+    manager.sync_weights(merge_and_sync=False)
+    bad = dict(ray.get(cluster.trainers[0].get_peft_config_dict.remote()),
+               target_modules=["q_proj", "w_nope"])
+    ray.get(cluster.trainers[0].set_peft_override.remote(bad))
+    cluster._all("set_load_delay", cluster.rollouts[-1:], 1.0)
+    try:
+        cluster.train(1)
+        with pytest.raises(Exception, match=r"target_modules \['w_nope'\]"):
+            manager.sync_weights(merge_and_sync=False)
+    finally:
+        ray.get(cluster.trainers[0].set_peft_override.remote(None))
+    manager.sync_weights(merge_and_sync=False)      # at once: the slow call still runs
+    cluster._all("set_load_delay", cluster.rollouts, 0.0)
+    _check(cluster, prompts, lora_mode="adapter", version=4)
 
 
 def test_senders_master_is_ms_swift_topology(cluster):

@@ -231,6 +231,7 @@ class ToyVllmServer(CheckpointEngineMixin):
         self._config, self._name = dict(config), name
         self.rollout = HFRolloutReplica(config=config, seed=seed, name=name, timeout=60.0)
         self.die_after: Optional[int] = None
+        self.load_delay = 0.0
         self.last: dict = {}
 
     def sleep(self, level: int = 2) -> None:
@@ -249,6 +250,8 @@ class ToyVllmServer(CheckpointEngineMixin):
                                    peft_config: Optional[dict] = None) -> None:
         engine = self._get_or_create_checkpoint_engine()
         adapter = peft_config is not None and base_sync_done   # as VllmServer passes it on
+        if self.load_delay:       # a server slow to get ready (VllmServer: its zmq sender)
+            time.sleep(self.load_delay)
 
         async def load() -> dict:
             return await self.rollout.load_weights(
@@ -276,13 +279,17 @@ class SwiftRollout(WeightsyncCheckpointMixin, RolloutWorkerMixin, ToyVllmServer)
     def set_die_after(self, n: Optional[int]) -> None:
         self.die_after = n
 
+    def set_load_delay(self, seconds: float) -> None:
+        """Sleep this long in each receive before loading (after the mixin's wrapper)."""
+        self.load_delay = float(seconds)
+
     def reset(self, seed: int = 1234, config: Optional[dict] = None) -> None:
         """A fresh replica and engine (as a restarted actor: no weights from any sync);
         ``config``: of another model from now on."""
         self.configure_weightsync(self.weightsync_backend, **(self.weightsync_options or {}))
         if config is not None:
             self._config = dict(config)
-        old, self.last, self.die_after = self.rollout, {}, None
+        old, self.last, self.die_after, self.load_delay = self.rollout, {}, None, 0.0
         self.rollout = HFRolloutReplica(config=self._config, seed=seed, name=self._name,
                                         timeout=60.0)
         old.close()

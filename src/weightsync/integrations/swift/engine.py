@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import os
 import re
 import secrets
 import socket
+import threading
 import time
 import weakref
 from typing import Any, AsyncIterator, Optional
@@ -41,10 +43,10 @@ from typing import Any, AsyncIterator, Optional
 from swift.ray.megatron.checkpoint_engine import CheckpointEngine as SwiftCheckpointEngine
 
 from weightsync.core.config import EngineConfig, env_value, parse_bool
-from weightsync.core.errors import TopologyError, WeightSyncError
+from weightsync.core.errors import SyncTimeout, TopologyError, WeightSyncError
 from weightsync.integrations.swift.layout import Layout, LayoutFeed
-from weightsync.integrations.swift.rendezvous import (Channel, follow_join, follow_transfer,
-                                                      lead_join, lead_transfer)
+from weightsync.integrations.swift.rendezvous import (GRACE, Channel, follow_join,
+                                                      follow_transfer, lead_join, lead_transfer)
 from weightsync.transport.control.store import close_store, connect_store, host_store, new_token
 from weightsync.rollout.protocol import ReceiveStream
 from weightsync.trainer.fsdp import dist_rank_world
@@ -149,6 +151,17 @@ def with_names(exc: BaseException, names: dict[str, str]) -> BaseException:
     return new
 
 
+class _Call:
+    """A rollout's ``receive_checkpoint_weights`` of one round, from the mixin's wrapper:
+    its report (join + check, in a thread, started as the call begins), whether the receive
+    took that report's answer, and whether the call has ended."""
+
+    def __init__(self, round_: Any) -> None:
+        self.round = round_
+        self.report: concurrent.futures.Future = concurrent.futures.Future()
+        self.taken = self.moving = self.ended = False
+
+
 class WeightsyncSwiftEngine(SwiftCheckpointEngine):
     """ms-swift's engine contract over the weightsync backend ``backend``.
 
@@ -204,11 +217,14 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self._rdv_auth = ""
         self._client: Any = None         # rollouts: ((host, port, auth), client)
         self._active = self._dirty = self._touched = self._join_pending = False
+        self._call: Optional[_Call] = None   # rollouts: the receive call in flight
+        self._calls = threading.Condition()
         self._last_kind: Optional[bool] = None
         _live.add(self)
 
     # -- ms-swift's lifecycle -------------------------------------------------------------
     def prepare(self) -> Optional[dict]:
+        self._settle_call()
         if self._active:          # the last sync never reached finalize: it failed
             self._dirty = True
         if self._dirty:
@@ -269,11 +285,12 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
 
     def _rendezvous(self, transfer: Any) -> Any:
         """This sync's join (keep or rebuild the group), then ``transfer``'s check."""
-        reported = None
+        reported, round_ = None, self.version
         if self._join_pending:
             start = time.perf_counter()
             reported = (lead_join if self.rank == 0 else follow_join)(self)
-            self._join_pending = False
+            if self.version == round_:
+                self._join_pending = False
             self.stats["join_s"] = time.perf_counter() - start
             self.stats["reported"] += bool(reported)
         return transfer(self, reported)   # rank 0: the reports or None; others: taken?
@@ -330,16 +347,122 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         replicas do) has them landed there by the backend (``receive_into``)."""
         return ReceiveStream(self, self.version, open_=self._receive)
 
+    # -- a rollout's receive call, reported early ----------------------------------------
+    def begin_receive(self) -> Optional[_Call]:
+        """A rollout, as its ``receive_checkpoint_weights`` begins (the mixin's wrapper):
+        send its report (join + check) to rank 0 now, in a thread, while the actor gets
+        ready to load; this round's receive then takes that answer instead of starting the
+        round trip itself. Returns the call, for :meth:`end_receive`."""
+        if not self._active or not isinstance(self.rank, int) or self.rank <= 0 \
+                or self.chan is None:
+            return None
+        call = _Call(self.version)
+        with self._calls:
+            if self._call is not None and not self._call.ended:
+                return None       # a call of this engine still runs: no early report
+            self._call = call
+        check = self.intent.get("check")
+        if callable(check):       # the model is looked at once the actor is ready to load
+            self.intent["check"] = lambda offered: self._when_ready(call, check, offered)
+
+        def run() -> None:
+            try:
+                call.report.set_result(self._rendezvous(follow_transfer))
+            except BaseException as exc:
+                call.report.set_exception(exc)
+            with self._calls:
+                self._calls.notify_all()
+
+        threading.Thread(target=run, name="weightsync-swift-report", daemon=True).start()
+        return call
+
+    def _when_ready(self, call: _Call, check: Any, offered: list) -> Any:
+        """The actor's layout check, run once its receive began (its model is then ready:
+        a server may still be building an adapter while the report travels)."""
+        with self._calls:
+            if not self._calls.wait_for(lambda: call.taken, self.timeout):
+                raise SyncTimeout(f"the receive of round {call.round} did not begin within "
+                                  f"{self.timeout:.1f}s of its call", peer=self.who,
+                                  phase="validate", version=call.round)
+        return check(offered)
+
+    def end_receive(self, call: Optional[_Call]) -> None:
+        """The wrapper, as the call ends (either way): a report that no receive took ends
+        here (its connection dropped if it still waits), and the engine re-joins next
+        time."""
+        if call is None:
+            return
+        with self._calls:
+            untaken, call.taken = not call.taken, True
+            self._calls.notify_all()
+        if untaken:
+            if self._end_report(call) is not None:
+                self._refused()       # refused for everybody: nothing moved, group kept
+            else:
+                self._dirty = True    # rank 0 may be sending to a receive that never ran
+        with self._calls:
+            call.ended = True
+            self._calls.notify_all()
+
+    def _end_report(self, call: _Call) -> Any:
+        """End a report no receive took: its refusal, or None (it said go, or broke)."""
+        if not call.report.done() and self._client is not None:
+            self._client[1].abort()       # wakes its blocked pop; the next sync reconnects
+            self._client = None
+        try:
+            return call.report.result(timeout=2 * self.timeout + GRACE + 1.0)
+        except BaseException:  # that sync failed anyway; the next one re-joins
+            logger.debug("an early report no receive took ended badly", exc_info=True)
+            return None
+
+    def _settle_call(self) -> None:
+        """``prepare`` while the last round's receive call still runs on this actor (ms-swift's
+        manager gives up a sync at its first failed call): end that call's report if no
+        receive took it, and wait (bounded) until the call ends or moves bytes, so the new
+        round's state is never the old call's."""
+        call = self._call
+        if call is None or call.ended:
+            return
+        with self._calls:
+            untaken = not call.taken
+        if untaken and not call.report.done():
+            self._end_report(call)
+        bound = self.timeout + GRACE
+        with self._calls:   # a call moving bytes is left to fail as the group goes
+            settled = self._calls.wait_for(lambda: call.ended or call.moving, bound)
+        if not settled:
+            raise SyncTimeout(f"the receive_checkpoint_weights of round {call.round} is still "
+                              f"running on this actor after {bound:.1f}s; this sync cannot "
+                              "start beside it", peer=self.who, phase="prepare",
+                              version=call.round)
+        self._dirty = True
+
+    def _take_call(self) -> Optional[_Call]:
+        """This round's call with its early report, if it started one no receive took."""
+        with self._calls:
+            call = self._call
+            if call is None or call.taken or call.ended or call.round != self.version:
+                return None
+            call.taken = True
+            self._calls.notify_all()
+            return call
+
     async def _receive(self, into: Optional[dict]) -> AsyncIterator[tuple[str, Any]]:
         self._check_active("receive_weights", trainer=False)
+        call = self._take_call()
         try:
-            refused = await asyncio.to_thread(self._rendezvous, follow_transfer)
+            refused = await (asyncio.wrap_future(call.report) if call is not None else
+                             asyncio.to_thread(self._rendezvous, follow_transfer))
         except BaseException as exc:
             self._dirty = True
             raise self._failed(exc) from None
         if refused is not None:
             self._refused()
             raise self._failed(refused)
+        if call is not None:
+            with self._calls:
+                call.moving = True
+                self._calls.notify_all()
         inner = (self.inner.receive_weights(version=self.version) if into is None
                  else self.inner.receive_into(into, version=self.version))
         self._touched = True

@@ -114,6 +114,20 @@ def _before_receive(actor: Any, base_sync_done: bool, peft_config: Any) -> Weigh
     return engine
 
 
+def _receive_call(actor: Any, orig: Any, base_sync_done: bool, peft_config: Any) -> Any:
+    """A rollout's ``receive_checkpoint_weights``: the intent, the report sent at once (it
+    travels while ``orig`` gets the server ready to load), then ``orig``."""
+    engine = _before_receive(actor, base_sync_done, peft_config)
+    call = engine.begin_receive()
+    try:
+        return orig(base_sync_done=base_sync_done, peft_config=peft_config)
+    except BaseException:
+        engine.note_failed()
+        raise
+    finally:
+        engine.end_receive(call)
+
+
 class WeightsyncCheckpointMixin(SwiftMixin):
     """ms-swift's ``CheckpointEngineMixin`` whose engine is weightsync's. Put it before the
     ms-swift actor class (``MegatronWorker``, ``VllmServer``) in the bases so that its
@@ -164,13 +178,8 @@ class WeightsyncCheckpointMixin(SwiftMixin):
 
     def receive_checkpoint_weights(self, base_sync_done: bool = False,
                                    peft_config: Optional[dict] = None) -> Any:
-        engine = _before_receive(self, base_sync_done, peft_config)
-        try:
-            return super().receive_checkpoint_weights(base_sync_done=base_sync_done,
-                                                      peft_config=peft_config)
-        except BaseException:
-            engine.note_failed()
-            raise
+        return _receive_call(self, super().receive_checkpoint_weights, base_sync_done,
+                             peft_config)
 
 
 def _wrap_send(orig: Any) -> Any:
@@ -185,12 +194,7 @@ def _wrap_receive(orig: Any) -> Any:
     @functools.wraps(orig)
     def receive_checkpoint_weights(self: Any, base_sync_done: bool = False,
                                    peft_config: Optional[dict] = None) -> Any:
-        engine = _before_receive(self, base_sync_done, peft_config)
-        try:
-            return orig(self, base_sync_done=base_sync_done, peft_config=peft_config)
-        except BaseException:
-            engine.note_failed()
-            raise
+        return _receive_call(self, functools.partial(orig, self), base_sync_done, peft_config)
     return receive_checkpoint_weights
 
 

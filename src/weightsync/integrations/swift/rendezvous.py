@@ -186,16 +186,15 @@ def follow_join(engine: Any) -> bool:
     """A rollout, or a rank -1 sender, at the start of its receive / send: say hello (with
     this sync's report for :func:`follow_transfer`), then join or keep what rank 0 says.
     True when rank 0 kept the group and took the report."""
-    inner = engine.inner
+    inner, chan = engine.inner, engine.chan    # this round's channel, whatever comes next
     sender = engine.rank < 0
     me = engine.tindex if sender else engine.rank
-    engine.chan.push("thello" if sender else "hello",
+    chan.push("thello" if sender else "hello",
                      {"rank": me, "session": engine.session, "group": engine.group,
                       "meta": inner.prepare(), "who": engine.who,
                       "report": _sender_report(engine) if sender else _ready_report(engine)})
-    reply = engine.chan.pop(f"kw/t{me}" if sender else f"kw/{me}", engine.timeout + GRACE,
-                            peer="trainer rank 0",
-                            waiting_for="the topology from trainer rank 0")
+    reply = chan.pop(f"kw/t{me}" if sender else f"kw/{me}", engine.timeout + GRACE,
+                     peer="trainer rank 0", waiting_for="the topology from trainer rank 0")
     if "abort" in reply:
         raise PeerFailed(str(reply["abort"]), peer="trainer rank 0", phase="init")
     engine.names = {"trainer rank 0": f"ms-swift rank 0 ({reply.get('who')})"}
@@ -362,32 +361,33 @@ def _ready_report(engine: Any) -> dict:
             "accepted": engine.accepted.get(key) if key else None}
 
 
-def _follow_as_sender(engine: Any, reported: bool) -> dict:
+def _follow_as_sender(engine: Any, chan: Channel, reported: bool) -> dict:
     """A rank -1 sender before sending: report what it sends (unless its hello did), wait
     for rank 0's answer."""
     if not reported:
-        engine.chan.push("tready", _sender_report(engine))
+        chan.push("tready", _sender_report(engine))
     if engine.layout is not None:   # rank 0 has this layout now
         if len(engine.told) > 16:   # bounded; forgetting only costs resending a layout
             engine.told.clear()
         engine.told.add(_told(engine))
-    return engine.chan.pop(f"go/t{engine.tindex}", 2 * engine.timeout + GRACE,
-                           peer="trainer rank 0", waiting_for="trainer rank 0's go")
+    return chan.pop(f"go/t{engine.tindex}", 2 * engine.timeout + GRACE,
+                    peer="trainer rank 0", waiting_for="trainer rank 0's go")
 
 
 def follow_transfer(engine: Any, reported: bool = False) -> Optional[PlanMismatch]:
     """A rollout before receiving (or a rank -1 sender before sending): report (unless its
     hello did, ``reported``), check rank 0's layout if asked, wait for its answer."""
+    chan = engine.chan      # this round's channel, whatever comes next
     if engine.rank < 0:
-        return _answer(engine, _follow_as_sender(engine, reported))
+        return _answer(engine, _follow_as_sender(engine, chan, reported))
     if not reported:
-        engine.chan.push("ready", _ready_report(engine))
+        chan.push("ready", _ready_report(engine))
     while True:     # rank 0 may gather every ready, then every check: twice its timeout
-        reply = engine.chan.pop(f"go/{engine.rank}", 2 * engine.timeout + GRACE,
-                                peer="trainer rank 0", waiting_for="trainer rank 0's go")
+        reply = chan.pop(f"go/{engine.rank}", 2 * engine.timeout + GRACE,
+                         peer="trainer rank 0", waiting_for="trainer rank 0's go")
         if "check" not in reply:
             break
-        engine.chan.push("checked", _run_check(engine, reply))
+        chan.push("checked", _run_check(engine, reply))
     return _answer(engine, reply)
 
 

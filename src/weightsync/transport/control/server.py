@@ -347,6 +347,15 @@ class ControlClient:
         except OSError:
             pass
 
+    def abort(self) -> None:
+        """Wake a call blocked on this connection in another thread (it fails with
+        ``ConnectionError``), then close it: for an owner that gives up on the connection."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.close()
+
 
 class C10dStore:
     """Factory for a ``torch.distributed.Store`` over a :class:`ControlClient` (for gloo/NCCL
