@@ -64,6 +64,36 @@ def test_an_early_report_no_receive_took_does_not_hold_the_next_sync():
         actor._get_or_create_checkpoint_engine().close()
 
 
+def test_a_peft_config_that_fitted_is_not_checked_again():
+    """The rollout's peft check runs before its report goes out, on every adapter sync:
+    a config that fitted this engine's model is not checked again; another config is,
+    and one that does not fit is checked (and refused) every time."""
+    from weightsync.integrations.swift.mixin import _before_receive
+
+    class Rollout(ws.WeightsyncCheckpointMixin):
+        weightsync_backend = "shm"
+        calls = 0
+
+        def get_model_param_names(self):
+            Rollout.calls += 1
+            return ["m.q_proj.weight", "m.v_proj.weight"]
+
+    actor, good = Rollout(), {"r": 4, "target_modules": ["q_proj"]}
+    for _ in range(3):
+        assert _before_receive(actor, True, good).intent["error"] is None
+    assert Rollout.calls == 1
+    other = dict(good, target_modules=["v_proj"])
+    assert _before_receive(actor, True, other).intent["error"] is None and Rollout.calls == 2
+    bad = dict(good, target_modules=["w_nope"])
+    for n in (3, 4):
+        assert "w_nope" in _before_receive(actor, True, bad).intent["error"]
+        assert Rollout.calls == n
+    actor.configure_weightsync("shm")       # a new engine checks afresh
+    _before_receive(actor, True, good)
+    assert Rollout.calls == 5
+    actor._get_or_create_checkpoint_engine().close()
+
+
 def test_import_without_swift_names_the_fix():
     code = "import sys; sys.modules['swift'] = None; import weightsync.integrations.swift"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -208,6 +208,7 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.layout: Optional[Layout] = None     # rank 0: the layout checked for this sync
         self.layouts: dict[str, Layout] = {}     # rank 0: per weight set, the last one sent
         self.accepted: dict[str, str] = {}       # rollouts: check key -> digest that fits
+        self.peft_fits: set = set()   # rollouts: check keys whose peft config fits the model
         self.stats = {"joins": 0, "reuses": 0, "releases": 0, "syncs": 0, "init_s": 0.0,
                       "refused": 0, "last_error": None, "checks": 0, "layout": None,
                       "sent_bytes": 0, "check_s": 0.0, "send_s": 0.0, "join_s": 0.0,

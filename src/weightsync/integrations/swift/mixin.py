@@ -101,16 +101,20 @@ def _before_receive(actor: Any, base_sync_done: bool, peft_config: Any) -> Weigh
     engine = actor._get_or_create_checkpoint_engine()
     adapter = peft_config is not None and bool(base_sync_done)   # as VllmServer decides
     check = getattr(actor, "weightsync_check_peft_config", None)
-    try:
-        problems = check(peft_config) if adapter and check is not None else []
+    key = _check_key(adapter, peft_config)
+    try:   # a config that fitted this engine's model fits it again (one model per engine)
+        problems = check(peft_config) if adapter and check is not None and \
+            key not in engine.peft_fits else []
     except Exception as exc:  # a failing check is an objection too, not a crash mid-sync
         problems = [f"checking the peft config failed: {type(exc).__name__}: {exc}"]
+    if adapter and not problems:
+        engine.peft_fits.add(key)
     checker = getattr(actor, "weightsync_check_weights", None)
     if not callable(checker):
         checker = functools.partial(default_check_weights, actor)
     engine.expect(adapter_only=adapter, error="; ".join(problems) or None,
                   check=lambda offered: checker(offered, adapter, peft_config if adapter else None),
-                  key=_check_key(adapter, peft_config))
+                  key=key)
     return engine
 
 
