@@ -2,7 +2,7 @@
 
 Owns :func:`run` (the cases and their rows), :func:`format_text` and
 :func:`format_markdown`. Measurements come from ``benchmarks/results/`` of the checkout:
-``cpu-2026-11-29/bench.json`` (``shm``, ``shm-buckets``, ``shm-direct``, ``collective``;
+the runs of :data:`CPU_RUNS` (``shm``, ``shm-buckets``, ``shm-direct``, ``collective``;
 1/2/4 receivers; the bench's own workloads, :mod:`weightsync.tools.bench.workloads`, on
 the ``cpu-2core`` preset), the ``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the
 ``p2p`` strategy as the backend ran then, with the preset and with each run's own raw
@@ -85,25 +85,36 @@ def _cpu_model(rec: dict) -> ModelSpec:
     return model_from_tensors(w.name, w.tensors, note=w.note)
 
 
+#: The CPU bench runs of ``shm`` / ``collective`` (folder, file, label): the 11-29 run of
+#: that day's code (a loaded box, load average ~5), and the 12-03 run of the code with the
+#: direct window (`benchmarks/results/cpu-calib-2026-12-03/`).
+CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
+            ("cpu-calib-2026-12-03", "bench.json", "12-03"))
+
+
 def _cpu_cases() -> list[dict]:
-    doc, base = _json("cpu-2026-11-29", "bench.json"), load_links("cpu-2core")
+    base = load_links("cpu-2core")
     variants: dict[str, tuple[str, Links]] = {
         "shm": ("ring", base), "collective": ("broadcast", base),
         "shm-buckets": ("ring", dataclasses.replace(base, direct_min_bytes=0)),
         "shm-direct": ("ring", dataclasses.replace(base, direct_max_receivers=64))}
     rows, models = [], {}
-    for rec in doc["results"]:
-        if rec["status"] != "ok" or rec["method"] not in variants:
+    for folder, name, label in CPU_RUNS:
+        if not os.path.exists(os.path.join(results_dir(), folder, name)):
             continue
-        strategy, links = variants[rec["method"]]
-        if rec["workload"] not in models:
-            models[rec["workload"]] = _cpu_model(rec)
-        sc = Scenario(model=models[rec["workload"]], links=links, trainer_gpus=1,
-                      replicas=rec["receivers"], bucket_size=rec["bucket_size"],
-                      src_dtype=rec["dtype"], dst_dtype=rec["dtype"], strategies=(strategy,))
-        rows.append(_row(f"CPU {rec['workload']} {rec['method']} R={rec['receivers']}",
-                         strategy, sc, rec["warm_median_s"],
-                         "cpu-2026-11-29/bench.json warm_median_s"))
+        for rec in _json(folder, name)["results"]:
+            if rec["status"] != "ok" or rec["method"] not in variants:
+                continue
+            strategy, links = variants[rec["method"]]
+            if rec["workload"] not in models:
+                models[rec["workload"]] = _cpu_model(rec)
+            sc = Scenario(model=models[rec["workload"]], links=links, trainer_gpus=1,
+                          replicas=rec["receivers"], bucket_size=rec["bucket_size"],
+                          src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
+                          strategies=(strategy,))
+            rows.append(_row(f"CPU {rec['workload']} {rec['method']} R={rec['receivers']} "
+                             f"({label})", strategy, sc, rec["warm_median_s"],
+                             f"{folder}/{name} warm_median_s"))
     return rows
 
 
