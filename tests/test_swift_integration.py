@@ -94,6 +94,34 @@ def test_a_peft_config_that_fitted_is_not_checked_again():
     actor._get_or_create_checkpoint_engine().close()
 
 
+def test_a_last_call_that_never_ends_is_a_clear_error_at_the_next_prepare(monkeypatch):
+    """The last round's call took its report and then hangs in the actor (neither moving
+    bytes nor ending): the next ``prepare`` waits for it only up to its bound and says
+    which round still runs, instead of starting the new round beside it."""
+    from weightsync.core.errors import SyncTimeout
+    from weightsync.integrations.swift import engine as engine_mod
+    monkeypatch.setattr(engine_mod, "GRACE", 0.0)
+
+    class Quick(ws.WeightsyncCheckpointMixin):
+        weightsync_backend = "shm"
+        weightsync_options = {"timeout": 1.0}
+
+    rollout = Quick()
+    rollout.prepare_checkpoint_engine(False)
+    engine = rollout._get_or_create_checkpoint_engine()
+    call = engine_mod._Call(7)
+    call.taken = True
+    call.report.set_result(None)
+    engine._call = call
+    start = time.monotonic()
+    with pytest.raises(SyncTimeout, match="round 7 is still running"):
+        rollout.prepare_checkpoint_engine(False)
+    assert 0.9 < time.monotonic() - start < 5.0
+    engine.end_receive(call)                 # once it ends, the next prepare goes ahead
+    rollout.prepare_checkpoint_engine(False)
+    engine.close()
+
+
 def test_import_without_swift_names_the_fix():
     code = "import sys; sys.modules['swift'] = None; import weightsync.integrations.swift"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
