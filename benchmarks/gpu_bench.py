@@ -108,8 +108,10 @@ class Worker:
 
     def op_engine_prepare(self, cfg: dict) -> dict:
         from weightsync import CheckpointEngineRegistry
+        self.views = bool(cfg.pop("views", False))
         if not self.cuda:
-            cfg = {k: v for k, v in cfg.items() if k not in ("zero_copy", "sync")}
+            cfg = {k: v for k, v in cfg.items() if k not in ("zero_copy", "sync",
+                                                              "stream_waits")}
         self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
@@ -171,7 +173,11 @@ class Worker:
         self.log.clear()
         start = time.perf_counter()
         self.log.append((start, "send_weights>"))
-        metrics = await self.engine.send_weights(self.params.items(), version=version)
+        # views: new tensor objects over the same storage every sync (FSDP2's unsharded
+        # buffers, merged-LoRA exports)
+        items = [(n, p.view(p.shape)) for n, p in self.params.items()] if self.views \
+            else self.params.items()
+        metrics = await self.engine.send_weights(items, version=version)
         self.log.append((time.perf_counter(), "<send_weights"))
         return {"ms": (time.perf_counter() - start) * 1e3, "metrics": metrics,
                 "peak": self._peak(base), "log": list(self.log)}
@@ -382,6 +388,10 @@ def main() -> None:
     ap.add_argument("--host-buckets", default="1024,4096", help="MiB (sync=host)")
     ap.add_argument("--zero-copy-buckets", default="256,1024", help="MiB (event)")
     ap.add_argument("--zero-copy-host-buckets", default="1024", help="MiB")
+    ap.add_argument("--no-stream-waits-buckets", default="2048",
+                    help="MiB (event, stream_waits=False: the trainer's host waits)")
+    ap.add_argument("--views-buckets", default="1024",
+                    help="MiB: zero-copy and ring, new tensor objects every sync")
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
     ap.add_argument("--scale", type=int, default=1, help="divide every dimension")
     ap.add_argument("--cpu-smoke", action="store_true", help="plumbing check: shm on CPU")
@@ -418,6 +428,12 @@ def main() -> None:
                             (args.zero_copy_host_buckets, True, "host")):
             configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
                          "sync": sy} for b in opt.split(",") if b]
+        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
+                     "sync": "event", "stream_waits": False}
+                    for b in args.no_stream_waits_buckets.split(",") if b]
+        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
+                     "sync": "event", "views": True}
+                    for b in args.views_buckets.split(",") if b for zc in (True, False)]
         for cfg in configs:
             res = run_engine(d, cfg, args.warm, seed)
             seed += args.warm + 1
@@ -473,6 +489,10 @@ def report(out: dict) -> str:
     for e in out["engine"]:
         c = e["cfg"]
         name = "cuda_ipc zero-copy" if c.get("zero_copy") else "cuda_ipc"
+        if c.get("stream_waits") is False:
+            name += " (host waits)"
+        if c.get("views"):
+            name += " (new views)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "
                      f"{e['cold_ms']:.1f} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
                      f"{base / e['median_ms']:.1f} | {e['ring_bytes'] / GiB:.2f} GiB | "

@@ -87,10 +87,23 @@ class FakeOps(IpcOps):
         return self.stream
 
     def copy(self, dst, src, stream):
-        stream.enqueue(lambda: dst.copy_(src))
+        (stream or self.stream).enqueue(lambda: dst.copy_(src))
 
     def sync(self, stream):
         stream.run_until(stream.queued)
+
+    def new_stream(self):
+        return FakeStream()
+
+    def wait_event(self, stream, event):
+        # what the event marks now (as cudaStreamWaitEvent): run that first, when due
+        with event.lock:
+            other, upto = event.stream, event.upto
+        if other is not None and other is not stream:
+            stream.enqueue(lambda: other.run_until(upto))
+
+    def keep_for(self, tensor, stream):
+        pass
 
     def new_event(self):
         return FakeEvent()
@@ -381,3 +394,109 @@ def test_options_and_construction(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailable):
             CheckpointEngineRegistry.new("cuda_ipc", role="trainer")
+
+
+def _ring_case(mix, mutant, receivers=2, steps=4):
+    """Kept parameters updated in place on the trainer's (late) stream, read late by the
+    receivers; with ``mix`` a fresh temporary follows every few of them."""
+    base = [(n, t.contiguous().clone()) for n, t in make_tensors(0, bucket_size=BUCKET, tiny=40)]
+    params = dict(base)
+    ts, rs = _group(1, receivers, sync="event")
+    trainer = ts[0]
+    host_waits = []
+    real_wait = trainer._wait_event
+    trainer._wait_event = lambda *a, **k: (host_waits.append(k.get("phase")),
+                                           real_wait(*a, **k))[1]
+    if mutant:   # the ring no longer waits on the GPU (for the receivers, or the trainer)
+        trainer._stream_wait = lambda *a, **k: None
+    bad, rings = [], []
+    try:
+        for step in range(steps):
+            values = dict(make_tensors(step, bucket_size=BUCKET, tiny=40))
+            for name, p in params.items():   # the optimizer step, on the trainer's stream
+                trainer._ops.copy(p, values[name].contiguous(), trainer._ops.current_stream())
+
+            def items(i):
+                cur = trainer._ops.current_stream()
+                for k, (name, p) in enumerate(params.items()):
+                    yield name, p
+                    if mix and k % 7 == 0:
+                        yield f"tmp.{k}", torch.full((BUCKET // 8,), float(step * 1000 + k))
+                        trainer._ops.sync(cur)   # the caller's stream runs ahead, as a GPU's
+            host_waits.clear()
+            sent, got = _sync(ts, rs, items, step, on_stream=True)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            rings.append((sent[0]["ring_tensors"], host_waits.count("send")))
+            for g in got:
+                for name, (t, _) in g.items():
+                    want = values[name].contiguous() if name in values else \
+                        torch.full((BUCKET // 8,), float(step * 1000 + int(name[4:])))
+                    if not same_bytes(t, want):
+                        bad.append((step, name))
+    finally:
+        _finalize(ts + rs)
+    return bad, rings
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mix", [False, True], ids=["kept", "kept+temporaries"])
+def test_kept_tensors_go_on_the_ring_and_the_trainer_host_never_waits(fake_ops, mix):
+    """From the second sync on, kept parameters are copied on the ring stream: a refill
+    waits for the receivers' late reads on the 'GPU' (FakeStream), and for the trainer's
+    own late update of the parameter, never on the trainer's host; temporaries between
+    them still take the host-ordered path. Bytes exact at every step."""
+    bad, rings = _ring_case(mix, mutant=False)
+    assert bad == []
+    assert rings[0][0] == 0                 # the first sync knows no storage yet
+    for on_ring, waits in rings[1:]:
+        assert on_ring >= 40
+        if not mix:
+            assert waits == 0, rings         # no host wait for the receivers at all
+
+
+@pytest.mark.timeout(120)
+def test_ring_checks_catch_a_missing_stream_wait(fake_ops):
+    """Without the ring's GPU-side waits, the late streams show corruption: this is what
+    makes the test above able to fail."""
+    bad, _ = _ring_case(False, mutant=True)
+    assert bad, "no corruption without the ring's stream waits"
+
+
+def test_a_staged_tensor_in_a_ring_ordered_slot_waits_on_the_host(fake_ops):
+    """A slot whose refill the ring orders (its opening tensor was a kept one) that then
+    gets a temporary, copied on the caller's stream: the host first sees the receivers'
+    reads done (the caller's stream must never wait for another process)."""
+    from weightsync.core.plan import TensorMeta
+    from weightsync.transport.backends.cuda_ipc import engine as eng
+    e = CudaIpcEngine(role="trainer", device="cpu", timeout=5)
+    e._gate, e._filling, calls = [eng._RING, eng._FREE], 0, []
+    e._free_on_host = lambda slot: (calls.append(slot), e._gate.__setitem__(slot, eng._FREE))
+    buf, t = torch.zeros(64, dtype=torch.uint8), torch.ones(4)
+    meta = TensorMeta("x", (4,), "float32", 0, 16, 0, 16)
+    e._on_ring = True          # a kept tensor goes on the ring: no host wait
+    e._ring = e._ops.new_stream()
+    e._copy_piece(buf, meta, t, torch.float32)
+    assert calls == []
+    e._on_ring = False         # a temporary: the host waits once, then the slot is free
+    e._copy_piece(buf, meta, t, torch.float32)
+    e._copy_piece(buf, meta, t, torch.float32)
+    assert calls == [0]
+
+
+def test_a_sync_after_a_failed_one_waits_for_the_ring_then_asks_for_a_new_group(fake_ops,
+                                                                               monkeypatch):
+    """A failed sync leaves the ring stream maybe still waiting for a receiver: the next
+    sync refills no slot before the ring is done, and says so (bounded) if it never is."""
+    e = CudaIpcEngine(role="trainer", device="cpu", timeout=0.3)
+    e._ring = e._ops.new_stream()
+    e._fence = e._ops.new_event()
+    stuck = e._fence
+    monkeypatch.setattr(e._ops, "done", lambda ev: ev is not stuck, raising=False)
+    start = time.monotonic()
+    with pytest.raises(PeerFailed, match="init_process_group") as info:
+        e._check_usable(7)
+    assert 0.25 < time.monotonic() - start < 10 and info.value.version == 7
+    assert e._fence is stuck            # still fenced: the next try waits again
+    stuck = None                        # the ring drained: the sync goes ahead
+    e._check_usable(8)
+    assert e._fence is None

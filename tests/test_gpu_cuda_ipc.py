@@ -77,7 +77,7 @@ def _sleep(cycles):
         torch.cuda._sleep(cycles)
 
 
-async def _race_trainer(engine, zero_copy, cycles):
+async def _race_trainer(engine, zero_copy, cycles, kept=False):
     n = BUCKET // 4  # each tensor fills a whole bucket with its own value
     params = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda")
               for i in range(RACE_TENSORS)}
@@ -89,7 +89,8 @@ async def _race_trainer(engine, zero_copy, cycles):
 
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(3):
-            if zero_copy:  # an in-place update behind a slow kernel, then send by reference
+            if zero_copy or kept:  # an in-place update behind a slow kernel, then send the
+                # parameters themselves (by reference, or, kept, on the ring stream)
                 for i, p in enumerate(params.values()):
                     _sleep(cycles)
                     p.fill_(1000 * step + i)
@@ -114,7 +115,7 @@ async def _race_rollout(engine, cycles):
     return bad
 
 
-def _race_worker(role, zero_copy, sync, mutant, scenario, conn):
+def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False):
     import asyncio
     try:
         engine = CheckpointEngineRegistry.new(
@@ -123,10 +124,11 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn):
         if mutant:  # drop every wait of the engine (streams and events)
             engine._sync = lambda *a, **k: None
             engine._wait_event = lambda *a, **k: None
+            engine._stream_wait = lambda *a, **k: None
         conn.send(engine.prepare())
         engine.init_process_group(**conn.recv())
         prod, cons = SCENARIOS[scenario]
-        job = _race_trainer(engine, zero_copy, prod) if role == "trainer" else \
+        job = _race_trainer(engine, zero_copy, prod, kept) if role == "trainer" else \
             _race_rollout(engine, cons)
         conn.send({"bad": asyncio.run(job)})
         engine.finalize()
@@ -134,13 +136,14 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn):
         conn.send({"fatal": traceback.format_exc()})
 
 
-def _run_race(zero_copy, sync, scenario, mutant=False):
+def _run_race(zero_copy, sync, scenario, mutant=False, kept=False):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_race_worker,
-                        args=(role, zero_copy, sync, mutant, scenario, child), daemon=True)
+                        args=(role, zero_copy, sync, mutant, scenario, child, kept),
+                        daemon=True)
         p.start()
         pipes.append(parent)
         procs.append(p)
@@ -175,11 +178,23 @@ def test_slow_streams_never_corrupt(sync, zero_copy, scenario):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_slow_streams_never_corrupt_kept_parameters_on_the_ring(scenario):
+    """Parameters updated in place and sent again: from the second sync on they go on the
+    ring stream, whose refills wait for the receiver on the GPU."""
+    trainer, rollout = _run_race(False, "event", scenario, kept=True)
+    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
+    assert rollout["bad"] == []
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero_copy,sync,scenario", [
     (False, "event", "slow_producer"), (False, "event", "slow_consumer"),
     (True, "event", "slow_producer"), (False, "host", "slow_producer"),
-    (False, "host", "slow_consumer")])
+    (False, "host", "slow_consumer"), (False, "event", "slow_consumer-kept"),
+    (False, "event", "slow_producer-kept")])
 def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
-    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True)
+    scenario, kept = scenario.split("-")[0], scenario.endswith("-kept")
+    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept)
     assert "fatal" not in rollout, rollout
     assert rollout["bad"], f"no corruption without stream waits ({scenario})"

@@ -12,11 +12,28 @@ drain bucket k; an acknowledgement is only awaited when a slot comes round again
 Ordering (``sync``): with ``"event"`` (default) the trainer records an interprocess CUDA
 event behind a bucket's copies and publishes at once; the receiver's pump thread polls
 that event before the consumer sees the bucket; the consumer's release records the
-receiver's own event on its stream, and the trainer polls it before it refills the slot.
+receiver's own event on its stream. Before the trainer refills a slot it has the
+receivers' acknowledgements of the slot's last bucket, and then orders the refill after
+their reads in one of two ways:
+
+* tensors whose bytes outlive their item (:class:`~weightsync.transport.tensors.LastingStorage`:
+  parameters from the second sync on, or tensors the export marked) are copied on a
+  stream of the engine's own, the *ring stream*, which waits for the receivers' events
+  on the GPU (``cudaStreamWaitEvent``) and for the caller's stream before each such
+  tensor: the trainer's host never waits for the GPU, so the next bucket's copies are
+  queued while the receivers still read the last one (``stream_waits``, default on);
+* any other tensor (a temporary, a buffer the export refills) is copied on the caller's
+  stream once the trainer has polled the receivers' events on the host, so the export's
+  later writes stay ordered after the copy.
+
+No stream of the caller ever waits on another process's event: only the ring stream
+does, so a dead receiver can stall the ring, never the trainer's own work. The ring's
+slots are kept from the allocator while it may still use them; a sync that follows a
+failed one first waits (bounded) until the ring has drained, else it asks for a new
+``init_process_group``. Every wait on a peer is bounded on the host (``SyncTimeout``).
 With ``"host"`` the trainer synchronizes its stream before publishing and the receiver
-its consumer's stream before acknowledging. Either way no stream ever waits on another
-process's event: a dead peer times a sync out (``SyncTimeout``) but cannot wedge a GPU
-stream. Before the final acknowledgement a receiver synchronizes its consumer's stream.
+its consumer's stream before acknowledging. Before the final acknowledgement a receiver
+synchronizes its consumer's stream.
 
 Zero-copy option (``zero_copy=True``, see :mod:`._cudaipc_refs`): eligible tensors are
 read straight from the trainer's memory, one copy per sync instead of two.
@@ -42,7 +59,7 @@ from weightsync.core.plan import TensorMeta
 from weightsync.core.remote import normalize_version
 from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
 from weightsync.transport.protocol.sender import BucketedEngine
-from weightsync.transport.tensors import as_bytes
+from weightsync.transport.tensors import LastingStorage, as_bytes, wire_dtype
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
 from weightsync.transport.control.group import StoreGroupMixin
@@ -50,6 +67,8 @@ from weightsync.transport.protocol.receiver import Abandoned, ReceiverMixin
 from weightsync.transport.registry import CheckpointEngineRegistry
 
 __all__ = ["CudaIpcEngine", "CudaIpcOptions"]
+
+_RING, _FREE = 1, 2    # how a slot's refill is ordered after the receivers' reads
 
 
 @dataclass(kw_only=True)
@@ -61,7 +80,11 @@ class CudaIpcOptions:
     ``WEIGHTSYNC_CUDA_IPC_MIN_REF_BYTES``): smaller tensors are packed into buckets even
     then (default 0: every eligible tensor). ``ref_batch_bytes``: bytes of zero-copy
     tensors announced per message (default: the bucket size for the first message,
-    doubling with each next one). ``sync`` (env ``WEIGHTSYNC_CUDA_IPC_SYNC``,
+    doubling with each next one). ``stream_waits`` (env
+    ``WEIGHTSYNC_CUDA_IPC_STREAM_WAITS``, trainer side, ``"event"`` ordering without
+    checksums only): lasting tensors are copied on the ring stream, whose refills wait for
+    the receivers on the GPU, not on the host (see the module doc). ``sync`` (env
+    ``WEIGHTSYNC_CUDA_IPC_SYNC``,
     the trainer's setting wins): ``"event"`` orders bucket
     handoffs with interprocess CUDA events that the other side polls (no thread blocks on a
     stream per bucket); ``"host"`` synchronizes the producing / consuming stream instead.
@@ -72,12 +95,15 @@ class CudaIpcOptions:
         default_factory=lambda: env_value("CUDA_IPC_MIN_REF_BYTES", int, 0))
     ref_batch_bytes: Optional[int] = None
     sync: str = field(default_factory=lambda: env_value("CUDA_IPC_SYNC", str, "event"))
+    stream_waits: bool = field(
+        default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, True))
 
     def __post_init__(self) -> None:
         if self.sync not in ("event", "host"):
             raise ValueError(f"sync must be 'event' or 'host', got {self.sync!r}")
-        if not isinstance(self.zero_copy, bool):
-            raise ValueError(f"zero_copy must be a bool, got {self.zero_copy!r}")
+        for name in ("zero_copy", "stream_waits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("min_ref_bytes", "ref_batch_bytes"):
             value = getattr(self, name)
             if value is None and name == "ref_batch_bytes":
@@ -160,17 +186,19 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
 
     def __init__(self, *, zero_copy: Optional[bool] = None, min_ref_bytes: Optional[int] = None,
                  ref_batch_bytes: Optional[int] = None, sync: Optional[str] = None,
-                 **kwargs: Any) -> None:
+                 stream_waits: Optional[bool] = None, **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
         given = {"zero_copy": zero_copy, "min_ref_bytes": min_ref_bytes,
-                 "ref_batch_bytes": ref_batch_bytes, "sync": sync}
+                 "ref_batch_bytes": ref_batch_bytes, "sync": sync,
+                 "stream_waits": stream_waits}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
         self._bufs: list[torch.Tensor] = []
         self._tx_stream: Any = None
+        self._tx_version: Any = None
         self._events = False                       # ordering by events (the trainer decides)
         self._filled: list[Any] = []               # sender: per slot (+1 for zero-copy)
         self._drained: list[list[Any]] = []        # sender: per receiver, per slot (opened)
@@ -179,6 +207,18 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._rx_bufs: dict[int, list[torch.Tensor]] = {}
         self._ackers: dict[int, _AckPusher] = {}
         self._dst_views: dict[tuple, torch.Tensor] = {}   # sender: views into slots
+        # sender, with stream_waits: the ring stream, an event marking the caller's stream,
+        # the mark of a failed sync's ring work, per slot how its current refill is
+        # ordered (_RING: the ring waits for the receivers; _FREE: the host saw them done)
+        self._ring: Any = None
+        self._mark: Any = None
+        self._fence: Any = None
+        self._gate: list[int] = []
+        self._filling = 0                   # the slot being filled
+        self._on_ring = False               # the tensor being packed is copied on the ring
+        self._ring_count = 0
+        self._lasting = LastingStorage(min_bytes=0)
+        self._chunk_src: tuple = ()         # (tensor, dtype, its wire bytes) being chunked
         self._init_refs()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -190,6 +230,12 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         per_slot = [self._ops.export(buf, self._num_receivers) for buf in self._bufs]
         self._events = self.options.sync == "event"
         self._filled = [self._ops.new_event() for _ in range(n + 1)] if self._events else []
+        self._gate = [_FREE] * n
+        if self._events and self.options.stream_waits and not self.config.checksum:
+            self._ring = self._ops.new_stream()
+            self._mark = self._ops.new_event()
+            for buf in self._bufs:  # freed memory stays out of reach until the ring is done
+                self._ops.keep_for(buf, self._ring)
         events = tuple(self._ops.event_handle(e) for e in self._filled)
         for r in range(self._num_receivers):
             self._tx_inbox.push(f"r{r}", HelloMsg(
@@ -266,11 +312,58 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
     async def send_weights(self, named_tensors: Any, version: Any = None) -> dict[str, Any]:
         version = normalize_version(version)  # the bucketed sender keeps it as given
         self._tx_stream = self._ops.current_stream()
+        self._tx_version = version
+        self._ring_count = 0
         self._clear_refs()
+        self._lasting.begin()
         try:
-            return await super().send_weights(named_tensors, version)
+            report = await super().send_weights(named_tensors, version)
+        except BaseException:
+            self._lasting.reset()   # a failed sync: trust no storage from before it
+            raise
         finally:
             self._clear_refs()
+            self._chunk_src = ()
+        self._lasting.finish()
+        return report
+
+    def _check_usable(self, version: Any) -> None:
+        """A sync after a failed one: the ring stream may still wait for a receiver of
+        that sync; its slots are refilled only once it is done (bounded)."""
+        super()._check_usable(version)
+        fence, self._fence = self._fence, None
+        if fence is None:
+            return
+        try:
+            self._wait_event(fence, peer="the ring stream of the failed sync", phase="send",
+                             version=version)
+        except SyncTimeout as exc:
+            self._fence = fence
+            raise PeerFailed(f"{exc.detail}: its slots cannot be refilled; call "
+                             "init_process_group again", peer=exc.peer, phase="send",
+                             version=version) from None
+
+    async def _pack(self, state: Any, name: str, tensor: torch.Tensor) -> None:
+        """Decide where ``tensor`` is copied (see the module doc), then pack it."""
+        ring = self._ring
+        self._on_ring = False
+        if ring is not None and tensor.device == self._ops.device and tensor.is_contiguous() \
+                and wire_dtype(tensor, self.config.dtype) == tensor.dtype \
+                and self._lasting.lasting(name, tensor, version=state.version):
+            self._on_ring = True
+            self._ring_count += 1
+            self._ops.record(self._mark, self._tx_stream)   # its bytes as written so far
+            self._stream_wait(ring, self._mark)
+        await super()._pack(state, name, tensor)
+
+    def _report(self, state: Any, seconds: float) -> dict[str, Any]:
+        out = super()._report(state, seconds)
+        out["ring_tensors"] = self._ring_count   # copied on the ring stream (stream waits)
+        return out
+
+    def _stream_wait(self, stream: Any, event: Any) -> None:
+        """``stream`` waits on the GPU for ``event`` (no host wait)."""
+        self._ops.wait_event(stream, event)
 
     def _rx_control(self, stream: int) -> Any:
         return self._ackers[stream]
@@ -308,16 +401,26 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
 
     def _copy_piece(self, buf: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor,
                     dtype: torch.dtype) -> None:
-        if tensor.device.type == "cpu" and buf.device.type != "cpu":
-            tensor = tensor.to(buf.device)  # blocking: the caller may reuse its CPU tensor
         if not meta.nbytes:
             return
-        if meta.is_chunk:  # every copy into a slot goes on the trainer's stream (ops.copy)
-            src = as_bytes((tensor if tensor.dtype == dtype else tensor.to(dtype)).contiguous())
+        stream = self._ring if self._on_ring else None   # None: the caller's stream
+        if not self._on_ring and self._gate[self._filling] != _FREE:
+            self._free_on_host(self._filling)   # a ring-ordered slot gets a staged tensor
+        if meta.is_chunk:
+            chunked = self._chunk_src
+            if not chunked or chunked[0] is not tensor or chunked[1] != dtype:
+                # cast / made contiguous once per tensor, not once per chunk
+                src = tensor.to(buf.device) if tensor.device != buf.device else tensor
+                src = as_bytes((src if src.dtype == dtype else src.to(dtype)).contiguous())
+                chunked = self._chunk_src = (tensor, dtype, src)
+            src = chunked[2]
             self._ops.copy(buf[meta.offset: meta.offset + meta.nbytes],
-                           src[meta.chunk_offset: meta.chunk_offset + meta.nbytes],
-                           self._tx_stream)
+                           src[meta.chunk_offset: meta.chunk_offset + meta.nbytes], stream)
+            if meta.is_last_chunk:
+                self._chunk_src = ()
             return
+        if tensor.device.type == "cpu" and buf.device.type != "cpu":
+            tensor = tensor.to(buf.device)  # blocking: the caller may reuse its CPU tensor
         # Replayed layouts put the same tensors at the same places: keep the slot views.
         key = (id(buf), meta.offset, dtype, tensor.shape)
         dst = self._dst_views.get(key)
@@ -326,7 +429,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 self._dst_views.clear()
             dst = buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(tensor.shape)
             self._dst_views[key] = dst
-        self._ops.copy(dst, tensor, self._tx_stream)
+        self._ops.copy(dst, tensor, stream)
 
     def _tx_ready(self, slot: int, buf: torch.Tensor, version: Any) -> None:
         if self.config.checksum:  # the checksum reads the bucket on the host right away
@@ -334,23 +437,43 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
 
     def _tx_done(self, slot: int, version: Any) -> None:
         """The bytes queued for ``slot`` (or the zero-copy tensors) are, or will be, ready."""
-        if self._events:
-            self._ops.record(self._filled[slot], self._tx_stream)
-        else:
+        if not self._events:
             self._sync(self._tx_stream, peer="trainer stream", phase="send", version=version)
+        elif self._ring is not None and slot < len(self._bufs):
+            # the slot's bytes: copies on the ring, and staged ones on the caller's stream
+            self._ops.record(self._mark, self._tx_stream)
+            self._stream_wait(self._ring, self._mark)
+            self._ops.record(self._filled[slot], self._ring)
+        else:
+            self._ops.record(self._filled[slot], self._tx_stream)
 
     def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
         self._tx_done(slot, msg.version)
         self._tx_inbox.push_many(self._receiver_boxes(), msg)
 
     def _tx_wait_free(self, slot: int, state: Any) -> None:
+        """Before ``slot`` is refilled: the receivers acknowledged its last bucket; then
+        the ring waits for their reads on the GPU if the tensor opening it goes on the
+        ring, else the host waits for them."""
+        self._filling = slot
         prev = self._slot_bucket.get(slot)
         if prev is None:
+            self._gate[slot] = _FREE
             return
         self._await_acks(state, final=False, index=prev)
+        if self._on_ring:
+            for events in self._drained:
+                self._stream_wait(self._ring, events[slot])
+            self._gate[slot] = _RING
+        else:
+            self._free_on_host(slot)
+
+    def _free_on_host(self, slot: int) -> None:
+        """The host waits (bounded) until the receivers' reads of ``slot`` are done."""
         for r, events in enumerate(self._drained if self._events else ()):
             self._wait_event(events[slot], peer=f"rollout rank {r}", phase="send",
-                             version=state.version)
+                             version=self._tx_version)
+        self._gate[slot] = _FREE
 
     def _rx_fetch(self, stream: int, msg: BucketMsg) -> Any:
         bufs = self._rx_bufs[stream]
@@ -380,6 +503,12 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                    phase="receive", version=msg.version)
         super()._rx_finish_stream(state, stream, msg)
 
+    def _abort_send(self, state: Any, exc: BaseException) -> None:
+        if self._ring is not None:   # the next sync refills slots only once this is done
+            self._fence = self._fence or self._ops.new_event()
+            self._ops.record(self._fence, self._ring)
+        super()._abort_send(state, exc)
+
     # -- teardown ---------------------------------------------------------------------------
     def _release(self) -> None:
         self._stop_threads()
@@ -389,6 +518,9 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._dst_views = {}
         self._bufs, self._rx_bufs = [], {}
         self._filled, self._drained, self._rx_filled, self._rx_drained = [], [], {}, {}
+        self._ring = self._mark = self._fence = None   # its slots stay kept until it is done
+        self._gate = []
+        self._lasting.reset()
         self._rx_regions, self._rx_used, self._rx_region_store = {}, {}, {}
         self._regions = {}
         self._region_store = None

@@ -103,12 +103,25 @@ class IpcOps:
         return None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        """Queue ``dst.copy_(src)`` on ``stream`` (done when an event recorded after it
-        is, or after ``sync(stream)``; the CPU test stand-in really applies it late)."""
+        """Queue ``dst.copy_(src)`` on ``stream`` (None: the current stream; done when an
+        event recorded after it is, or after ``sync(stream)``; the CPU test stand-in
+        really applies it late)."""
         dst.copy_(src, non_blocking=True)
 
     def sync(self, stream: Any) -> None:
         """Block until the work queued on ``stream`` is done."""
+
+    def new_stream(self) -> Any:
+        """A stream of this device's own (work queued on it runs beside the caller's)."""
+        return self.current_stream()
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Queue on ``stream`` a wait for the work ``event`` last marked (no host wait);
+        the event may be another process's (``open_event``)."""
+
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
+        """The allocator must not hand ``tensor``'s memory out again, once freed, before
+        the work queued on ``stream`` up to then is done."""
 
     def new_event(self) -> Any:
         """An event other processes can open (``event_handle``) and query."""
@@ -187,11 +200,23 @@ class CudaIpcOps(IpcOps):
         return torch.cuda.current_stream(self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        # The engine passes the stream that is current while it sends: no stream switch.
-        dst.copy_(src, non_blocking=True)
+        if stream is None:                 # the caller's current stream
+            dst.copy_(src, non_blocking=True)
+            return
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
 
     def sync(self, stream: Any) -> None:
         stream.synchronize()
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
 
     def new_event(self) -> Any:
         with torch.cuda.device(self.device):
