@@ -19,9 +19,11 @@ their reads in one of two ways:
 * tensors whose bytes outlive their item (:class:`~weightsync.transport.tensors.LastingStorage`:
   parameters from the second sync on, or tensors the export marked) are copied on a
   stream of the engine's own, the *ring stream*, which waits for the receivers' events
-  on the GPU (``cudaStreamWaitEvent``) and for the caller's stream before each such
-  tensor: the trainer's host never waits for the GPU, so the next bucket's copies are
-  queued while the receivers still read the last one (``stream_waits``, default on);
+  on the GPU (``cudaStreamWaitEvent``): the trainer's host never waits for the GPU, so
+  the next bucket's copies are queued while the receivers still read the last one
+  (``stream_waits``, default on). Their bytes do not change within the sync, so their
+  copies are queued together when the bucket closes, behind one wait for the caller's
+  stream (no per-tensor stream switch or event);
 * any other tensor (a temporary, a buffer the export refills) is copied on the caller's
   stream once the trainer has polled the receivers' events on the host, so the export's
   later writes stay ordered after the copy.
@@ -219,6 +221,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._ring_count = 0
         self._lasting = LastingStorage(min_bytes=0)
         self._chunk_src: tuple = ()         # (tensor, dtype, its wire bytes) being chunked
+        self._deferred: list[tuple] = []    # the open bucket's copies of kept tensors
         self._init_refs()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -324,6 +327,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         finally:
             self._clear_refs()
             self._chunk_src = ()
+            self._deferred = []
         self._lasting.finish()
         return report
 
@@ -352,8 +356,6 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 and self._lasting.lasting(name, tensor, version=state.version):
             self._on_ring = True
             self._ring_count += 1
-            self._ops.record(self._mark, self._tx_stream)   # its bytes as written so far
-            self._stream_wait(ring, self._mark)
         await super()._pack(state, name, tensor)
 
     def _report(self, state: Any, seconds: float) -> dict[str, Any]:
@@ -403,7 +405,6 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                     dtype: torch.dtype) -> None:
         if not meta.nbytes:
             return
-        stream = self._ring if self._on_ring else None   # None: the caller's stream
         if not self._on_ring and self._gate[self._filling] != _FREE:
             self._free_on_host(self._filling)   # a ring-ordered slot gets a staged tensor
         if meta.is_chunk:
@@ -414,8 +415,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 src = as_bytes((src if src.dtype == dtype else src.to(dtype)).contiguous())
                 chunked = self._chunk_src = (tensor, dtype, src)
             src = chunked[2]
-            self._ops.copy(buf[meta.offset: meta.offset + meta.nbytes],
-                           src[meta.chunk_offset: meta.chunk_offset + meta.nbytes], stream)
+            self._copy(buf[meta.offset: meta.offset + meta.nbytes],
+                       src[meta.chunk_offset: meta.chunk_offset + meta.nbytes])
             if meta.is_last_chunk:
                 self._chunk_src = ()
             return
@@ -429,7 +430,15 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 self._dst_views.clear()
             dst = buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(tensor.shape)
             self._dst_views[key] = dst
-        self._ops.copy(dst, tensor, stream)
+        self._copy(dst, tensor)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A kept tensor's copy waits for the bucket's end (on the ring); any other is
+        queued now on the caller's stream."""
+        if self._on_ring:
+            self._deferred.append((dst, src))
+        else:
+            self._ops.copy(dst, src, None)
 
     def _tx_ready(self, slot: int, buf: torch.Tensor, version: Any) -> None:
         if self.config.checksum:  # the checksum reads the bucket on the host right away
@@ -440,9 +449,13 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         if not self._events:
             self._sync(self._tx_stream, peer="trainer stream", phase="send", version=version)
         elif self._ring is not None and slot < len(self._bufs):
-            # the slot's bytes: copies on the ring, and staged ones on the caller's stream
+            # the slot's bytes: kept tensors as written so far on the caller's stream, and
+            # the staged ones copied there, then the kept ones' copies on the ring
             self._ops.record(self._mark, self._tx_stream)
             self._stream_wait(self._ring, self._mark)
+            pending, self._deferred = self._deferred, []
+            if pending:
+                self._ops.copy_many(pending, self._ring)
             self._ops.record(self._filled[slot], self._ring)
         else:
             self._ops.record(self._filled[slot], self._tx_stream)

@@ -108,6 +108,11 @@ class IpcOps:
         really applies it late)."""
         dst.copy_(src, non_blocking=True)
 
+    def copy_many(self, pairs: list, stream: Any) -> None:
+        """``copy(dst, src, stream)`` for each ``(dst, src)`` of ``pairs``, in order."""
+        for dst, src in pairs:
+            self.copy(dst, src, stream)
+
     def sync(self, stream: Any) -> None:
         """Block until the work queued on ``stream`` is done."""
 
@@ -205,6 +210,11 @@ class CudaIpcOps(IpcOps):
             return
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+
+    def copy_many(self, pairs: list, stream: Any) -> None:
+        with torch.cuda.stream(stream):   # one stream switch for a bucket's copies
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
 
     def sync(self, stream: Any) -> None:
         stream.synchronize()
