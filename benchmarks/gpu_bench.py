@@ -111,7 +111,7 @@ class Worker:
         self.views = bool(cfg.pop("views", False))
         if not self.cuda:
             cfg = {k: v for k, v in cfg.items() if k not in ("zero_copy", "sync",
-                                                              "stream_waits")}
+                                                              "stream_waits", "links")}
         self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
@@ -390,6 +390,8 @@ def main() -> None:
     ap.add_argument("--zero-copy-host-buckets", default="1024", help="MiB")
     ap.add_argument("--no-stream-waits-buckets", default="2048",
                     help="MiB (event, stream_waits=False: the trainer's host waits)")
+    ap.add_argument("--no-links-buckets", default="2048",
+                    help="MiB (event, links=False: headers and acks through the store)")
     ap.add_argument("--views-buckets", default="1024",
                     help="MiB: zero-copy and ring, new tensor objects every sync")
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
@@ -431,6 +433,9 @@ def main() -> None:
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
                      "sync": "event", "stream_waits": False}
                     for b in args.no_stream_waits_buckets.split(",") if b]
+        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
+                     "sync": "event", "links": False}
+                    for b in args.no_links_buckets.split(",") if b]
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
                      "sync": "event", "views": True}
                     for b in args.views_buckets.split(",") if b for zc in (True, False)]
@@ -491,6 +496,8 @@ def report(out: dict) -> str:
         name = "cuda_ipc zero-copy" if c.get("zero_copy") else "cuda_ipc"
         if c.get("stream_waits") is False:
             name += " (host waits)"
+        if c.get("links") is False:
+            name += " (store, no links)"
         if c.get("views"):
             name += " (new views)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "

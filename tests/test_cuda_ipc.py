@@ -500,3 +500,56 @@ def test_a_sync_after_a_failed_one_waits_for_the_ring_then_asks_for_a_new_group(
     stuck = None                        # the ring drained: the sync goes ahead
     e._check_usable(8)
     assert e._fence is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("links", [True, False])
+def test_headers_and_acks_go_over_links_unless_turned_off(fake_ops, links):
+    """With ``links`` (default) bucket headers and acks use one socket per receiver; the
+    control store carries only set-up; either way the bytes are exact."""
+    ts, rs = _group(1, 2, links=links)
+    try:
+        assert (ts[0]._hub is not None) == links
+        assert all(bool(r._links) == links for r in rs)
+        pushed = []
+        store_push = ts[0]._tx_inbox.push_many
+        ts[0]._tx_inbox.push_many = lambda *a, **k: (pushed.append(a[1]), store_push(*a, **k))
+        for step in range(2):
+            sent, got = _sync(ts, rs, lambda i: make_tensors(step, bucket_size=BUCKET), step)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            expected = expected_tensors(step, bucket_size=BUCKET)
+            assert all(same_bytes(g[n][0], expected[n]) for g in got for n in expected)
+        assert (pushed == []) == links
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_zero_copy_replays_new_views_of_the_same_storage(fake_ops):
+    """An export that yields new tensor objects over the same storage every sync (FSDP2's
+    reused buffers, merged-LoRA views) replays the last sync's entries: nothing is worked
+    out again per tensor; a tensor whose storage was replaced is noticed."""
+    g = torch.Generator().manual_seed(1)
+    params = {f"w{i}": torch.randn(32, 16, generator=g) for i in range(8)}
+    ts, rs = _group(1, 1, zero_copy=True, min_ref_bytes=0)
+    fresh = []
+    real = ts[0]._new_ref
+
+    async def counting(name, tensor):
+        fresh.append(name)
+        return await real(name, tensor)
+    ts[0]._new_ref = counting
+    try:
+        for step in range(4):
+            for p in params.values():
+                p.add_(1.0)
+            if step == 3:   # new memory under one name: worked out again, bytes right
+                params["w2"] = torch.randn(32, 16, generator=g)
+            fresh.clear()
+            sent, got = _sync(ts, rs, lambda i: [(n, p.view(p.shape)) for n, p in params.items()],
+                              step)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            assert all(same_bytes(got[0][n][0], p) for n, p in params.items())
+            assert fresh == (sorted(params) if step == 0 else ["w2"] if step == 3 else [])
+    finally:
+        _finalize(ts + rs)

@@ -48,6 +48,7 @@ current while it iterates ``receive_weights`` (the default stream, normally).
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ from weightsync.transport.tensors import LastingStorage, as_bytes, wire_dtype
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
 from weightsync.transport.control.group import StoreGroupMixin
+from weightsync.transport.control.links import Link, LinkHub, unix_address
 from weightsync.transport.protocol.receiver import Abandoned, ReceiverMixin
 from weightsync.transport.registry import CheckpointEngineRegistry
 
@@ -82,7 +84,10 @@ class CudaIpcOptions:
     ``WEIGHTSYNC_CUDA_IPC_MIN_REF_BYTES``): smaller tensors are packed into buckets even
     then (default 0: every eligible tensor). ``ref_batch_bytes``: bytes of zero-copy
     tensors announced per message (default: the bucket size for the first message,
-    doubling with each next one). ``stream_waits`` (env
+    doubling with each next one). ``links`` (env ``WEIGHTSYNC_CUDA_IPC_LINKS``, the
+    trainer's setting wins): bucket headers and acknowledgements go over one Unix socket
+    per receiver instead of the control store, whose server threads share the trainer's
+    GIL (as ``shm`` does). ``stream_waits`` (env
     ``WEIGHTSYNC_CUDA_IPC_STREAM_WAITS``, trainer side, ``"event"`` ordering without
     checksums only): lasting tensors are copied on the ring stream, whose refills wait for
     the receivers on the GPU, not on the host (see the module doc). ``sync`` (env
@@ -99,11 +104,12 @@ class CudaIpcOptions:
     sync: str = field(default_factory=lambda: env_value("CUDA_IPC_SYNC", str, "event"))
     stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, True))
+    links: bool = field(default_factory=lambda: env_value("CUDA_IPC_LINKS", parse_bool, True))
 
     def __post_init__(self) -> None:
         if self.sync not in ("event", "host"):
             raise ValueError(f"sync must be 'event' or 'host', got {self.sync!r}")
-        for name in ("zero_copy", "stream_waits"):
+        for name in ("zero_copy", "stream_waits", "links"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("min_ref_bytes", "ref_batch_bytes"):
@@ -188,13 +194,14 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
 
     def __init__(self, *, zero_copy: Optional[bool] = None, min_ref_bytes: Optional[int] = None,
                  ref_batch_bytes: Optional[int] = None, sync: Optional[str] = None,
-                 stream_waits: Optional[bool] = None, **kwargs: Any) -> None:
+                 stream_waits: Optional[bool] = None, links: Optional[bool] = None,
+                 **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
         given = {"zero_copy": zero_copy, "min_ref_bytes": min_ref_bytes,
                  "ref_batch_bytes": ref_batch_bytes, "sync": sync,
-                 "stream_waits": stream_waits}
+                 "stream_waits": stream_waits, "links": links}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
@@ -240,10 +247,14 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             for buf in self._bufs:  # freed memory stays out of reach until the ring is done
                 self._ops.keep_for(buf, self._ring)
         events = tuple(self._ops.event_handle(e) for e in self._filled)
+        if self.options.links:   # headers and acks on a socket per receiver (below)
+            self._hub = LinkHub(socket.AF_UNIX, unix_address(self._token, self._rank),
+                                self._token, self.config.timeout)
         for r in range(self._num_receivers):
             self._tx_inbox.push(f"r{r}", HelloMsg(
                 stream=self._rank, rank=r, bucket_size=size, num_slots=n,
-                handles=tuple(descs[r] for descs in per_slot) + events))
+                handles=tuple(descs[r] for descs in per_slot) + events,
+                segments=("link",) if self._hub is not None else ()))
         self._drained = [[] for _ in range(self._num_receivers)]
         attached: set[int] = set()
         deadline = time.monotonic() + self.config.timeout
@@ -263,6 +274,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                         raise TopologyError("a receiver sent the wrong number of events",
                                             peer=f"rollout rank {msg.rank}", phase="init")
                 attached.add(msg.rank)
+        if self._hub is not None:
+            self._hub.accept(self._num_receivers, deadline)
 
     def _open_event(self, handle: str, peer: str) -> Any:
         try:
@@ -293,8 +306,13 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             if events:
                 self._rx_filled[s] = [self._open_event(h, peer) for h in msg.handles[n:]]
                 self._rx_drained[s] = [self._ops.new_event() for _ in range(n)]
-            self._ackers[s] = _AckPusher(self._rx_push[s], f"weightsync-ack{self._rank}-s{s}",
-                                         self.config.timeout)
+            if msg.segments == ("link",):   # connected before the hello: the trainer accepts
+                if not self._links:
+                    self._links = {}
+                self._links[s] = Link(socket.AF_UNIX, unix_address(self._token, s), self._token,
+                                      self._rank, self.config.timeout, peer=peer)
+            self._ackers[s] = _AckPusher(self._links.get(s) or self._rx_push[s],
+                                         f"weightsync-ack{self._rank}-s{s}", self.config.timeout)
             mine = tuple(self._ops.event_handle(e) for e in self._rx_drained.get(s, ()))
             self._rx_push[s].push("t", HelloMsg(stream=s, rank=self._rank,
                                                 bucket_size=msg.bucket_size,
@@ -351,7 +369,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         """Decide where ``tensor`` is copied (see the module doc), then pack it."""
         ring = self._ring
         self._on_ring = False
-        if ring is not None and tensor.device == self._ops.device and tensor.is_contiguous() \
+        if ring is not None and not (self.options.zero_copy and self._can_ref(tensor)) \
+                and tensor.device == self._ops.device and tensor.is_contiguous() \
                 and wire_dtype(tensor, self.config.dtype) == tensor.dtype \
                 and self._lasting.lasting(name, tensor, version=state.version):
             self._on_ring = True
@@ -462,7 +481,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
 
     def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
         self._tx_done(slot, msg.version)
-        self._tx_inbox.push_many(self._receiver_boxes(), msg)
+        self._tx_control().push_many(self._receiver_boxes(), msg)
 
     def _tx_wait_free(self, slot: int, state: Any) -> None:
         """Before ``slot`` is refilled: the receivers acknowledged its last bucket; then
@@ -532,6 +551,11 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._bufs, self._rx_bufs = [], {}
         self._filled, self._drained, self._rx_filled, self._rx_drained = [], [], {}, {}
         self._ring = self._mark = self._fence = None   # its slots stay kept until it is done
+        if self._hub is not None:
+            self._hub.close()
+        for link in self._links.values():
+            link.close()
+        self._hub, self._links = None, {}
         self._gate = []
         self._lasting.reset()
         self._rx_regions, self._rx_used, self._rx_region_store = {}, {}, {}

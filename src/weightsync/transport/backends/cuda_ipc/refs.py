@@ -99,14 +99,21 @@ class ZeroCopyMixin:
                 and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
 
     def _replayed(self, name: str, tensor: torch.Tensor) -> Optional[tuple]:
-        """The entry of the last sync at this position if it is the very same tensor (same
-        object, name, memory and shape): then nothing about it needs to be worked out."""
+        """The entry of the last sync at this position if it is the same tensor (name,
+        address, shape and dtype, over the same storage, still alive: the very object, or
+        a new view of it as FSDP2's reused buffers and merged-LoRA exports yield): then
+        nothing about it needs to be worked out."""
         pos = self._ref_pos
         self._ref_pos += 1
         prev = self._ref_prev[pos] if pos < len(self._ref_prev) else None
-        if prev is not None and prev[0]() is tensor and prev[1] == name \
-                and prev[2] == tensor.data_ptr() and prev[3] == tensor.shape \
-                and tensor.is_contiguous():
+        if prev is None or prev[1] != name or prev[2] != tensor.data_ptr() \
+                or prev[3] != tensor.shape or prev[5] is not tensor.dtype \
+                or not tensor.is_contiguous():
+            return None
+        if prev[0]() is tensor:
+            return prev
+        weak = prev[6]
+        if not weak.expired() and weak.cdata == tensor.untyped_storage()._cdata:
             return prev
         return None
 
@@ -121,7 +128,8 @@ class ZeroCopyMixin:
             return
         else:
             meta = await self._new_ref(name, tensor)
-            prev = (weakref.ref(tensor), name, tensor.data_ptr(), tensor.shape, meta)
+            prev = (weakref.ref(tensor), name, tensor.data_ptr(), tensor.shape, meta,
+                    tensor.dtype, StorageWeakRef(tensor.untyped_storage()))
         self._ref_seen.append(prev)
         nbytes = meta.nbytes
         self._ref_entries.append(meta)
@@ -193,7 +201,7 @@ class ZeroCopyMixin:
         msg = BucketMsg(version=wire_version(state.version), seq=state.seq, stream=self._rank,
                         index=bucket.index, slot=len(self._bufs), nbytes=bucket.nbytes,
                         layout=digest, entries=None if replay else entries)
-        self._tx_inbox.push_many(self._receiver_boxes(), msg)
+        self._tx_control().push_many(self._receiver_boxes(), msg)
         self._ref_plan_new.append((bucket, digest))
         self._ref_entries, self._ref_bytes = [], 0
 
