@@ -79,3 +79,46 @@ def test_small_tensors_never_last_but_may_not_rewrite_a_lasting_one():
         tracker.lasting("s2", large[:16])
     with pytest.raises(ValueError, match="min_bytes"):
         LastingStorage(min_bytes=-1)
+
+
+def test_replayed_lasting_answers_as_the_tracker_and_replays_a_steady_sequence():
+    """``ReplayedLasting`` gives the plain tracker's answers sync by sync, whatever the
+    export does, and from the third identical sync on takes them over without tracking."""
+    from weightsync.transport.tensors import ReplayedLasting
+    params = {f"p{i}": torch.randn(16) for i in range(4)}
+    flat = torch.randn(64)
+    cast = torch.empty(16)                       # a buffer refilled for two names
+    steady = list(params.items()) + [(f"v{i}", flat[16 * i:16 * (i + 1)]) for i in range(4)]
+    syncs = [steady, steady, steady, steady,
+             [(n, t.view(t.shape)) for n, t in steady],           # new views: same answers
+             steady[:5],                                          # shorter
+             steady[:2] + [("c0", cast), ("c1", cast)] + steady[2:],
+             steady[:2] + [("c0", cast), ("c1", cast)] + steady[2:],
+             steady]
+    params["p3"] = torch.randn(16)                               # (used by the last ones)
+    syncs += [list(params.items()) + steady[4:], list(params.items()) + steady[4:]]
+    plain, fast = LastingStorage(min_bytes=0), ReplayedLasting()
+    for items in syncs:
+        assert _sync(plain, items) == _sync(fast, items)
+    fast.begin()
+    got = [fast.lasting(n, t) for n, t in steady]
+    assert fast.replayed == 3 and got[3] is False   # replays up to the replaced p3 only
+    # a steady run is replayed: answers taken over, none tracked
+    fast2 = ReplayedLasting()
+    for k in range(4):
+        fast2.begin()
+        got = [fast2.lasting(n, t) for n, t in steady]
+        assert fast2.replayed == (len(steady) if k >= 2 else 0) and all(got) == (k >= 1)
+        fast2.finish()
+
+
+def test_replayed_lasting_still_refuses_an_export_that_starts_rewriting_a_kept_buffer():
+    from weightsync.transport.tensors import ReplayedLasting
+    params = {f"p{i}": torch.randn(16) for i in range(3)}
+    fast = ReplayedLasting()
+    for _ in range(3):
+        _sync(fast, list(params.items()))
+    fast.begin()
+    assert fast.lasting("p0", params["p0"]) and fast.replayed == 1
+    with pytest.raises(IntegrityError, match="p0"):
+        fast.lasting("p1", params["p0"])         # p0's bytes again, under another name

@@ -16,7 +16,7 @@ try:  # optional, faster
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
-__all__ = ["aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
+__all__ = ["ReplayedLasting", "aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
            "mark_partial", "partial_boxes", "mark_stable", "is_stable", "LastingStorage"]
 
 #: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
@@ -234,4 +234,81 @@ class LastingStorage:
 
     def reset(self) -> None:
         self._last, self._shared_last = {}, set()
+        self.begin()
+
+
+class ReplayedLasting:
+    """:class:`LastingStorage` for a weight set yielded the same way every sync, at the
+    cost of a comparison per tensor.
+
+    Once two syncs in a row yielded the same sequence (position by position the same
+    name, over the same bytes of the same storage, still alive, with the same shape and
+    dtype), a third that yields it again gets the tracker's answers of the last one: the
+    tracker would compute exactly those. The first tensor that differs hands the sequence
+    so far to the tracker, which answers from there on as it would have from the start
+    (an export that begins rewriting a kept buffer is still an
+    :class:`~weightsync.core.errors.IntegrityError`).
+
+    Lifecycle as :class:`LastingStorage`: :meth:`begin` · :meth:`lasting` per tensor ·
+    :meth:`finish` or :meth:`reset`. ``replayed``: answers of this sync taken over.
+    """
+
+    def __init__(self, tracker: Optional[LastingStorage] = None) -> None:
+        self.tracker = tracker if tracker is not None else LastingStorage(min_bytes=0)
+        self._prev: list[tuple] = []
+        self._prev_steady = False    # the last sync's answers repeat for its sequence
+        self.begin()
+
+    def begin(self) -> None:
+        self.tracker.begin()
+        self._now: list[tuple] = []
+        self._seen: list[tuple[str, torch.Tensor]] = []
+        self._same = bool(self._prev)              # the sequence so far is the last one
+        self._replaying = self._same and self._prev_steady
+        self.replayed = 0
+
+    def lasting(self, name: str, t: torch.Tensor, *, version: Any = None) -> bool:
+        pos = len(self._now)
+        if self._same:
+            prev = self._prev[pos] if pos < len(self._prev) else None
+            self._same = prev is not None and prev[0] == name \
+                and prev[1] == t.data_ptr() and prev[2] == t.shape and prev[3] is t.dtype \
+                and not prev[4].expired() and prev[4].cdata == t.untyped_storage()._cdata
+            if self._same and self._replaying:
+                self._now.append(prev)
+                self._seen.append((name, t))
+                self.replayed += 1
+                return prev[5]
+            if self._same:                         # tracked, and kept to compare next time
+                ok = self.tracker.lasting(name, t, version=version)
+                self._now.append(prev[:5] + (ok,))
+                return ok
+        if self._replaying:
+            self._leave_replay(version)
+        ok = self.tracker.lasting(name, t, version=version)
+        self._now.append((name, t.data_ptr(), t.shape, t.dtype,
+                          StorageWeakRef(t.untyped_storage()), ok))
+        return ok
+
+    def _leave_replay(self, version: Any) -> None:
+        """The sequence departs from the last sync's: the tracker sees all of it."""
+        self._replaying = False
+        seen, self._seen = self._seen, []
+        for name, t in seen:
+            self.tracker.lasting(name, t, version=version)
+
+    def finish(self) -> None:
+        same = self._same and len(self._now) == len(self._prev)
+        if self._replaying and same:
+            self.tracker.begin()        # the very sequence the tracker knows: keep it
+        else:
+            if self._replaying:
+                self._leave_replay(None)
+            self.tracker.finish()
+        self._prev, self._prev_steady, self._seen = self._now, same, []
+        self.begin()
+
+    def reset(self) -> None:
+        self.tracker.reset()
+        self._prev, self._prev_steady = [], False
         self.begin()

@@ -16,14 +16,14 @@ receiver's own event on its stream. Before the trainer refills a slot it has the
 receivers' acknowledgements of the slot's last bucket, and then orders the refill after
 their reads in one of two ways:
 
-* tensors whose bytes outlive their item (:class:`~weightsync.transport.tensors.LastingStorage`:
+* tensors whose bytes outlive their item (:class:`~weightsync.transport.tensors.ReplayedLasting`:
   parameters from the second sync on, or tensors the export marked) are copied on a
   stream of the engine's own, the *ring stream*, which waits for the receivers' events
   on the GPU (``cudaStreamWaitEvent``): the trainer's host never waits for the GPU, so
   the next bucket's copies are queued while the receivers still read the last one
   (``stream_waits``, default on). Their bytes do not change within the sync, so their
-  copies are queued together when the bucket closes, behind one wait for the caller's
-  stream (no per-tensor stream switch or event);
+  copies are queued in batches (an eighth of a bucket, and at the bucket's end), each
+  behind one wait for the caller's stream (no per-tensor stream switch or event);
 * any other tensor (a temporary, a buffer the export refills) is copied on the caller's
   stream once the trainer has polled the receivers' events on the host, so the export's
   later writes stay ordered after the copy.
@@ -62,7 +62,7 @@ from weightsync.core.plan import TensorMeta
 from weightsync.core.remote import normalize_version
 from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
 from weightsync.transport.protocol.sender import BucketedEngine
-from weightsync.transport.tensors import LastingStorage, as_bytes, wire_dtype
+from weightsync.transport.tensors import ReplayedLasting, as_bytes, wire_dtype
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
 from weightsync.transport.control.group import StoreGroupMixin
@@ -226,9 +226,11 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._filling = 0                   # the slot being filled
         self._on_ring = False               # the tensor being packed is copied on the ring
         self._ring_count = 0
-        self._lasting = LastingStorage(min_bytes=0)
+        self._lasting = ReplayedLasting()
         self._chunk_src: tuple = ()         # (tensor, dtype, its wire bytes) being chunked
         self._deferred: list[tuple] = []    # the open bucket's copies of kept tensors
+        self._deferred_bytes = 0
+        self._batch_bytes = max(self.config.bucket_size // 8, 1)
         self._init_refs()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -345,7 +347,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         finally:
             self._clear_refs()
             self._chunk_src = ()
-            self._deferred = []
+            self._deferred, self._deferred_bytes = [], 0
         self._lasting.finish()
         return report
 
@@ -452,12 +454,25 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._copy(dst, tensor)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A kept tensor's copy waits for the bucket's end (on the ring); any other is
-        queued now on the caller's stream."""
+        """A kept tensor's copy is queued on the ring with the next few (a batch of about
+        an eighth of a bucket, or at the bucket's end); any other is queued now on the
+        caller's stream."""
         if self._on_ring:
             self._deferred.append((dst, src))
+            self._deferred_bytes += dst.numel() * dst.element_size()
+            if self._deferred_bytes >= self._batch_bytes:
+                self._flush_ring()
         else:
             self._ops.copy(dst, src, None)
+
+    def _flush_ring(self) -> None:
+        """Queue the deferred copies on the ring, behind the caller's stream as it is now
+        (their tensors' bytes were written before they were yielded)."""
+        self._ops.record(self._mark, self._tx_stream)
+        self._stream_wait(self._ring, self._mark)
+        pending, self._deferred, self._deferred_bytes = self._deferred, [], 0
+        if pending:
+            self._ops.copy_many(pending, self._ring)
 
     def _tx_ready(self, slot: int, buf: torch.Tensor, version: Any) -> None:
         if self.config.checksum:  # the checksum reads the bucket on the host right away
@@ -470,11 +485,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         elif self._ring is not None and slot < len(self._bufs):
             # the slot's bytes: kept tensors as written so far on the caller's stream, and
             # the staged ones copied there, then the kept ones' copies on the ring
-            self._ops.record(self._mark, self._tx_stream)
-            self._stream_wait(self._ring, self._mark)
-            pending, self._deferred = self._deferred, []
-            if pending:
-                self._ops.copy_many(pending, self._ring)
+            self._flush_ring()
             self._ops.record(self._filled[slot], self._ring)
         else:
             self._ops.record(self._filled[slot], self._tx_stream)
