@@ -109,9 +109,10 @@ class Worker:
     def op_engine_prepare(self, cfg: dict) -> dict:
         from weightsync import CheckpointEngineRegistry
         self.views = bool(cfg.pop("views", False))
+        self.into = cfg.pop("consume", "copy") == "into"
         if not self.cuda:
-            cfg = {k: v for k, v in cfg.items() if k not in ("zero_copy", "sync",
-                                                              "stream_waits", "links")}
+            cfg = {k: v for k, v in cfg.items() if k not in (
+                "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes")}
         self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
@@ -217,10 +218,15 @@ class Worker:
         conn.send({"listening": True})
         self.log.clear()
         start, first = time.perf_counter(), None
-        async for name, t in self.engine.receive_weights(version=version):
-            if first is None:
-                first = time.perf_counter()
-            self.params[name].copy_(t)
+        if self.into:   # the README's consumer: the engine lands the bytes in params
+            async for name, t in self.engine.receive_into(self.params, version=version):
+                if first is None:
+                    first = time.perf_counter()
+        else:
+            async for name, t in self.engine.receive_weights(version=version):
+                if first is None:
+                    first = time.perf_counter()
+                self.params[name].copy_(t)
         self.log.append((time.perf_counter(), "consumer done"))
         self.times = {"first_ms": ((first or start) - start) * 1e3,
                       "loop_ms": (time.perf_counter() - (first or start)) * 1e3}
@@ -392,6 +398,12 @@ def main() -> None:
                     help="MiB (event, stream_waits=False: the trainer's host waits)")
     ap.add_argument("--no-links-buckets", default="2048",
                     help="MiB (event, links=False: headers and acks through the store)")
+    ap.add_argument("--into-buckets", default="2048",
+                    help="MiB: ring, consumed with receive_into (the README's way)")
+    ap.add_argument("--into-zero-copy-buckets", default="1024",
+                    help="MiB: zero-copy, consumed with receive_into")
+    ap.add_argument("--zero-copy-first-bucket-buckets", default="1024",
+                    help="MiB: zero-copy whose first batch is a whole bucket (before 12-04)")
     ap.add_argument("--views-buckets", default="1024",
                     help="MiB: zero-copy and ring, new tensor objects every sync")
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
@@ -433,6 +445,13 @@ def main() -> None:
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
                      "sync": "event", "stream_waits": False}
                     for b in args.no_stream_waits_buckets.split(",") if b]
+        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
+                     "sync": "event", "consume": "into"}
+                    for zc, opt in ((False, args.into_buckets), (True, args.into_zero_copy_buckets))
+                    for b in opt.split(",") if b]
+        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": True,
+                     "sync": "event", "ref_first_bytes": int(b) * MiB}
+                    for b in args.zero_copy_first_bucket_buckets.split(",") if b]
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
                      "sync": "event", "links": False}
                     for b in args.no_links_buckets.split(",") if b]
@@ -498,6 +517,10 @@ def report(out: dict) -> str:
             name += " (host waits)"
         if c.get("links") is False:
             name += " (store, no links)"
+        if c.get("consume") == "into":
+            name += " (receive_into)"
+        if c.get("ref_first_bytes"):
+            name += " (first batch = bucket)"
         if c.get("views"):
             name += " (new views)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "

@@ -83,8 +83,10 @@ class CudaIpcOptions:
     straight from the trainer's memory. ``min_ref_bytes`` (env
     ``WEIGHTSYNC_CUDA_IPC_MIN_REF_BYTES``): smaller tensors are packed into buckets even
     then (default 0: every eligible tensor). ``ref_batch_bytes``: bytes of zero-copy
-    tensors announced per message (default: the bucket size for the first message,
-    doubling with each next one). ``links`` (env ``WEIGHTSYNC_CUDA_IPC_LINKS``, the
+    tensors announced per message (default: ``ref_first_bytes`` for the first message,
+    doubling with each next one). ``ref_first_bytes`` (env
+    ``WEIGHTSYNC_CUDA_IPC_REF_FIRST_BYTES``, default 64 MiB, at most the bucket size):
+    the first message goes out once that much is announced, so receivers start early. ``links`` (env ``WEIGHTSYNC_CUDA_IPC_LINKS``, the
     trainer's setting wins): bucket headers and acknowledgements go over one Unix socket
     per receiver instead of the control store, whose server threads share the trainer's
     GIL (as ``shm`` does). ``stream_waits`` (env
@@ -101,6 +103,8 @@ class CudaIpcOptions:
     min_ref_bytes: int = field(
         default_factory=lambda: env_value("CUDA_IPC_MIN_REF_BYTES", int, 0))
     ref_batch_bytes: Optional[int] = None
+    ref_first_bytes: int = field(
+        default_factory=lambda: env_value("CUDA_IPC_REF_FIRST_BYTES", int, 64 << 20))
     sync: str = field(default_factory=lambda: env_value("CUDA_IPC_SYNC", str, "event"))
     stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, True))
@@ -112,7 +116,7 @@ class CudaIpcOptions:
         for name in ("zero_copy", "stream_waits", "links"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("min_ref_bytes", "ref_batch_bytes"):
+        for name in ("min_ref_bytes", "ref_batch_bytes", "ref_first_bytes"):
             value = getattr(self, name)
             if value is None and name == "ref_batch_bytes":
                 continue
@@ -193,14 +197,16 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
     ops_factory: ClassVar[Callable[[str], IpcOps]] = CudaIpcOps
 
     def __init__(self, *, zero_copy: Optional[bool] = None, min_ref_bytes: Optional[int] = None,
-                 ref_batch_bytes: Optional[int] = None, sync: Optional[str] = None,
+                 ref_batch_bytes: Optional[int] = None, ref_first_bytes: Optional[int] = None,
+                 sync: Optional[str] = None,
                  stream_waits: Optional[bool] = None, links: Optional[bool] = None,
                  **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
         given = {"zero_copy": zero_copy, "min_ref_bytes": min_ref_bytes,
-                 "ref_batch_bytes": ref_batch_bytes, "sync": sync,
+                 "ref_batch_bytes": ref_batch_bytes, "ref_first_bytes": ref_first_bytes,
+                 "sync": sync,
                  "stream_waits": stream_waits, "links": links}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
