@@ -112,7 +112,8 @@ class Worker:
         self.into = cfg.pop("consume", "copy") == "into"
         if not self.cuda:
             cfg = {k: v for k, v in cfg.items() if k not in (
-                "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes")}
+                "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes",
+                "rx_stream_waits")}
         self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
@@ -404,6 +405,10 @@ def main() -> None:
                     help="MiB: zero-copy, consumed with receive_into")
     ap.add_argument("--zero-copy-first-bucket-buckets", default="1024",
                     help="MiB: zero-copy whose first batch is a whole bucket (before 12-04)")
+    ap.add_argument("--rx-waits-buckets", default="2048",
+                    help="MiB: ring, rx_stream_waits=True (the consumer's stream waits)")
+    ap.add_argument("--rx-waits-zero-copy-buckets", default="1024",
+                    help="MiB: zero-copy, rx_stream_waits=True")
     ap.add_argument("--views-buckets", default="1024",
                     help="MiB: zero-copy and ring, new tensor objects every sync")
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
@@ -448,6 +453,11 @@ def main() -> None:
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
                      "sync": "event", "consume": "into"}
                     for zc, opt in ((False, args.into_buckets), (True, args.into_zero_copy_buckets))
+                    for b in opt.split(",") if b]
+        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
+                     "sync": "event", "rx_stream_waits": True}
+                    for zc, opt in ((False, args.rx_waits_buckets),
+                                    (True, args.rx_waits_zero_copy_buckets))
                     for b in opt.split(",") if b]
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": True,
                      "sync": "event", "ref_first_bytes": int(b) * MiB}
@@ -517,6 +527,8 @@ def report(out: dict) -> str:
             name += " (host waits)"
         if c.get("links") is False:
             name += " (store, no links)"
+        if c.get("rx_stream_waits"):
+            name += " (rx stream waits)"
         if c.get("consume") == "into":
             name += " (receive_into)"
         if c.get("ref_first_bytes"):

@@ -553,3 +553,45 @@ def test_zero_copy_replays_new_views_of_the_same_storage(fake_ops):
             assert fresh == (sorted(params) if step == 0 else ["w2"] if step == 3 else [])
     finally:
         _finalize(ts + rs)
+
+
+def _rx_waits_case(zero_copy, mutant):
+    ts, rs = _group(1, 2, sync="event", zero_copy=zero_copy, min_ref_bytes=0,
+                    rx_stream_waits=True)
+    host_fill_waits, bad = [], []
+    for r in rs:
+        real = r._wait_event
+        filled = {id(e) for evs in r._rx_filled.values() for e in evs}
+        r._wait_event = lambda ev, *a, _real=real, _f=filled, **k: (
+            host_fill_waits.append(id(ev) in _f), _real(ev, *a, **k))[1]
+        if mutant:
+            r._stream_wait = lambda *a, **k: None
+    try:
+        for step in range(3):
+            # no tensor over several buckets: the CPU stand-in assembles those with host
+            # copies, which a GPU receiver queues on the consumer's stream
+            items = [(n, t) for n, t in make_tensors(step, bucket_size=BUCKET)
+                     if t.numel() * t.element_size() <= BUCKET]
+            sent, got = _sync(ts, rs, lambda i: items, step, on_stream=True)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            for g in got:
+                bad += [(step, n) for n, t in items if not same_bytes(g[n][0], t.contiguous())]
+    finally:
+        _finalize(ts + rs)
+    return bad, host_fill_waits
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_receivers_can_wait_for_fills_on_their_stream(fake_ops, zero_copy):
+    """``rx_stream_waits``: the consumer's (late) stream waits for each bucket's fill, the
+    receiver's host never does; bytes exact, the end still waited for (bounded)."""
+    bad, host_fill_waits = _rx_waits_case(zero_copy, mutant=False)
+    assert bad == []
+    assert host_fill_waits and not any(host_fill_waits)
+
+
+@pytest.mark.timeout(120)
+def test_rx_stream_wait_checks_catch_a_missing_wait(fake_ops):
+    bad, _ = _rx_waits_case(False, mutant=True)
+    assert bad, "no corruption without the receivers' stream waits"

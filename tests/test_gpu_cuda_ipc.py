@@ -115,12 +115,12 @@ async def _race_rollout(engine, cycles):
     return bad
 
 
-def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False):
+def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=False):
     import asyncio
     try:
         engine = CheckpointEngineRegistry.new(
             "cuda_ipc", role=role, bucket_size=BUCKET, timeout=60, device="cuda",
-            num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync)
+            num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync, rx_stream_waits=rxw)
         if mutant:  # drop every wait of the engine (streams and events)
             engine._sync = lambda *a, **k: None
             engine._wait_event = lambda *a, **k: None
@@ -136,13 +136,13 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False):
         conn.send({"fatal": traceback.format_exc()})
 
 
-def _run_race(zero_copy, sync, scenario, mutant=False, kept=False):
+def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_race_worker,
-                        args=(role, zero_copy, sync, mutant, scenario, child, kept),
+                        args=(role, zero_copy, sync, mutant, scenario, child, kept, rxw),
                         daemon=True)
         p.start()
         pipes.append(parent)
@@ -179,6 +179,16 @@ def test_slow_streams_never_corrupt(sync, zero_copy, scenario):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_slow_streams_never_corrupt_with_receiver_stream_waits(scenario, zero_copy):
+    """``rx_stream_waits``: the consumer's stream waits for the fills on the GPU."""
+    trainer, rollout = _run_race(zero_copy, "event", scenario, rxw=True)
+    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
+    assert rollout["bad"] == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_slow_streams_never_corrupt_kept_parameters_on_the_ring(scenario):
     """Parameters updated in place and sent again: from the second sync on they go on the
     ring stream, whose refills wait for the receiver on the GPU."""
@@ -192,9 +202,11 @@ def test_slow_streams_never_corrupt_kept_parameters_on_the_ring(scenario):
     (False, "event", "slow_producer"), (False, "event", "slow_consumer"),
     (True, "event", "slow_producer"), (False, "host", "slow_producer"),
     (False, "host", "slow_consumer"), (False, "event", "slow_consumer-kept"),
-    (False, "event", "slow_producer-kept")])
+    (False, "event", "slow_producer-kept"), (False, "event", "slow_producer-rxw"),
+    (True, "event", "slow_producer-rxw")])
 def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
-    scenario, kept = scenario.split("-")[0], scenario.endswith("-kept")
-    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept)
+    scenario, kept, rxw = scenario.split("-")[0], scenario.endswith("-kept"), \
+        scenario.endswith("-rxw")
+    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept, rxw=rxw)
     assert "fatal" not in rollout, rollout
     assert rollout["bad"], f"no corruption without stream waits ({scenario})"

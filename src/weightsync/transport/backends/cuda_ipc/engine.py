@@ -89,7 +89,12 @@ class CudaIpcOptions:
     the first message goes out once that much is announced, so receivers start early. ``links`` (env ``WEIGHTSYNC_CUDA_IPC_LINKS``, the
     trainer's setting wins): bucket headers and acknowledgements go over one Unix socket
     per receiver instead of the control store, whose server threads share the trainer's
-    GIL (as ``shm`` does). ``stream_waits`` (env
+    GIL (as ``shm`` does). ``rx_stream_waits`` (env ``WEIGHTSYNC_CUDA_IPC_RX_STREAM_WAITS``,
+    receiver side, default off): the consumer's stream waits for a bucket's fill on the
+    GPU instead of the receiver's host, so its reads are queued before the bytes land;
+    the receive's end still waits for them on the host, bounded. The price: a trainer that
+    dies with a fill queued leaves that stream waiting for good (the receive fails with
+    ``SyncTimeout``; the process must be restarted to use the GPU again). ``stream_waits`` (env
     ``WEIGHTSYNC_CUDA_IPC_STREAM_WAITS``, trainer side, ``"event"`` ordering without
     checksums only): lasting tensors are copied on the ring stream, whose refills wait for
     the receivers on the GPU, not on the host (see the module doc). ``sync`` (env
@@ -109,11 +114,13 @@ class CudaIpcOptions:
     stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, True))
     links: bool = field(default_factory=lambda: env_value("CUDA_IPC_LINKS", parse_bool, True))
+    rx_stream_waits: bool = field(
+        default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
 
     def __post_init__(self) -> None:
         if self.sync not in ("event", "host"):
             raise ValueError(f"sync must be 'event' or 'host', got {self.sync!r}")
-        for name in ("zero_copy", "stream_waits", "links"):
+        for name in ("zero_copy", "stream_waits", "links", "rx_stream_waits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("min_ref_bytes", "ref_batch_bytes", "ref_first_bytes"):
@@ -200,14 +207,15 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  ref_batch_bytes: Optional[int] = None, ref_first_bytes: Optional[int] = None,
                  sync: Optional[str] = None,
                  stream_waits: Optional[bool] = None, links: Optional[bool] = None,
-                 **kwargs: Any) -> None:
+                 rx_stream_waits: Optional[bool] = None, **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
         given = {"zero_copy": zero_copy, "min_ref_bytes": min_ref_bytes,
                  "ref_batch_bytes": ref_batch_bytes, "ref_first_bytes": ref_first_bytes,
                  "sync": sync,
-                 "stream_waits": stream_waits, "links": links}
+                 "stream_waits": stream_waits, "links": links,
+                 "rx_stream_waits": rx_stream_waits}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
@@ -220,6 +228,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._rx_filled: dict[int, list[Any]] = {}     # receiver: per stream (opened)
         self._rx_drained: dict[int, list[Any]] = {}    # receiver: per stream, per slot
         self._rx_bufs: dict[int, list[torch.Tensor]] = {}
+        self._rx_done_event: Any = None
         self._ackers: dict[int, _AckPusher] = {}
         self._dst_views: dict[tuple, torch.Tensor] = {}   # sender: views into slots
         # sender, with stream_waits: the ring stream, an event marking the caller's stream,
@@ -531,10 +540,22 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             raise TopologyError(f"slot {msg.slot} / bucket {msg.index} does not exist",
                                 peer=f"trainer rank {stream}", phase="receive",
                                 version=msg.version)
-        if self._events:
+        if self._events and not self._rx_gpu_waits(msg):
             self._wait_event(self._rx_filled[stream][msg.slot], peer=f"trainer rank {stream}",
                              phase="receive", version=msg.version)
         return bufs[msg.slot] if ring else self._fetch_regions(stream, msg)
+
+    def _rx_gpu_waits(self, msg: BucketMsg) -> bool:
+        """Whether the consumer's stream, not the pump's host, waits for this bucket's
+        fill (``rx_stream_waits``; a checksum is computed on the host: it needs the bytes)."""
+        return self.options.rx_stream_waits and msg.checksum is None
+
+    def _layout(self, stream: int, msg: BucketMsg) -> Any:
+        entries = super()._layout(stream, msg)
+        if self._events and self._rx_gpu_waits(msg):
+            # the consumer iterates on this thread: its stream reads the bucket after the fill
+            self._stream_wait(self._ops.current_stream(), self._rx_filled[stream][msg.slot])
+        return entries
 
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         if msg.index >= REF_INDEX_BASE:
@@ -548,8 +569,15 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
 
     def _rx_finish_stream(self, state: Any, stream: int, msg: Any) -> None:
         # Every read (zero-copy ones too) is done before the final acknowledgement.
-        self._sync(self._ops.current_stream(), peer=f"rollout rank {self._rank}",
-                   phase="receive", version=msg.version)
+        if self._events:   # bounded: the consumer's stream may wait for the trainer's fills
+            done = self._rx_done_event = self._rx_done_event or \
+                self._ops.new_event()
+            self._ops.record(done, self._ops.current_stream())
+            self._wait_event(done, peer=f"trainer rank {stream}", phase="receive",
+                             version=msg.version)
+        else:
+            self._sync(self._ops.current_stream(), peer=f"rollout rank {self._rank}",
+                       phase="receive", version=msg.version)
         super()._rx_finish_stream(state, stream, msg)
 
     def _abort_send(self, state: Any, exc: BaseException) -> None:
@@ -567,7 +595,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._dst_views = {}
         self._bufs, self._rx_bufs = [], {}
         self._filled, self._drained, self._rx_filled, self._rx_drained = [], [], {}, {}
-        self._ring = self._mark = self._fence = None   # its slots stay kept until it is done
+        self._ring = self._mark = self._fence = self._rx_done_event = None   # slots kept until the ring is done
         if self._hub is not None:
             self._hub.close()
         for link in self._links.values():
