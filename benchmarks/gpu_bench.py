@@ -395,8 +395,8 @@ def main() -> None:
     ap.add_argument("--host-buckets", default="1024,4096", help="MiB (sync=host)")
     ap.add_argument("--zero-copy-buckets", default="256,1024", help="MiB (event)")
     ap.add_argument("--zero-copy-host-buckets", default="1024", help="MiB")
-    ap.add_argument("--no-stream-waits-buckets", default="2048",
-                    help="MiB (event, stream_waits=False: the trainer's host waits)")
+    ap.add_argument("--stream-waits-buckets", default="2048",
+                    help="MiB (event, stream_waits=True: the trainer's ring stream waits)")
     ap.add_argument("--no-links-buckets", default="2048",
                     help="MiB (event, links=False: headers and acks through the store)")
     ap.add_argument("--into-buckets", default="2048",
@@ -448,8 +448,8 @@ def main() -> None:
             configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
                          "sync": sy} for b in opt.split(",") if b]
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
-                     "sync": "event", "stream_waits": False}
-                    for b in args.no_stream_waits_buckets.split(",") if b]
+                     "sync": "event", "stream_waits": True}
+                    for b in args.stream_waits_buckets.split(",") if b]
         configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
                      "sync": "event", "consume": "into"}
                     for zc, opt in ((False, args.into_buckets), (True, args.into_zero_copy_buckets))
@@ -523,8 +523,8 @@ def report(out: dict) -> str:
     for e in out["engine"]:
         c = e["cfg"]
         name = "cuda_ipc zero-copy" if c.get("zero_copy") else "cuda_ipc"
-        if c.get("stream_waits") is False:
-            name += " (host waits)"
+        if c.get("stream_waits"):
+            name += " (ring stream waits)"
         if c.get("links") is False:
             name += " (store, no links)"
         if c.get("rx_stream_waits"):

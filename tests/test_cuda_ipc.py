@@ -382,6 +382,17 @@ def test_options_and_construction(monkeypatch):
         CudaIpcOptions(min_ref_bytes=-1)
     with pytest.raises(ValueError):
         CudaIpcOptions(sync="spin")
+    for name in ("stream_waits", "rx_stream_waits", "links"):
+        with pytest.raises(ValueError, match=name):
+            CudaIpcOptions(**{name: "yes"})
+    with pytest.raises(ValueError, match="ref_first_bytes"):
+        CudaIpcOptions(ref_first_bytes=-5)
+    defaults = CudaIpcOptions()
+    assert (defaults.stream_waits, defaults.rx_stream_waits, defaults.links) == \
+        (False, False, True) and defaults.ref_first_bytes is None
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_STREAM_WAITS", "1")
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_LINKS", "0")
+    assert CudaIpcOptions().stream_waits is True and CudaIpcOptions().links is False
     monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_ZERO_COPY", "1")
     monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_MIN_REF_BYTES", "4096")
     opts = CudaIpcOptions()
@@ -401,7 +412,7 @@ def _ring_case(mix, mutant, receivers=2, steps=4):
     receivers; with ``mix`` a fresh temporary follows every few of them."""
     base = [(n, t.contiguous().clone()) for n, t in make_tensors(0, bucket_size=BUCKET, tiny=40)]
     params = dict(base)
-    ts, rs = _group(1, receivers, sync="event")
+    ts, rs = _group(1, receivers, sync="event", stream_waits=True)
     trainer = ts[0]
     host_waits = []
     real_wait = trainer._wait_event

@@ -120,7 +120,8 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=
     try:
         engine = CheckpointEngineRegistry.new(
             "cuda_ipc", role=role, bucket_size=BUCKET, timeout=60, device="cuda",
-            num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync, rx_stream_waits=rxw)
+            num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync, rx_stream_waits=rxw,
+            stream_waits=kept)
         if mutant:  # drop every wait of the engine (streams and events)
             engine._sync = lambda *a, **k: None
             engine._wait_event = lambda *a, **k: None

@@ -21,7 +21,8 @@ their reads in one of two ways:
   stream of the engine's own, the *ring stream*, which waits for the receivers' events
   on the GPU (``cudaStreamWaitEvent``): the trainer's host never waits for the GPU, so
   the next bucket's copies are queued while the receivers still read the last one
-  (``stream_waits``, default on). Their bytes do not change within the sync, so their
+  (``stream_waits``, default off: on one H200 it measured level with the host waits,
+  BENCHMARKS.md). Their bytes do not change within the sync, so their
   copies are queued in batches (an eighth of a bucket, and at the bucket's end), each
   behind one wait for the caller's stream (no per-tensor stream switch or event);
 * any other tensor (a temporary, a buffer the export refills) is copied on the caller's
@@ -85,8 +86,8 @@ class CudaIpcOptions:
     then (default 0: every eligible tensor). ``ref_batch_bytes``: bytes of zero-copy
     tensors announced per message (default: ``ref_first_bytes`` for the first message,
     doubling with each next one). ``ref_first_bytes`` (env
-    ``WEIGHTSYNC_CUDA_IPC_REF_FIRST_BYTES``, default 64 MiB, at most the bucket size):
-    the first message goes out once that much is announced, so receivers start early. ``links`` (env ``WEIGHTSYNC_CUDA_IPC_LINKS``, the
+    ``WEIGHTSYNC_CUDA_IPC_REF_FIRST_BYTES``, default the bucket size, at most that): the
+    first message goes out once that much is announced. ``links`` (env ``WEIGHTSYNC_CUDA_IPC_LINKS``, the
     trainer's setting wins): bucket headers and acknowledgements go over one Unix socket
     per receiver instead of the control store, whose server threads share the trainer's
     GIL (as ``shm`` does). ``rx_stream_waits`` (env ``WEIGHTSYNC_CUDA_IPC_RX_STREAM_WAITS``,
@@ -108,11 +109,11 @@ class CudaIpcOptions:
     min_ref_bytes: int = field(
         default_factory=lambda: env_value("CUDA_IPC_MIN_REF_BYTES", int, 0))
     ref_batch_bytes: Optional[int] = None
-    ref_first_bytes: int = field(
-        default_factory=lambda: env_value("CUDA_IPC_REF_FIRST_BYTES", int, 64 << 20))
+    ref_first_bytes: Optional[int] = field(
+        default_factory=lambda: env_value("CUDA_IPC_REF_FIRST_BYTES", int, None))
     sync: str = field(default_factory=lambda: env_value("CUDA_IPC_SYNC", str, "event"))
     stream_waits: bool = field(
-        default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, True))
+        default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, False))
     links: bool = field(default_factory=lambda: env_value("CUDA_IPC_LINKS", parse_bool, True))
     rx_stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
@@ -125,7 +126,7 @@ class CudaIpcOptions:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("min_ref_bytes", "ref_batch_bytes", "ref_first_bytes"):
             value = getattr(self, name)
-            if value is None and name == "ref_batch_bytes":
+            if value is None and name != "min_ref_bytes":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

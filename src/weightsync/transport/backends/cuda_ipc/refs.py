@@ -141,7 +141,8 @@ class ZeroCopyMixin:
         state.nbytes += nbytes
         # The first batch goes out early; each next one doubles, so a sync sends few
         # messages (on the H200 a cap at 2 GiB, i.e. more messages, was slower and noisier).
-        first = max(1, min(self.options.ref_first_bytes, self.config.bucket_size))
+        first = max(1, min(self.options.ref_first_bytes or self.config.bucket_size,
+                           self.config.bucket_size))
         limit = self.options.ref_batch_bytes or first << min(len(self._ref_plan_new), 30)
         if self._ref_bytes >= limit or len(self._ref_entries) >= _MAX_REF_ENTRIES:
             await self._blocking(self._publish_refs, state)
