@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: the cuda_ipc benchmark, the nixl VRAM benchmark, then the GPU tests.
+# One device call: the cuda_ipc benchmark, GPU trainer -> shm -> CPU (shm_d2h.py), the nixl
+# VRAM benchmark, then the GPU tests.
 # Everything lands in $OUT.
 #   OUT=/tmp/out bash benchmarks/run_gpu.sh [gpu_bench.py options]
 # NIXL: carry .wheels-device (nixl + nixl-cu13 wheels, see BENCHMARKS.md); without it the
@@ -21,12 +22,18 @@ head -24 "$OUT/env.txt"
 timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 \
   | tee "$OUT/gpu_bench.txt" | tail -20
 echo "bench exit ${PIPESTATUS[0]}"
+if [ -z "${SKIP_D2H:-}" ]; then
+  timeout "${D2H_TIMEOUT:-150}" $PY benchmarks/shm_d2h.py --out "$OUT" ${D2H_ARGS:-} 2>&1 \
+    | tee "$OUT/shm_d2h.txt" | tail -3
+  echo "shm d2h exit ${PIPESTATUS[0]}"
+fi
 if $PY -c 'import nixl' 2>/dev/null; then
   timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_gpu.py --gib "${NIXL_GIB:-1}" --warm 3 \
     --out "$OUT" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl_gpu.txt" | tail -5
   echo "nixl bench exit ${PIPESTATUS[0]}"
 fi
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -v -p no:cacheprovider -rfE -m gpu \
-  tests/test_gpu_cuda_ipc.py tests/test_cuda_ipc.py tests/test_nixl.py tests/test_gpu_checksum_order.py 2>&1 \
+  tests/test_gpu_cuda_ipc.py tests/test_cuda_ipc.py tests/test_nixl.py tests/test_gpu_checksum_order.py \
+  tests/test_gpu_shm.py 2>&1 \
   | grep -v "NIXL INFO" | tee "$OUT/gpu_tests.txt" | tail -45
 echo "tests exit ${PIPESTATUS[0]}"

@@ -351,7 +351,7 @@ class ReceiverMixin:
                 state.tensors += 1
                 state.nbytes += meta.nbytes
                 if dest is not None and buf.device.type == "cpu" and plain_cpu(dest):
-                    memmove_from(dest, buf, meta.offset, meta.nbytes)  # no views made
+                    self._land(dest, buf, meta.offset, meta.nbytes)  # no views made
                     return meta.name, dest
                 view = buf[meta.offset: meta.offset + meta.nbytes]
                 if dest is not None:
@@ -375,6 +375,10 @@ class ReceiverMixin:
         state.tensors += 1
         state.nbytes += meta.total_nbytes
         return meta.name, staging
+
+    def _land(self, dest: torch.Tensor, buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        """Hook: ``nbytes`` at ``offset`` of a CPU bucket into the caller's CPU tensor."""
+        memmove_from(dest, buf, offset, nbytes)
 
     def _rx_finish_stream(self, state: _RecvState, stream: int, msg: DoneMsg) -> None:
         peer = f"trainer rank {stream}"

@@ -24,6 +24,13 @@ one while the trainer asks its iterator for the next (``1``: wait for each); wit
 ``WEIGHTSYNC_SHM_DIRECT``: ``auto`` (default: only while every receiver has two cores, or
 there is one receiver), ``1`` always, ``0`` never.
 
+GPU trainers: CUDA tensors are copied device-to-host into the ring. With
+``WEIGHTSYNC_SHM_PIN`` ``auto`` (default: when the trainer process has CUDA initialized),
+``1`` or ``0``, the trainer registers its segments as pinned host memory
+(``cudaHostRegister``) so those copies run asynchronously at the link's full speed; a
+bucket that got any is published only once the copies queued on the trainer's current
+stream are done (an event polled, bounded by the timeout).
+
 Lifecycle (per worker): ``prepare`` (trainers start their control store) ->
 ``build_topology`` -> ``init_process_group`` (trainers create the ring, rollout ranks map
 it) -> any number of ``send_weights``/``receive_weights`` -> ``finalize``.
@@ -35,6 +42,7 @@ protocol is :mod:`weightsync.transport.protocol`. Created by name through
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -47,15 +55,23 @@ import torch
 from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
 from weightsync.core.wire import BucketMsg, HelloMsg
 from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
-                                                 direct_window)
+                                                 direct_window, wait_stream)
 from weightsync.transport.control.links import Link, LinkHub, unix_address
-from weightsync.transport.fastcopy import cma_available, cma_read, copy_threads
+from weightsync.transport.fastcopy import cma_available, cma_read, copy_threads, memmove_from
+from weightsync.core.plan import TensorMeta
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.protocol.receiver import ReceiverMixin
 from weightsync.transport.backends.shm.segments import Segment, sweep_stale
 from weightsync.transport.registry import CheckpointEngineRegistry
 
 __all__ = ["ShmEngine"]
+
+logger = logging.getLogger(__name__)
+
+#: A receiver splits bucket copies of at least _SPLIT_BYTES over its copy threads when it
+#: has this many (``WEIGHTSYNC_COPY_THREADS``, default min(4, cores)): with 2 cores, the
+#: trainer's own copy and the reader share them, and one thread each is faster.
+_SPLIT_MIN_THREADS, _SPLIT_BYTES = 3, 8 << 20
 
 
 @CheckpointEngineRegistry.register("shm")
@@ -83,12 +99,20 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
             ("off" if env in ("0", "false", "no", "off") else "on")
         self._direct_min = direct_min_bytes("WEIGHTSYNC_SHM_DIRECT_MIN", 8 << 20)
         self._direct_window = direct_window("WEIGHTSYNC_SHM_DIRECT_WINDOW")
+        pin = os.environ.get("WEIGHTSYNC_SHM_PIN", "auto").strip().lower()
+        if pin not in ("auto", "0", "1", "false", "true", "no", "yes", "off", "on"):
+            raise ValueError(f"WEIGHTSYNC_SHM_PIN must be auto, 1 or 0, got {pin!r}")
+        self._pin_mode = "auto" if pin == "auto" else \
+            ("off" if pin in ("0", "false", "no", "off") else "on")
+        self._pinned: list[int] = []          # data pointers registered with CUDA
+        self._d2h: Any = None   # the stream of the open bucket's device-to-host copies
 
     def _init_sender(self) -> None:
         sweep_stale()
         size, n = self.config.bucket_size, self.config.num_slots
         self._segments = [Segment(Segment.make_name(self._token, self._rank, i), size,
                                   create=True) for i in range(n)]
+        self._pin_segments()
         hello = HelloMsg(stream=self._rank, rank=0, bucket_size=size, num_slots=n,
                          segments=tuple(s.name for s in self._segments))
         self._hub = LinkHub(socket.AF_UNIX, unix_address(self._token, self._rank),
@@ -166,9 +190,49 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                     ok = False
             link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
                                     num_slots=msg.num_slots, segments=("cma",) if ok else ()))
-            if ok and self._copy_pool is None and self._copy_threads > 1:
+            if (ok or self._copy_threads >= _SPLIT_MIN_THREADS) and self._copy_pool is None \
+                    and self._copy_threads > 1:
                 self._copy_pool = ThreadPoolExecutor(self._copy_threads - 1,
                                                      thread_name_prefix="weightsync-copy")
+
+    def _pin_segments(self) -> None:
+        """Register the ring as pinned host memory for a GPU trainer (see the module doc)."""
+        want = self._pin_mode == "on" or (
+            self._pin_mode == "auto" and torch.cuda.is_available() and torch.cuda.is_initialized())
+        if not want:
+            return
+        if not torch.cuda.is_available():
+            raise ValueError("WEIGHTSYNC_SHM_PIN=1 needs CUDA, which is not available here")
+        cudart = torch.cuda.cudart()
+        for seg in self._segments:
+            t = seg.tensor
+            err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+            if int(err) != 0:   # not fatal: the copies stay synchronous, as unpinned
+                logger.warning("shm: cudaHostRegister of a %d-byte segment failed (%s); "
+                               "device-to-host copies will not overlap", t.numel(), err)
+                continue
+            self._pinned.append(t.data_ptr())
+
+    def _unpin_segments(self) -> None:
+        if self._pinned:
+            cudart = torch.cuda.cudart()
+            for ptr in self._pinned:
+                cudart.cudaHostUnregister(ptr)
+        self._pinned = []
+
+    def _copy_piece(self, buf: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor,
+                    dtype: torch.dtype) -> None:
+        if tensor.device.type == "cuda":
+            self._d2h = torch.cuda.current_stream(tensor.device)   # the caller's stream
+        BucketedEngine._copy_piece(buf, meta, tensor, dtype)
+
+    def _tx_ready(self, slot: int, buf: torch.Tensor, version: Any) -> None:
+        """A bucket with device-to-host copies is complete once the caller's stream ran
+        them (asynchronous into pinned segments)."""
+        if self._d2h:
+            stream, self._d2h = self._d2h, None
+            wait_stream(stream, self.config.timeout, peer="trainer stream", phase="send",
+                        version=version)
 
     # -- data path ------------------------------------------------------------------------
     def _tx_buffer(self, slot: int) -> torch.Tensor:
@@ -192,6 +256,21 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         pass  # the acknowledgement the protocol sends frees the slot
 
+    def _land(self, dest: torch.Tensor, buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        """Big copies out of a bucket run on the copy threads too, where there are enough
+        (a GPU trainer fills the ring at PCIe speed, faster than one thread copies out)."""
+        pool, n = self._copy_pool, self._copy_threads
+        if pool is None or n < _SPLIT_MIN_THREADS or nbytes < _SPLIT_BYTES:
+            memmove_from(dest, buf, offset, nbytes)
+            return
+        flat = dest.view(-1).view(torch.uint8) if dest.dim() else dest.reshape(1).view(torch.uint8)
+        step = -(-nbytes // n)
+        jobs = [pool.submit(memmove_from, flat[k:k + step], buf, offset + k,
+                            min(step, nbytes - k)) for k in range(step, nbytes, step)]
+        memmove_from(flat[:step], buf, offset, min(step, nbytes))
+        for job in jobs:
+            job.result(timeout=self.config.timeout)
+
     # -- direct tensors (DirectTensors): receivers read the trainer's memory (one copy) ----
     def _direct_on(self) -> bool:
         return self._direct          # every receiver can read us (probed), no checksums
@@ -211,6 +290,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
         self._stop_threads()
+        self._unpin_segments()
         for seg in self._segments:
             seg.close()
         for segs in self._rx_segments.values():

@@ -1,0 +1,110 @@
+"""A GPU trainer over ``shm`` into CPU receivers: the ring registered as pinned host memory
+(asynchronous device-to-host copies), and the wait that keeps a bucket from going out
+before those copies land. Skipped without CUDA; the env check runs everywhere."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from weightsync import CheckpointEngineRegistry
+from weightsync.transport.base import worker_kwargs
+
+BUCKET = 4 << 20
+
+
+def _group(receivers=1, **kw):
+    kw = {"bucket_size": BUCKET, "timeout": 30, "device": "cpu", **kw}
+    ts = [CheckpointEngineRegistry.new("shm", role="trainer", **kw)]
+    rs = [CheckpointEngineRegistry.new("shm", role="rollout", **kw) for _ in range(receivers)]
+    tk, rk = type(ts[0]).build_topology(1, receivers, [e.prepare() for e in ts + rs])
+    kws = [worker_kwargs(tk, 0)] + [worker_kwargs(rk, j) for j in range(receivers)]
+    with ThreadPoolExecutor(len(kws)) as pool:
+        for f in [pool.submit(e.init_process_group, **k) for e, k in zip(ts + rs, kws)]:
+            f.result(timeout=60)
+    return ts, rs
+
+
+def test_a_bad_pin_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_SHM_PIN", "sometimes")
+    with pytest.raises(ValueError, match="WEIGHTSYNC_SHM_PIN"):
+        CheckpointEngineRegistry.new("shm", role="trainer", device="cpu")
+
+
+def _run(mutant: bool, steps: int = 3) -> list:
+    torch.cuda.init()
+    ts, rs = _group()
+    trainer, rollout = ts[0], rs[0]
+    assert len(trainer._pinned) == trainer.config.num_slots
+    if mutant:   # publish without waiting for the device-to-host copies
+        trainer._tx_ready = lambda *a, **k: None
+    n = BUCKET // 4
+    params = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda") for i in range(6)}
+    dest = {name: torch.full((n,), -1, dtype=torch.int32) for name in params}
+    bad = []
+    try:
+        for step in range(steps):
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):   # the update runs behind a long kernel
+                for i, p in enumerate(params.values()):
+                    torch.cuda._sleep(20_000_000)
+                    p.fill_(1000 * step + i)
+
+                async def main():
+                    async def recv():
+                        async for _ in rollout.receive_into(dest, version=step):
+                            pass
+                    return await asyncio.gather(
+                        trainer.send_weights(list(params.items()), version=step), recv())
+                asyncio.run(main())
+            for i, name in enumerate(params):
+                if not bool((dest[name] == 1000 * step + i).all()):
+                    bad.append((step, name))
+    finally:
+        for e in ts + rs:
+            e.finalize()
+    return bad
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_gpu_trainer_over_pinned_shm_lands_every_byte():
+    assert _run(mutant=False) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_pinned_shm_checks_catch_a_missing_wait():
+    assert _run(mutant=True), "no stale bytes without the wait for the device-to-host copies"
+
+
+@pytest.mark.timeout(120)
+def test_big_bucket_copies_split_over_the_copy_threads_land_exactly(monkeypatch):
+    """With 3+ copy threads a receiver splits big copies out of a bucket (receive_into);
+    every byte lands where it belongs, odd sizes included."""
+    monkeypatch.setenv("WEIGHTSYNC_COPY_THREADS", "3")
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "0")     # every tensor through the ring
+    ts, rs = _group(bucket_size=32 << 20)
+    g = torch.Generator().manual_seed(3)
+    params = {f"w{i}": torch.randint(-2**31, 2**31 - 1, ((9 << 20) // 4 + 7 * i,),
+                                     dtype=torch.int32, generator=g) for i in range(4)}
+    params["small"] = torch.arange(100, dtype=torch.int32)
+    dest = {n: torch.zeros_like(p) for n, p in params.items()}
+    pool = rs[0]._copy_pool
+    assert pool is not None
+    submitted = []
+    real_submit = pool.submit
+    monkeypatch.setattr(pool, "submit", lambda *a, **k: (submitted.append(a), real_submit(*a, **k))[1])
+    try:
+        async def main():
+            async def recv():
+                async for _ in rs[0].receive_into(dest, version=1):
+                    pass
+            await asyncio.gather(ts[0].send_weights(list(params.items()), version=1), recv())
+        asyncio.run(main())
+        assert all(torch.equal(dest[n], p) for n, p in params.items())
+        assert len(submitted) == 2 * 4      # each big tensor: 3 parts, 2 of them on the pool
+    finally:
+        for e in ts + rs:
+            e.finalize()
