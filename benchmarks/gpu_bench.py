@@ -386,6 +386,27 @@ def run_engine(d: Driver, cfg: dict, warm: int, seed0: int) -> dict:
             "metrics": runs[-1]["metrics"], "last": last}
 
 
+#: Rows beside the plain ones: (option, default MiB, what, engine config of the row).
+VARIANTS = (
+    ("--stream-waits-buckets", "2048", "ring, stream_waits=True (the trainer's ring stream "
+     "waits)", {"stream_waits": True}),
+    ("--no-links-buckets", "2048", "ring, links=False (headers and acks through the store)",
+     {"links": False}),
+    ("--into-buckets", "2048", "ring, consumed with receive_into (the README's way)",
+     {"consume": "into"}),
+    ("--into-zero-copy-buckets", "1024", "zero-copy, consumed with receive_into",
+     {"consume": "into", "zero_copy": True}),
+    ("--zero-copy-first-bucket-buckets", "1024", "zero-copy, first batch a whole bucket",
+     {"zero_copy": True, "ref_first_bytes": "bucket"}),
+    ("--rx-waits-buckets", "2048", "ring, rx_stream_waits=True (the consumer's stream waits)",
+     {"rx_stream_waits": True}),
+    ("--rx-waits-zero-copy-buckets", "1024", "zero-copy, rx_stream_waits=True",
+     {"rx_stream_waits": True, "zero_copy": True}),
+    ("--views-buckets", "1024", "zero-copy and ring, new tensor objects every sync",
+     {"views": True}),
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -395,22 +416,8 @@ def main() -> None:
     ap.add_argument("--host-buckets", default="1024,4096", help="MiB (sync=host)")
     ap.add_argument("--zero-copy-buckets", default="256,1024", help="MiB (event)")
     ap.add_argument("--zero-copy-host-buckets", default="1024", help="MiB")
-    ap.add_argument("--stream-waits-buckets", default="2048",
-                    help="MiB (event, stream_waits=True: the trainer's ring stream waits)")
-    ap.add_argument("--no-links-buckets", default="2048",
-                    help="MiB (event, links=False: headers and acks through the store)")
-    ap.add_argument("--into-buckets", default="2048",
-                    help="MiB: ring, consumed with receive_into (the README's way)")
-    ap.add_argument("--into-zero-copy-buckets", default="1024",
-                    help="MiB: zero-copy, consumed with receive_into")
-    ap.add_argument("--zero-copy-first-bucket-buckets", default="1024",
-                    help="MiB: zero-copy whose first batch is a whole bucket (before 12-04)")
-    ap.add_argument("--rx-waits-buckets", default="2048",
-                    help="MiB: ring, rx_stream_waits=True (the consumer's stream waits)")
-    ap.add_argument("--rx-waits-zero-copy-buckets", default="1024",
-                    help="MiB: zero-copy, rx_stream_waits=True")
-    ap.add_argument("--views-buckets", default="1024",
-                    help="MiB: zero-copy and ring, new tensor objects every sync")
+    for flag, default, what, _ in VARIANTS:
+        ap.add_argument(flag, default=default, help=f"MiB, sync=event: {what}")
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
     ap.add_argument("--scale", type=int, default=1, help="divide every dimension")
     ap.add_argument("--cpu-smoke", action="store_true", help="plumbing check: shm on CPU")
@@ -447,27 +454,15 @@ def main() -> None:
                             (args.zero_copy_host_buckets, True, "host")):
             configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
                          "sync": sy} for b in opt.split(",") if b]
-        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
-                     "sync": "event", "stream_waits": True}
-                    for b in args.stream_waits_buckets.split(",") if b]
-        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
-                     "sync": "event", "consume": "into"}
-                    for zc, opt in ((False, args.into_buckets), (True, args.into_zero_copy_buckets))
-                    for b in opt.split(",") if b]
-        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
-                     "sync": "event", "rx_stream_waits": True}
-                    for zc, opt in ((False, args.rx_waits_buckets),
-                                    (True, args.rx_waits_zero_copy_buckets))
-                    for b in opt.split(",") if b]
-        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": True,
-                     "sync": "event", "ref_first_bytes": int(b) * MiB}
-                    for b in args.zero_copy_first_bucket_buckets.split(",") if b]
-        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
-                     "sync": "event", "links": False}
-                    for b in args.no_links_buckets.split(",") if b]
-        configs += [{"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": zc,
-                     "sync": "event", "views": True}
-                    for b in args.views_buckets.split(",") if b for zc in (True, False)]
+        for flag, _, _, extra in VARIANTS:
+            for b in getattr(args, flag[2:].replace("-", "_")).split(","):
+                if b:
+                    cfg = {"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
+                           "sync": "event", **extra}
+                    if cfg.get("ref_first_bytes") == "bucket":
+                        cfg["ref_first_bytes"] = cfg["bucket_size"]
+                    configs += [{**cfg, "zero_copy": zc} for zc in
+                                ((True, False) if extra.get("views") else (cfg["zero_copy"],))]
         for cfg in configs:
             res = run_engine(d, cfg, args.warm, seed)
             seed += args.warm + 1
