@@ -366,8 +366,11 @@ class ReceiverMixin:
         if owner != stream:
             return None
         flat = staging.view(-1).view(torch.uint8)
-        copy_into(flat[meta.chunk_offset: meta.chunk_offset + meta.nbytes],
-                  buf[meta.offset: meta.offset + meta.nbytes])
+        piece = flat[meta.chunk_offset: meta.chunk_offset + meta.nbytes]
+        if buf.device.type == "cpu" and plain_cpu(staging) and isinstance(buf, torch.Tensor):
+            self._land(piece, buf, meta.offset, meta.nbytes)
+        else:
+            copy_into(piece, buf[meta.offset: meta.offset + meta.nbytes])
         if not meta.is_last_chunk:
             return None
         del state.partial[meta.name]
