@@ -42,6 +42,7 @@ protocol is :mod:`weightsync.transport.protocol`. Created by name through
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import secrets
@@ -260,16 +261,23 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         """Big copies out of a bucket run on the copy threads too, where there are enough
         (a GPU trainer fills the ring at PCIe speed, faster than one thread copies out)."""
         pool, n = self._copy_pool, self._copy_threads
-        if pool is None or n < _SPLIT_MIN_THREADS or nbytes < _SPLIT_BYTES:
-            memmove_from(dest, buf, offset, nbytes)
+        if pool is None or n < _SPLIT_MIN_THREADS or nbytes < _SPLIT_BYTES \
+                or n * max(1, self._num_receivers) > (os.cpu_count() or 1):
+            memmove_from(dest, buf, offset, nbytes)   # (receivers would share the cores)
             return
         flat = dest.view(-1).view(torch.uint8) if dest.dim() else dest.reshape(1).view(torch.uint8)
         step = -(-nbytes // n)
         jobs = [pool.submit(memmove_from, flat[k:k + step], buf, offset + k,
                             min(step, nbytes - k)) for k in range(step, nbytes, step)]
         memmove_from(flat[:step], buf, offset, min(step, nbytes))
-        for job in jobs:
-            job.result(timeout=self.config.timeout)
+        deadline = time.monotonic() + self.config.timeout
+        try:
+            for job in jobs:
+                job.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise SyncTimeout(f"copying {nbytes} bytes out of a bucket took over "
+                              f"{self.config.timeout:.0f}s", peer=f"rollout rank {self._rank}",
+                              phase="receive") from None
 
     # -- direct tensors (DirectTensors): receivers read the trainer's memory (one copy) ----
     def _direct_on(self) -> bool:
