@@ -50,6 +50,11 @@ def parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
+def parse_auto_bool(raw: str) -> Optional[bool]:
+    """``auto`` (None: the code decides), else as :func:`parse_bool`."""
+    return None if raw.strip().lower() == "auto" else parse_bool(raw)
+
+
 @dataclass(kw_only=True)
 class EngineConfig:
     """Settings shared by every checkpoint engine.

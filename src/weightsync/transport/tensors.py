@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import weakref
 import zlib
 from typing import Any, AsyncIterator, Optional
 
@@ -16,7 +17,7 @@ try:  # optional, faster
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
-__all__ = ["ReplayedLasting", "aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
+__all__ = ["ReplayedLasting", "view_record", "same_view", "aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
            "mark_partial", "partial_boxes", "mark_stable", "is_stable", "LastingStorage"]
 
 #: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
@@ -237,6 +238,22 @@ class LastingStorage:
         self.begin()
 
 
+def view_record(name: str, t: torch.Tensor) -> tuple:
+    """What :func:`same_view` compares a later tensor against: ``t`` under ``name``."""
+    return (name, t.data_ptr(), t.shape, t.dtype, StorageWeakRef(t.untyped_storage()),
+            weakref.ref(t))
+
+
+def same_view(rec: tuple, name: str, t: torch.Tensor) -> bool:
+    """Whether ``t`` under ``name`` is the tensor of ``rec`` (:func:`view_record`) again:
+    the same name, address, shape and dtype, over the same storage, still alive (the very
+    object, checked first as the cheaper test, or a new view of it)."""
+    if rec[0] != name or rec[1] != t.data_ptr() or rec[2] != t.shape or rec[3] is not t.dtype:
+        return False
+    return rec[5]() is t or (not rec[4].expired()
+                             and rec[4].cdata == t.untyped_storage()._cdata)
+
+
 class ReplayedLasting:
     """:class:`LastingStorage` for a weight set yielded the same way every sync, at the
     cost of a comparison per tensor.
@@ -271,23 +288,20 @@ class ReplayedLasting:
         pos = len(self._now)
         if self._same:
             prev = self._prev[pos] if pos < len(self._prev) else None
-            self._same = prev is not None and prev[0] == name \
-                and prev[1] == t.data_ptr() and prev[2] == t.shape and prev[3] is t.dtype \
-                and not prev[4].expired() and prev[4].cdata == t.untyped_storage()._cdata
+            self._same = prev is not None and same_view(prev[0], name, t)
             if self._same and self._replaying:
                 self._now.append(prev)
                 self._seen.append((name, t))
                 self.replayed += 1
-                return prev[5]
+                return prev[1]
             if self._same:                         # tracked, and kept to compare next time
                 ok = self.tracker.lasting(name, t, version=version)
-                self._now.append(prev[:5] + (ok,))
+                self._now.append((prev[0], ok))
                 return ok
         if self._replaying:
             self._leave_replay(version)
         ok = self.tracker.lasting(name, t, version=version)
-        self._now.append((name, t.data_ptr(), t.shape, t.dtype,
-                          StorageWeakRef(t.untyped_storage()), ok))
+        self._now.append((view_record(name, t), ok))
         return ok
 
     def _leave_replay(self, version: Any) -> None:

@@ -29,8 +29,9 @@ their reads in one of two ways:
   stream once the trainer has polled the receivers' events on the host, so the export's
   later writes stay ordered after the copy.
 
-No stream of the caller ever waits on another process's event: only the ring stream
-does, so a dead receiver can stall the ring, never the trainer's own work. The ring's
+On the trainer no stream of the caller ever waits on another process's event: only the
+ring stream does, so a dead receiver can stall the ring, never the trainer's own work
+(receivers opt into such waits with ``rx_stream_waits``, see :class:`CudaIpcOptions`). The ring's
 slots are kept from the allocator while it may still use them; a sync that follows a
 failed one first waits (bounded) until the ring has drained, else it asks for a new
 ``init_process_group``. Every wait on a peer is bounded on the host (``SyncTimeout``).
@@ -63,7 +64,7 @@ from weightsync.core.plan import TensorMeta
 from weightsync.core.remote import normalize_version
 from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
 from weightsync.transport.protocol.sender import BucketedEngine
-from weightsync.transport.tensors import ReplayedLasting, as_bytes, wire_dtype
+from weightsync.transport.tensors import ReplayedLasting, as_bytes
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
 from weightsync.transport.control.group import StoreGroupMixin
@@ -354,17 +355,21 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._tx_version = version
         self._ring_count = 0
         self._clear_refs()
-        self._lasting.begin()
+        ring = self._ring is not None        # the lasting tracker matters only for the ring
+        if ring:
+            self._lasting.begin()
         try:
             report = await super().send_weights(named_tensors, version)
         except BaseException:
-            self._lasting.reset()   # a failed sync: trust no storage from before it
+            if ring:
+                self._lasting.reset()   # a failed sync: trust no storage from before it
             raise
         finally:
             self._clear_refs()
             self._chunk_src = ()
             self._deferred, self._deferred_bytes = [], 0
-        self._lasting.finish()
+        if ring:
+            self._lasting.finish()
         return report
 
     def _check_usable(self, version: Any) -> None:
@@ -383,17 +388,16 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                              "init_process_group again", peer=exc.peer, phase="send",
                              version=version) from None
 
-    async def _pack(self, state: Any, name: str, tensor: torch.Tensor) -> None:
-        """Decide where ``tensor`` is copied (see the module doc), then pack it."""
-        ring = self._ring
-        self._on_ring = False
-        if ring is not None and not (self.options.zero_copy and self._can_ref(tensor)) \
-                and tensor.device == self._ops.device and tensor.is_contiguous() \
-                and wire_dtype(tensor, self.config.dtype) == tensor.dtype \
-                and self._lasting.lasting(name, tensor, version=state.version):
-            self._on_ring = True
-            self._ring_count += 1
-        await super()._pack(state, name, tensor)
+    def _tx_direct_ok(self, state: Any, name: str, tensor: torch.Tensor,
+                      dtype: torch.dtype) -> bool:
+        """The protocol's per-tensor hook (for a tensor that goes into the buckets): no
+        tensor skips them here; decide whether this one is copied on the ring (see the
+        module doc)."""
+        self._on_ring = self._ring is not None and tensor.device == self._ops.device \
+            and tensor.is_contiguous() and dtype == tensor.dtype \
+            and self._lasting.lasting(name, tensor, version=state.version)
+        self._ring_count += self._on_ring
+        return False
 
     def _report(self, state: Any, seconds: float) -> dict[str, Any]:
         out = super()._report(state, seconds)

@@ -13,7 +13,6 @@ unchanged until ``send_weights`` returns; the engine keeps them referenced until
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,7 +23,7 @@ from weightsync.core.errors import PlanMismatch, SyncTimeout
 from weightsync.core.plan import Bucket, TensorMeta, bucket_digest, dtype_name
 from weightsync.core.wire import BucketMsg, HelloMsg, decode, encode
 from weightsync.core.remote import wire_version
-from weightsync.transport.tensors import wire_dtype
+from weightsync.transport.tensors import same_view, view_record, wire_dtype
 
 __all__ = ["ZeroCopyMixin", "REF_INDEX_BASE", "REGION_SHIFT"]
 
@@ -106,21 +105,14 @@ class ZeroCopyMixin:
         pos = self._ref_pos
         self._ref_pos += 1
         prev = self._ref_prev[pos] if pos < len(self._ref_prev) else None
-        if prev is None or prev[1] != name or prev[2] != tensor.data_ptr() \
-                or prev[3] != tensor.shape or prev[5] is not tensor.dtype \
-                or not tensor.is_contiguous():
-            return None
-        if prev[0]() is tensor:
-            return prev
-        weak = prev[6]
-        if not weak.expired() and weak.cdata == tensor.untyped_storage()._cdata:
+        if prev is not None and tensor.is_contiguous() and same_view(prev[0], name, tensor):
             return prev
         return None
 
     async def _pack(self, state: Any, name: str, tensor: torch.Tensor) -> None:
         prev = self._replayed(name, tensor) if self.options.zero_copy else None
         if prev is not None:
-            meta = prev[4]
+            meta = prev[1]
             self._ref_used.add(meta.offset >> REGION_SHIFT)
         elif not self._can_ref(tensor):
             self._ref_seen.append(None)
@@ -128,8 +120,7 @@ class ZeroCopyMixin:
             return
         else:
             meta = await self._new_ref(name, tensor)
-            prev = (weakref.ref(tensor), name, tensor.data_ptr(), tensor.shape, meta,
-                    tensor.dtype, StorageWeakRef(tensor.untyped_storage()))
+            prev = (view_record(name, tensor), meta)
         self._ref_seen.append(prev)
         nbytes = meta.nbytes
         self._ref_entries.append(meta)
@@ -143,7 +134,7 @@ class ZeroCopyMixin:
         # messages (on the H200 a cap at 2 GiB, i.e. more messages, was slower and noisier).
         first = max(1, min(self.options.ref_first_bytes or self.config.bucket_size,
                            self.config.bucket_size))
-        limit = self.options.ref_batch_bytes or first << min(len(self._ref_plan_new), 30)
+        limit = self.options.ref_batch_bytes or first << min(len(self._ref_plan_new), 20)
         if self._ref_bytes >= limit or len(self._ref_entries) >= _MAX_REF_ENTRIES:
             await self._blocking(self._publish_refs, state)
 

@@ -59,6 +59,7 @@ from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors,
                                                  direct_window, wait_stream)
 from weightsync.transport.control.links import Link, LinkHub, unix_address
 from weightsync.transport.fastcopy import cma_available, cma_read, copy_threads, memmove_from
+from weightsync.core.config import env_value, parse_auto_bool
 from weightsync.core.plan import TensorMeta
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.protocol.receiver import ReceiverMixin
@@ -100,13 +101,10 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
             ("off" if env in ("0", "false", "no", "off") else "on")
         self._direct_min = direct_min_bytes("WEIGHTSYNC_SHM_DIRECT_MIN", 8 << 20)
         self._direct_window = direct_window("WEIGHTSYNC_SHM_DIRECT_WINDOW")
-        pin = os.environ.get("WEIGHTSYNC_SHM_PIN", "auto").strip().lower()
-        if pin not in ("auto", "0", "1", "false", "true", "no", "yes", "off", "on"):
-            raise ValueError(f"WEIGHTSYNC_SHM_PIN must be auto, 1 or 0, got {pin!r}")
-        self._pin_mode = "auto" if pin == "auto" else \
-            ("off" if pin in ("0", "false", "no", "off") else "on")
+        self._pin: Optional[bool] = env_value("SHM_PIN", parse_auto_bool, None)  # None: auto
         self._pinned: list[int] = []          # data pointers registered with CUDA
         self._d2h: Any = None   # the stream of the open bucket's device-to-host copies
+        self._split = False     # receiver: big bucket copies go over the copy threads
 
     def _init_sender(self) -> None:
         sweep_stale()
@@ -191,15 +189,17 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                     ok = False
             link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
                                     num_slots=msg.num_slots, segments=("cma",) if ok else ()))
-            if (ok or self._copy_threads >= _SPLIT_MIN_THREADS) and self._copy_pool is None \
-                    and self._copy_threads > 1:
+            n = self._copy_threads   # split bucket copies while every receiver has the cores
+            self._split = n >= _SPLIT_MIN_THREADS and \
+                n * max(1, self._num_receivers) <= (os.cpu_count() or 1)
+            if (ok or self._split) and self._copy_pool is None and n > 1:
                 self._copy_pool = ThreadPoolExecutor(self._copy_threads - 1,
                                                      thread_name_prefix="weightsync-copy")
 
     def _pin_segments(self) -> None:
         """Register the ring as pinned host memory for a GPU trainer (see the module doc)."""
-        want = self._pin_mode == "on" or (
-            self._pin_mode == "auto" and torch.cuda.is_available() and torch.cuda.is_initialized())
+        want = self._pin if self._pin is not None else \
+            torch.cuda.is_available() and torch.cuda.is_initialized()
         if not want:
             return
         if not torch.cuda.is_available():
@@ -261,9 +261,8 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         """Big copies out of a bucket run on the copy threads too, where there are enough
         (a GPU trainer fills the ring at PCIe speed, faster than one thread copies out)."""
         pool, n = self._copy_pool, self._copy_threads
-        if pool is None or n < _SPLIT_MIN_THREADS or nbytes < _SPLIT_BYTES \
-                or n * max(1, self._num_receivers) > (os.cpu_count() or 1):
-            memmove_from(dest, buf, offset, nbytes)   # (receivers would share the cores)
+        if not self._split or pool is None or nbytes < _SPLIT_BYTES:
+            memmove_from(dest, buf, offset, nbytes)
             return
         flat = dest.view(-1).view(torch.uint8) if dest.dim() else dest.reshape(1).view(torch.uint8)
         step = -(-nbytes // n)
