@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from weightsync.core.xferplan import (
-    DestLayout, HeldRange, Read, SourceLayout, TransferPlan, Want, compile_plan,
+    DestLayout, HeldBox, HeldRange, Read, SourceLayout, TransferPlan, Want, compile_plan,
 )
 
 from weightsync.core.errors import PlanMismatch
@@ -484,3 +484,84 @@ def test_llama_like_layout_compiles_with_coalesced_column_shards():
         assert row_runs - 2 * layers <= len(reads) <= row_runs + 2 * layers
         # q, k, v coalesce into one read; gate, up into another
         assert sum(r.nbytes >= hidden * hidden for r in reads) == 2 * layers
+
+
+# ------------------------------------------------------------------ boxes held (trainer TP)
+
+def box_sources(model: dict, boxes: dict, region="flat"):
+    """``boxes``: rank -> {name: box}; each rank holds its boxes row-major, back to back
+    (what a tensor-parallel trainer rank's local shards are). Layouts and region buffers."""
+    layouts, regions = [], {}
+    for rank, held in boxes.items():
+        items, parts, off = [], [], 0
+        for name, box in held.items():
+            t = model[name]
+            items.append(HeldBox(name=name, shape=tuple(t.shape), dtype=dtype_of(t), box=box,
+                                 region=region, offset=off))
+            raw = byte_view(t[tuple(slice(a, b) for a, b in box)])
+            parts.append(raw)
+            off += raw.numel()
+        layouts.append(SourceLayout(rank=rank, held=tuple(items)))
+        regions[rank, region] = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return layouts, regions
+
+
+def tp_boxes(model: dict, kinds: dict, tp: int, t: int) -> dict:
+    return dict(tp_wants(model, t, tp, kinds))
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 4), (4, 2), (2, 1), (3, 2)])
+def test_trainer_tp_shards_land_bit_exact_in_another_tp(src_tp, dst_tp):
+    """Trainer ranks hold TP boxes (row-parallel ones are column slices: one run per row,
+    not a flat range); workers of another TP size get exactly their boxes, no rank is read
+    for bytes it does not hold, and each worker takes in its share once."""
+    g = torch.Generator().manual_seed(3)
+    model = {"q": random_tensor((24, 12), "bfloat16", g), "o": random_tensor((12, 24), "bfloat16", g),
+             "e": random_tensor((2, 6, 12), "float32", g), "n": random_tensor((12,), "bfloat16", g)}
+    kinds = {"q": "col", "o": "row", "e": "row"}
+    sources, regions = box_sources(model, {r: tp_boxes(model, kinds, src_tp, r)
+                                           for r in range(src_tp)})
+    dests, sizes = [], {}
+    for w in range(dst_tp):
+        d, n = build_dest(f"w{w}", tp_wants(model, w, dst_tp, kinds), model)
+        dests.append(d)
+        sizes[d.worker] = n
+    plan = run_plan(model, sources, regions, dests, sizes)
+    kept = {d.worker: sum(w.numel * itemsize(w.dtype) for w in d.wants) for d in dests}
+    assert plan.bytes_per_dest() == kept
+    held = {s.rank: sum(h.numel * itemsize(h.dtype) for h in s.held) for s in sources}
+    # replicated "n" is read from one of the ranks per worker; the rest from its one holder
+    assert sum(plan.bytes_per_source().values()) == sum(kept.values())
+    assert all(0 < b <= held[r] * dst_tp for r, b in plan.bytes_per_source().items())
+
+
+def test_replicated_tp_boxes_balance_over_data_parallel_ranks():
+    """TP 2 x DP 2 (Megatron: every DP rank holds the same TP box): the reads of each box
+    are spread over its two holders, and bytes land exactly."""
+    g = torch.Generator().manual_seed(4)
+    model = {f"l{i}.o": random_tensor((64, 32), "bfloat16", g) for i in range(4)}
+    kinds = {n: "row" for n in model}
+    boxes = {dp * 2 + t: tp_boxes(model, kinds, 2, t) for dp in range(2) for t in range(2)}
+    sources, regions = box_sources(model, boxes)
+    d, n = build_dest("w0", tp_wants(model, 0, 1, kinds), model)
+    plan = run_plan(model, sources, regions, [d], {"w0": n})
+    per = plan.bytes_per_source()
+    total = sum(t.numel() * 2 for t in model.values())
+    assert sum(per.values()) == total
+    assert all(abs(b - total / 4) <= 0.1 * total for b in per.values()), per
+
+
+def test_a_box_past_the_shape_or_an_uncovered_part_is_a_plan_mismatch():
+    g = torch.Generator().manual_seed(5)
+    model = {"o": random_tensor((4, 6), "float32", g)}
+    held = (HeldBox(name="o", shape=(4, 6), dtype="float32", box=((0, 4), (0, 7)),
+                    region="r", offset=0),)
+    d, _ = build_dest("w0", [("o", full_box((4, 6)))], model)
+    with pytest.raises(PlanMismatch, match=r"o.*rank 0 holds box \[\(0, 4\), \(0, 7\)\], not within"):
+        compile_plan([SourceLayout(rank=0, held=held)], [d])
+    half = (HeldBox(name="o", shape=(4, 6), dtype="float32", box=((0, 4), (0, 3)),
+                    region="r", offset=0),)
+    with pytest.raises(PlanMismatch, match="no rank holds elements"):
+        compile_plan([SourceLayout(rank=0, held=half)], [d])
+    with pytest.raises(ValueError, match="HeldBox"):
+        HeldBox(name="o", shape=(4, 6), dtype="float32", box=((0, 4), 3), region="r", offset=0)

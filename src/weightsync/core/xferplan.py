@@ -22,10 +22,10 @@ import numpy as np
 
 from weightsync.core.errors import PlanMismatch
 from weightsync.core.plan import DTYPES, itemsize
-from weightsync.core.xfertypes import (PLAN_FORMAT, DestLayout, HeldRange, Keep, Read, SourceLayout,
-                                       TransferPlan, Want, _I64, _int)
+from weightsync.core.xfertypes import (PLAN_FORMAT, DestLayout, HeldBox, HeldRange, Keep, Read,
+                                       SourceLayout, TransferPlan, Want, _I64, _int)
 
-__all__ = ["HeldRange", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
+__all__ = ["HeldRange", "HeldBox", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
            "compile_plan", "PLAN_FORMAT"]
 
 @dataclass
@@ -33,12 +33,41 @@ class _Tensor:
     shape: tuple[int, ...]
     dtype: str
     rank: int  # the first rank seen holding it (for messages)
-    held: list = field(default_factory=list)  # (start, stop, rank, region, offset)
-    segments: list | None = None
+    held: list = field(default_factory=list)  # (starts, stops, rank, region, offsets) arrays
+    segments: tuple | None = None             # (b0, b1, first gid) once registered
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+class _Holders:
+    """Every holder set of the plan, CSR-style: holder set ``g`` is entries
+    ``start[g] : start[g] + count[g]`` of (rank, region id, base), ranks ascending."""
+
+    def __init__(self) -> None:
+        self.regions: dict[str, int] = {}
+        self._parts: dict[str, list] = {k: [] for k in ("count", "rank", "reg", "base")}
+        self.sets = 0
+
+    def region(self, name: str) -> int:
+        return self.regions.setdefault(name, len(self.regions))
+
+    def add(self, count, rank, reg, base) -> int:
+        """Register holder sets (``count`` per set); the gid of the first."""
+        first = self.sets
+        for k, v in (("count", count), ("rank", rank), ("reg", reg), ("base", base)):
+            self._parts[k].append(np.asarray(v, _I64))
+        self.sets += len(count)
+        return first
+
+    def arrays(self) -> tuple:
+        """``(start, count, rank, reg, base)``; one dummy holder when there is none."""
+        cat = {k: np.concatenate(v) if v else np.empty(0, _I64) for k, v in self._parts.items()}
+        if not len(cat["rank"]):
+            cat.update(rank=np.zeros(1, _I64), reg=np.zeros(1, _I64), base=np.zeros(1, _I64))
+        start = np.concatenate(([0], np.cumsum(cat["count"])[:-1])).astype(_I64)
+        return start, cat["count"], cat["rank"], cat["reg"], cat["base"]
 
 
 def _fail(problems: list[tuple[str, str]]) -> None:
@@ -54,22 +83,33 @@ def _fail(problems: list[tuple[str, str]]) -> None:
 def _gather_sources(sources: Sequence[SourceLayout], problems: list) -> dict[str, _Tensor]:
     tensors: dict[str, _Tensor] = {}
     seen: set[int] = set()
+    one = np.ones(1, _I64)
     for src in sorted(sources, key=lambda s: s.rank):
         if src.rank in seen:
             problems.append((f"<rank {src.rank}>", "source layout given twice"))
         seen.add(src.rank)
         for h in src.held:
             t = tensors.setdefault(h.name, _Tensor(h.shape, h.dtype, src.rank))
+            boxed = isinstance(h, HeldBox)
+            what = f"box {list(h.box)}" if boxed else f"elements [{h.start}, {h.stop})"
             if (h.shape, h.dtype) != (t.shape, t.dtype):
                 problems.append((h.name, f"rank {src.rank} holds it as {h.dtype}{list(h.shape)}"
                                          f" but rank {t.rank} as {t.dtype}{list(t.shape)}"))
-            elif not 0 <= h.start <= h.stop <= t.numel:
-                problems.append((h.name, f"rank {src.rank} holds elements [{h.start}, "
-                                         f"{h.stop}), not within [0, {t.numel}]"))
+            elif boxed and (len(h.box) != len(t.shape) or any(
+                    not 0 <= a <= b <= n for (a, b), n in zip(h.box, t.shape))):
+                problems.append((h.name, f"rank {src.rank} holds {what}, not within "
+                                         f"shape {list(t.shape)}"))
+            elif not boxed and not 0 <= h.start <= h.stop <= t.numel:
+                problems.append((h.name, f"rank {src.rank} holds {what}, not within "
+                                         f"[0, {t.numel}]"))
             elif h.offset < 0:
                 problems.append((h.name, f"rank {src.rank} has negative offset {h.offset}"))
+            elif boxed:
+                starts, length = _box_runs(t.shape, h.box)
+                offs = h.offset + np.arange(len(starts), dtype=_I64) * (length * itemsize(t.dtype))
+                t.held.append((starts, starts + length, src.rank, h.region, offs))
             else:
-                t.held.append((h.start, h.stop, src.rank, h.region, h.offset))
+                t.held.append((h.start * one, h.stop * one, src.rank, h.region, h.offset * one))
     return tensors
 
 
@@ -132,55 +172,77 @@ def _box_runs(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple
     return starts, (box[k - 1][1] - box[k - 1][0]) * strides[k - 1]
 
 
-def _segments(t: _Tensor) -> list:
-    """Maximal element ranges of one holder set: [(b0, b1, [(rank, region, base)])]."""
+def _segments(t: _Tensor, reg: _Holders) -> tuple:
+    """The tensor's maximal element ranges of one holder set, registered in ``reg``:
+    ``(b0, b1, gid of the first, holders per range)``. A rank holding a range twice counts
+    once (its first copy by region name and offset); ranges nobody holds get no holder."""
     if t.segments is None:
-        isz, points = itemsize(t.dtype), {0, t.numel}
-        for h in t.held:
-            points.update(h[:2])
-        bounds, t.segments = sorted(points), []
-        for b0, b1 in zip(bounds, bounds[1:]):
-            best: dict[int, tuple] = {}
-            for start, stop, rank, region, offset in sorted(t.held, key=lambda h: h[2:]):
-                if start <= b0 and b1 <= stop and rank not in best:
-                    best[rank] = (rank, region, offset - start * isz)
-            t.segments.append((b0, b1, [best[r] for r in sorted(best)]))
+        isz = itemsize(t.dtype)
+        cols = [np.concatenate(c) if t.held else np.empty(0, _I64) for c in (
+            [h[0] for h in t.held], [h[1] for h in t.held], [np.full(len(h[0]), h[2], _I64)
+                                                               for h in t.held],
+            [np.full(len(h[0]), reg.region(h[3]), _I64) for h in t.held],
+            [h[4] for h in t.held])]
+        s, e, rank, region, off = cols
+        keep = e > s
+        s, e, rank, region, off = s[keep], e[keep], rank[keep], region[keep], off[keep]
+        bounds = np.unique(np.concatenate((s, e, np.array([0, t.numel], _I64))))
+        lo, hi = np.searchsorted(bounds, s), np.searchsorted(bounds, e)
+        cnt = hi - lo
+        piece = np.repeat(np.arange(len(s), dtype=_I64), cnt)
+        seg = lo[piece] + np.arange(len(piece), dtype=_I64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        by_name = np.empty(len(reg.regions), _I64)       # region id -> its place by name
+        by_name[[reg.regions[n] for n in sorted(reg.regions)]] = np.arange(len(reg.regions))
+        order = np.lexsort((off[piece], by_name[region[piece]], rank[piece], seg))
+        seg, piece = seg[order], piece[order]
+        first = np.ones(len(seg), bool)
+        first[1:] = (seg[1:] != seg[:-1]) | (rank[piece][1:] != rank[piece][:-1])
+        seg, piece = seg[first], piece[first]
+        nseg = len(bounds) - 1
+        count = np.bincount(seg, minlength=nseg).astype(_I64)
+        gid0 = reg.add(count, rank[piece], region[piece], off[piece] - s[piece] * isz)
+        t.segments = (bounds[:-1], bounds[1:], gid0, count)
     return t.segments
 
 
-def _pieces(wants: list, wid: dict, did: dict, problems: list) -> tuple[dict, list, list]:
-    """Columns of pieces (a run cut at holder boundaries), their holder sets, cast pairs.
+def _pieces(wants: list, wid: dict, did: dict, problems: list) -> tuple[dict, _Holders, list]:
+    """Columns of pieces (a run cut at holder boundaries), the holder sets, cast pairs.
 
     ``src`` is the byte offset in the flattened tensor (until a holder is picked);
     ``sisz``/``disz`` are the item sizes on cast rows, 1 on direct (byte-copy) rows."""
     parts: dict[str, list] = {}
-    holders: list = []
+    reg = _Holders()
     casts: list = [None]
     for worker, w, t, cast in wants:
         starts, length = _box_runs(t.shape, w.box)
+        if not len(starts):
+            continue
         sisz, disz, ends = itemsize(t.dtype), itemsize(w.dtype), starts + length
-        run_doff = w.offset + np.arange(len(starts), dtype=_I64) * (length * disz)
         casts += [cast] if cast not in casts else []
         cid = casts.index(cast)
-        for b0, b1, hs in _segments(t) if len(starts) else ():
-            lo, hi = np.searchsorted(ends, b0, "right"), np.searchsorted(starts, b1, "left")
-            if lo >= hi:
-                continue
-            ps, pe = np.maximum(starts[lo:hi], b0), np.minimum(ends[lo:hi], b1)
-            if not hs:
-                problems.append((w.name, f"worker {worker}: no rank holds elements "
-                                         f"[{ps[0]}, {pe[0]}) of the flattened tensor"))
-                break
-            holders.append(hs)
-            cols = {"gid": len(holders) - 1, "src": ps * sisz, "nb": (pe - ps) * sisz,
-                    "wid": wid[worker], "did": did[w.dest], "cid": cid,
-                    "doff": run_doff[lo:hi] + (ps - starts[lo:hi]) * disz,
-                    "sisz": sisz if cid else 1, "disz": disz if cid else 1}
-            for c, v in cols.items():
-                parts.setdefault(c, []).append(np.broadcast_to(np.asarray(v, _I64), (hi - lo,)))
+        b0, b1, gid0, count = _segments(t, reg)
+        lo, hi = np.searchsorted(ends, b0, "right"), np.searchsorted(starts, b1, "left")
+        cnt = np.maximum(hi - lo, 0)
+        empty = np.flatnonzero((cnt > 0) & (count == 0))
+        if len(empty):
+            j = empty[0]
+            problems.append((w.name, f"worker {worker}: no rank holds elements "
+                                     f"[{max(starts[lo[j]], b0[j])}, {min(ends[lo[j]], b1[j])})"
+                                     " of the flattened tensor"))
+            continue
+        seg = np.repeat(np.arange(len(b0), dtype=_I64), cnt)
+        run = lo[seg] + np.arange(len(seg), dtype=_I64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        ps, pe = np.maximum(starts[run], b0[seg]), np.minimum(ends[run], b1[seg])
+        doff = w.offset + run * (length * disz) + (ps - starts[run]) * disz
+        n = len(seg)
+        cols = {"gid": gid0 + seg, "src": ps * sisz, "nb": (pe - ps) * sisz, "wid": wid[worker],
+                "did": did[w.dest], "cid": cid, "doff": doff,
+                "sisz": sisz if cid else 1, "disz": disz if cid else 1}
+        for c, v in cols.items():
+            parts.setdefault(c, []).append(np.broadcast_to(np.asarray(v, _I64), (n,)))
     names = ("gid", "src", "nb", "wid", "did", "cid", "doff", "sisz", "disz")
     return ({c: np.concatenate(parts[c]) if parts else np.empty(0, _I64) for c in names},
-            holders, casts)
+            reg, casts)
 
 
 def _split(c: dict, limit: int) -> dict:
@@ -198,14 +260,12 @@ def _split(c: dict, limit: int) -> dict:
     return out
 
 
-def _assign(c: dict, holders: list, balance: bool) -> tuple[dict, list[str]]:
+def _assign(c: dict, reg: _Holders, balance: bool) -> tuple[dict, list[str]]:
     """Pick a holder per piece: forced ones first, then greedy least-loaded, largest first."""
-    flat = [h for hs in holders for h in hs] or [(0, "", 0)]
-    nh = np.array([len(h) for h in holders] or [1], _I64)
-    hstart = np.concatenate(([0], np.cumsum(nh)[:-1])).astype(_I64)
-    h_rank, h_base = np.array([h[0] for h in flat], _I64), np.array([h[2] for h in flat], _I64)
-    hidx = hstart[c["gid"]]
-    multi = np.flatnonzero(nh[c["gid"]] > 1) if balance else np.empty(0, _I64)
+    hstart, nh, h_rank, h_reg, h_base = reg.arrays()
+    hidx = hstart[c["gid"]] if len(c["gid"]) else np.empty(0, _I64)
+    multi = np.flatnonzero(nh[c["gid"]] > 1) if balance and len(c["gid"]) \
+        else np.empty(0, _I64)
     fixed = np.ones(len(hidx), bool)
     fixed[multi] = False
     loads = np.bincount(h_rank[hidx[fixed]], weights=c["nb"][fixed],
@@ -221,8 +281,7 @@ def _assign(c: dict, holders: list, balance: bool) -> tuple[dict, list[str]]:
         loads[ranks[best]] += n
         chosen.append(best)
     hidx[order] = np.array(chosen, _I64)
-    regions = sorted({h[1] for h in flat})
-    h_reg = np.array([regions.index(h[1]) for h in flat], _I64)
+    regions = [name for name, _ in sorted(reg.regions.items(), key=lambda kv: kv[1])]
     return dict(c, rank=h_rank[hidx], reg=h_reg[hidx], src=c["src"] + h_base[hidx]), regions
 
 

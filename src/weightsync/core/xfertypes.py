@@ -1,5 +1,5 @@
 """The data of a compiled transfer plan: what trainer ranks hold (:class:`HeldRange`,
-:class:`SourceLayout`), what rollout workers want (:class:`Want`, :class:`DestLayout`),
+:class:`HeldBox`, :class:`SourceLayout`), what rollout workers want (:class:`Want`, :class:`DestLayout`),
 and the result (:class:`Read`, :class:`TransferPlan`: serializable, digested, printable).
 
 Validated on construction (malformed values are ``ValueError``); range and coverage
@@ -20,7 +20,7 @@ import numpy as np
 
 from weightsync.core.plan import DTYPES, itemsize
 
-__all__ = ["HeldRange", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
+__all__ = ["HeldRange", "HeldBox", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
            "PLAN_FORMAT"]
 
 PLAN_FORMAT = "weightsync.xferplan/1"
@@ -66,10 +66,12 @@ def _norm(obj: Any, **kinds: Any) -> None:
             v = _int(v, what, _LOW[kind])
         if kind == "shape":
             v = tuple(_int(d, what, 0) for d in _seq(v, what))
-        if isinstance(kind, type):
+        if isinstance(kind, (type, tuple)):
             v = _seq(v, what)
             if not all(isinstance(x, kind) for x in v):
-                raise ValueError(f"{what} must hold {kind.__name__} items, got {v!r}")
+                names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple)
+                                                          else (kind,)))
+                raise ValueError(f"{what} must hold {names} items, got {v!r}")
         object.__setattr__(obj, k, v)
 
 
@@ -92,14 +94,37 @@ class HeldRange:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HeldBox:
+    """Slice ``box`` (a ``(start, stop)`` per dimension) of the full tensor ``name``, held
+    row-major and contiguous by one rank in memory region ``region`` from byte ``offset``
+    on: a tensor-parallel shard split on a dimension other than the first (a row-parallel
+    weight's columns), or one block of a 2-D mesh (FSDP2 rows of a TP shard)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    box: tuple[tuple[int, int], ...]
+    region: str
+    offset: int
+
+    def __post_init__(self) -> None:  # box vs shape: checked by compile_plan
+        _norm(self, name="str", shape="shape", dtype="dtype", region="str", offset="int")
+        object.__setattr__(self, "box", _box(self.box, f"HeldBox({self.name!r}).box"))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(max(b - a, 0) for a, b in self.box)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SourceLayout:
-    """What one trainer rank serves."""
+    """What one trainer rank serves: contiguous element ranges and boxes of tensors."""
 
     rank: int
-    held: tuple[HeldRange, ...]
+    held: tuple[HeldRange | HeldBox, ...]
 
     def __post_init__(self) -> None:
-        _norm(self, rank="nat", held=HeldRange)
+        _norm(self, rank="nat", held=(HeldRange, HeldBox))
 
 
 @dataclass(frozen=True, kw_only=True)
