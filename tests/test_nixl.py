@@ -32,7 +32,8 @@ def _spec(hook=None, **kw):
 def test_messages_round_trip_and_reject_bad_fields():
     src = SourceMsg(seq=1, stream=0, agent="a", metadata="bWV0YQ==", mem="DRAM", digest="d",
                     regions=(("b0", 4096, 1024, 0),),
-                    held=(("w", (4, 2), "bfloat16", 0, 8, "b0", 0),))
+                    held=(("w", (4, 2), "bfloat16", 0, 8, "b0", 0),
+                          ("o", (4, 6), "bfloat16", 0, 12, "b0", 16, ((0, 4), (3, 6)))))
     assert decode(encode(src)) == src
     for msg in (PullMsg(version=3, seq=2, stream=1, digest="d"),
                 PullMsg(version=3, seq=2, stream=1, digest="d", staged=False),
@@ -49,6 +50,9 @@ def test_messages_round_trip_and_reject_bad_fields():
     body = json.loads(encode(src))
     for field, bad in (("held", [["w", [4, 2], "bfloat16", 0, 9, "b0", 0]]),   # past the shape
                        ("held", [["w", [4, 2], "nope", 0, 8, "b0", 0]]),
+                       ("held", [["o", [4, 6], "bfloat16", 0, 12, "b0", 0, [[0, 4], [3, 7]]]]),
+                       ("held", [["o", [4, 6], "bfloat16", 0, 11, "b0", 0, [[0, 4], [3, 6]]]]),
+                       ("held", [["o", [4, 6], "bfloat16", 0, 12, "b0", 0, [[0, 4]]]]),
                        ("regions", [["b0", -1, 1024, 0]]),
                        ("mem", "HBM")):
         with pytest.raises(WireError):
@@ -337,6 +341,128 @@ def test_receivers_pull_only_the_boxes_they_keep_from_fsdp2_shards():
                    for box in keep.of(n, s))
         assert sum(r["plan"].values()) == kept, (r["plan"], kept)   # nothing more is read
         assert any(n.endswith(f"rank {rank}") for n in r["notes"]), r["notes"]
+
+
+_TP_PLACEMENTS = {"embed": 0, "q": 0, "odd": 1, "bias": None, "big": 1}
+
+
+def _tp_trainer(rank, port, conn):
+    """Two tensor-parallel trainer ranks: column-parallel shards (dim 0), row-parallel ones
+    (dim 1, one uneven), a replicated bias; served as they are, nothing gathered."""
+    import asyncio
+    import datetime
+    import logging
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    gathered = []
+    handler = logging.Handler()
+    handler.emit = lambda record: gathered.append(record.getMessage())
+    logging.getLogger("weightsync.transport.backends.nixl.layout").addHandler(handler)
+    mesh = init_device_mesh("cpu", (2,))
+    engine = CheckpointEngineRegistry.new("nixl", role="trainer", bucket_size=BUCKET, timeout=20)
+    conn.send(engine.prepare())
+    engine.init_process_group(**conn.recv())
+    out = []
+    for step in range(2):
+        full = _fsdp_tensors(step)
+        shards = [(n, distribute_tensor(t, mesh, [Replicate() if _TP_PLACEMENTS[n] is None
+                                                  else Shard(_TP_PLACEMENTS[n])]))
+                  for n, t in full.items()]
+        out.append(asyncio.run(engine.send_weights(iter(shards), step)))
+    conn.send({"steps": out, "gathered": gathered})
+    engine.finalize()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(200)
+def test_tensor_parallel_shards_are_served_as_they_are():
+    """A TP trainer's row-parallel shards (a column block: one run per row) and column-
+    parallel ones are served from what each rank holds: nothing gathered, each rank holds
+    about half the model, and receivers keeping other boxes read exactly those bytes."""
+    import math
+
+    results = _fsdp_group(_slice_receiver, trainer=_tp_trainer)
+    model = _fsdp_tensors(0)
+    total = sum(t.numel() * 2 for t in model.values())
+    for t in results[:2]:
+        assert t["gathered"] == [], t["gathered"]
+        held = t["steps"][0]["tensor_bytes"]
+        assert 0.45 * total < held < 0.55 * total + 2 * model["bias"].numel(), (held, total)
+        assert t["steps"][1]["layout_sent"] is False
+    for rank, r in enumerate(results[2:]):
+        assert r["bad"] == [], r
+        keep = _slice_keep(rank)
+        kept = sum(2 * math.prod(b - a for a, b in box) for n, t in model.items()
+                   for box in keep.of(n, t.shape))
+        assert sum(r["plan"].values()) == kept, (r["plan"], kept)
+        assert all(v > 0 for v in r["plan"].values()), r["plan"]
+
+
+class _FakeMesh:
+    def __init__(self, sizes, coord):
+        self._sizes, self._coord = sizes, coord
+
+    def size(self, i):
+        return self._sizes[i]
+
+    def get_coordinate(self):
+        return list(self._coord)
+
+
+class _FakeDTensor:
+    """Shape, mesh, placements and a local shard cut by successive ``torch.chunk`` (what
+    DTensor's Shard does per mesh dim): the ground truth ``local_box`` must match."""
+
+    def __init__(self, full, sizes, coord, placements):
+        self.shape, self.placements = full.shape, placements
+        self.device_mesh = _FakeMesh(sizes, coord)
+        local = full
+        for i, p in enumerate(placements):
+            if p.is_shard():
+                parts = torch.chunk(local, sizes[i], dim=p.dim)
+                local = parts[coord[i]] if coord[i] < len(parts) else local.narrow(p.dim, 0, 0)
+        self._local = local
+
+    def to_local(self):
+        return self._local
+
+
+@pytest.mark.parametrize("sizes,placements", [
+    ((2,), ("S1",)), ((4,), ("S0",)), ((3,), ("S1",)), ((2, 2), ("S0", "S1")),
+    ((2, 3), ("S0", "S0")), ((2, 2), ("R", "S2")), ((3, 2), ("S1", "S1"))])
+def test_local_box_is_the_block_each_rank_holds(sizes, placements):
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from weightsync.transport.backends.nixl.layout import local_box
+
+    full = torch.arange(5 * 7 * 6, dtype=torch.float32).reshape(5, 7, 6)
+    pl = tuple(Replicate() if p == "R" else Shard(int(p[1])) for p in placements)
+    for coord in itertools.product(*(range(n) for n in sizes)):
+        t = _FakeDTensor(full, sizes, coord, pl)
+        box = local_box(t)
+        assert box is not None
+        assert torch.equal(full[tuple(slice(a, b) for a, b in box)], t.to_local()), (coord, box)
+
+
+def test_local_box_refuses_placements_that_are_not_a_block():
+    from torch.distributed.tensor import Partial, Shard
+
+    from weightsync.transport.backends.nixl.layout import local_box
+
+    full = torch.zeros(4, 4)
+    assert local_box(_FakeDTensor(full, (2,), (0,), (Partial(),))) is None
+
+    class Strided(Shard):                 # FSDP2-over-TP's _StridedShard is a Shard subclass
+        pass
+    assert local_box(_FakeDTensor(full, (2,), (0,), (Strided(0),))) is None
 
 
 def _free_port():

@@ -150,7 +150,10 @@ class SourceMsg(Message):
     changes: its agent (``metadata``: base64 of the NIXL agent metadata), the memory it
     registered (``regions``: ``[name, address, nbytes, device]``), and where each tensor's
     held elements live (``held``: ``[name, shape, dtype, start, stop, region, offset]``,
-    elements ``[start, stop)`` of the row-major flattened tensor at byte ``offset``)."""
+    elements ``[start, stop)`` of the row-major flattened tensor at byte ``offset``; an
+    8th field ``box``, a ``[start, stop]`` per dim, says the rank holds that slice of the
+    full tensor row-major from ``offset`` instead, ``[start, stop)`` then being
+    ``[0, its element count)``)."""
 
     kind: ClassVar[str] = "source"
     seq: int
@@ -289,9 +292,10 @@ def _held(v: Any) -> tuple:
         _fail("held must be a list of at most 2**20 entries")
     out = []
     for item in v:
-        if type(item) is not list or len(item) != 7:
-            _fail("a held entry must be [name, shape, dtype, start, stop, region, offset]")
-        name, shape, dtype, start, stop, region, offset = item
+        if type(item) is not list or len(item) not in (7, 8):
+            _fail("a held entry must be [name, shape, dtype, start, stop, region, offset] "
+                  "and optionally a box")
+        name, shape, dtype, start, stop, region, offset, *box = item
         _str(name, "tensor name")
         if type(shape) is not list or len(shape) > _MAX_DIMS:
             _fail(f"shape of {name!r} must be a list of at most {_MAX_DIMS} ints")
@@ -300,8 +304,19 @@ def _held(v: Any) -> tuple:
             _fail(f"dtype {dtype!r} of {name!r} is not on the whitelist")
         if not _int(start, "start") <= _int(stop, "stop") <= math.prod(dims):
             _fail(f"held elements of {name!r} run outside its shape")
-        out.append((name, dims, dtype, start, stop, _str(region, "region", 255),
-                    _int(offset, "offset")))
+        entry = (name, dims, dtype, start, stop, _str(region, "region", 255),
+                 _int(offset, "offset"))
+        if box:
+            box = box[0]
+            if type(box) is not list or len(box) != len(dims) or not all(
+                    type(p) is list and len(p) == 2 for p in box):
+                _fail(f"the box of {name!r} must hold a [start, stop] pair per dim")
+            pairs = tuple((_int(a, "box start"), _int(b, "box stop")) for a, b in box)
+            if any(not 0 <= a <= b <= n for (a, b), n in zip(pairs, dims)) or \
+                    stop - start != math.prod(b - a for a, b in pairs):
+                _fail(f"the box of {name!r} runs outside its shape or disagrees with its size")
+            entry += (pairs,)
+        out.append(entry)
     return tuple(out)
 
 

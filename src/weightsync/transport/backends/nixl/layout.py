@@ -1,9 +1,13 @@
 """What a ``nixl`` trainer rank serves, and where it lives.
 
-:func:`held_part` turns one yielded tensor into the part this rank holds: a plain tensor
-is the whole of it; an FSDP2 DTensor sharded ``Shard(0)`` on a 1-D mesh is its local rows,
-elements ``[start, stop)`` of the full tensor (no gather); a replicated DTensor is whole;
-any other placement is gathered (``full_tensor``) and logged once.
+:func:`held_part` turns one yielded tensor into the part this rank holds, with no gather:
+a plain tensor is the whole of it; a DTensor whose placements are all ``Shard`` or
+``Replicate`` (FSDP2 ``Shard(0)`` rows, a tensor-parallel shard on any dim, the block of a
+2-D mesh, an expert-parallel slice of fused experts) is its local shard, a box of the full
+tensor: elements ``[start, stop)`` of the flattened tensor when the box is contiguous in
+it, else the box itself (a row-parallel weight's columns: one run per row). Any other
+placement (``Partial``, strided FSDP2-over-TP shards) is gathered (``full_tensor``) and
+logged once.
 
 :class:`Arena` keeps those parts in memory registered with the rank's NIXL agent: blocks
 of at least ``bucket_size`` bytes, allocated and registered once, reused by every sync
@@ -33,12 +37,12 @@ from typing import Any, Optional
 import torch
 
 from weightsync.core.plan import dtype_name
-from weightsync.core.xferplan import HeldRange
+from weightsync.core.xferplan import HeldBox, HeldRange
 from weightsync.transport.fastcopy import memmove_at
 from weightsync.transport.tensors import LastingStorage, is_stable, plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
 
-__all__ = ["Arena", "held_part", "held_of", "layout_digest"]
+__all__ = ["Arena", "held_part", "held_of", "layout_digest", "local_box"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 256
@@ -47,31 +51,67 @@ OWN_MIN_BYTES = 64 << 10
 _warned: set[str] = set()
 
 
-def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...]]:
-    """``(local tensor, start, stop, full shape)`` of what this rank holds of ``t``."""
+def local_box(t: torch.Tensor) -> Optional[tuple[tuple[int, int], ...]]:
+    """The box of the full tensor that a DTensor's local shard is, when its placements are
+    all ``Shard``/``Replicate`` (each mesh dim chunks the range the ones before left, as
+    ``torch.chunk``); None for any other placement or when the local shape disagrees."""
+    shape = tuple(int(d) for d in t.shape)
+    box = [[0, n] for n in shape]
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    for i, p in enumerate(t.placements):
+        if p.is_replicate():
+            continue
+        if type(p).__name__ != "Shard" or not p.is_shard():   # Partial, _StridedShard
+            return None
+        a, b = box[p.dim]
+        chunk = -(-(b - a) // mesh.size(i)) if b > a else 0
+        box[p.dim] = [min(a + coord[i] * chunk, b), min(a + (coord[i] + 1) * chunk, b)]
+    out = tuple((a, b) for a, b in box)
+    local = tuple(int(d) for d in t.to_local().shape)
+    return out if local == tuple(b - a for a, b in out) else None
+
+
+def _flat_range(shape: tuple[int, ...], box: tuple) -> Optional[tuple[int, int]]:
+    """Elements ``[start, stop)`` of the flattened tensor the box is, if it is contiguous
+    there (dims before the first partial one of extent 1, dims after it full)."""
+    j = next((d for d, (a, b) in enumerate(box) if (a, b) != (0, shape[d])), len(shape))
+    if any(b - a != 1 for a, b in box[:j]) and j < len(shape):
+        return None
+    if any((a, b) != (0, shape[d]) for d, (a, b) in enumerate(box) if d > j):
+        return None
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    start = sum(a * st for (a, _), st in zip(box, strides))
+    return start, start + math.prod(b - a for a, b in box)
+
+
+def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...],
+                                                   Optional[tuple]]:
+    """``(local tensor, start, stop, full shape, box)`` of what this rank holds of ``t``:
+    elements ``[start, stop)`` of the flattened tensor (``box`` None), or, when that part
+    is not contiguous there, ``box`` (``start``/``stop``: 0 and its element count)."""
     shape = tuple(int(d) for d in t.shape)
     numel = math.prod(shape)
     # importing torch.distributed.tensor costs seconds: only for what may be a DTensor
     if not (hasattr(t, "placements") and hasattr(t, "to_local")):
-        return t, 0, numel, shape
+        return t, 0, numel, shape, None
     placements = tuple(t.placements)
-    local = t.to_local()
     if all(p.is_replicate() for p in placements):
-        return local, 0, numel, shape
-    if len(placements) == 1 and placements[0].is_shard() and placements[0].dim == 0 and shape:
-        coord = t.device_mesh.get_coordinate()
-        world = t.device_mesh.size(0)
-        rows = shape[0]
-        chunk = -(-rows // world) if rows else 0
-        row0 = min(coord[0] * chunk, rows) if coord else 0
-        per_row = numel // rows if rows else 0
-        local = local.contiguous()
-        return local, row0 * per_row, (row0 + int(local.shape[0])) * per_row, shape
+        return t.to_local(), 0, numel, shape, None
+    box = local_box(t) if shape else None
+    if box is not None:
+        local = t.to_local().contiguous()
+        flat = _flat_range(shape, box)
+        if flat is not None:
+            return local, flat[0], flat[1], shape, None
+        return local, 0, local.numel(), shape, box
     if name not in _warned:
         _warned.add(name)
         logger.warning("weightsync nixl: %s has placements %s: gathered in full to serve it",
                        name, placements)
-    return t.full_tensor(), 0, numel, shape
+    return t.full_tensor(), 0, numel, shape, None
 
 
 def layout_digest(held: Any, regions: Any) -> str:
@@ -81,10 +121,18 @@ def layout_digest(held: Any, regions: Any) -> str:
     return hashlib.sha256(json.dumps(body, separators=(",", ":")).encode()).hexdigest()
 
 
-def held_of(msg: Any) -> tuple[HeldRange, ...]:
-    """The :class:`HeldRange` entries of a :class:`~weightsync.core.wire.SourceMsg`."""
-    return tuple(HeldRange(name=n, shape=tuple(s), dtype=d, start=a, stop=b, region=r, offset=o)
-                 for n, s, d, a, b, r, o in msg.held)
+def held_of(msg: Any) -> tuple[HeldRange | HeldBox, ...]:
+    """The :class:`HeldRange` / :class:`HeldBox` entries of a
+    :class:`~weightsync.core.wire.SourceMsg` (a box entry has the box as 8th field)."""
+    out = []
+    for n, s, d, a, b, r, o, *box in msg.held:
+        if box and box[0] is not None:
+            out.append(HeldBox(name=n, shape=tuple(s), dtype=d, box=tuple(map(tuple, box[0])),
+                               region=r, offset=o))
+        else:
+            out.append(HeldRange(name=n, shape=tuple(s), dtype=d, start=a, stop=b, region=r,
+                                 offset=o))
+    return tuple(out)
 
 
 class Arena:
@@ -136,7 +184,7 @@ class Arena:
 
     def put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> list[str]:
         marked = is_stable(tensor)              # the mark is on what the export yielded
-        local, start, stop, shape = held_part(name, tensor)
+        local, start, stop, shape, box = held_part(name, tensor)
         if self._device is None:
             self._device = local.device
         elif local.device != self._device:
@@ -145,20 +193,22 @@ class Arena:
         wire = dtype_name(dtype)
         i = len(self._entries)
         key = (name, shape, wire, start, stop)
+        tail = () if box is None else (tuple(box),)        # a box entry's 8th field
         if self._serve_own(name, local, dtype, marked):
             region = self._own_region(local)
-            self._entries.append(key + (region, 0))
-            self.changed = self.changed or i >= len(self._prev) or self._prev[i] != key + (region, 0)
+            self._entries.append(key + (region, 0) + tail)
+            self.changed = self.changed or i >= len(self._prev) or \
+                self._prev[i] != key + (region, 0) + tail
             return []
         nbytes = local.numel() * dtype.itemsize
         if not self.changed and i < len(self._prev) and tuple(self._prev[i][:5]) == key \
-                and self._prev[i][5] in self._blocks:
+                and tuple(self._prev[i][7:]) == tail and self._prev[i][5] in self._blocks:
             region, offset = self._prev[i][5], self._prev[i][6]
         else:
             if not self.changed:
                 self._relocate()       # re-place what this sync already put, then go on
             region, offset = self._alloc(nbytes)
-        self._entries.append(key + (region, offset))
+        self._entries.append(key + (region, offset) + tail)
         if nbytes:
             block = self._blocks[region][0]
             if local.dtype == dtype and block.device.type == "cpu" and plain_cpu(local):
@@ -208,18 +258,19 @@ class Arena:
         self.digest = layout_digest(self._entries, self.regions())
 
     def held(self) -> tuple[tuple, ...]:
-        return tuple((n, list(s), d, a, b, r, o) for n, s, d, a, b, r, o in self._entries)
+        return tuple((n, list(s), d, a, b, r, o, *[[list(p) for p in x] for x in box])
+                     for n, s, d, a, b, r, o, *box in self._entries)
 
     @property
     def serves_live(self) -> bool:
         """Whether some tensor is served from the caller's own storage (not a staged copy)."""
         own = {r for r, _, _ in self._own.values()}
-        return any(r in own for _, _, _, _, _, r, _ in self._entries)
+        return any(e[5] in own for e in self._entries)
 
     @property
     def tensor_bytes(self) -> int:
         """Bytes of the parts of tensors this rank serves (its share of the model)."""
-        return sum((b - a) * _dtype(d).itemsize for _, _, d, a, b, _, _ in self._entries)
+        return sum((b - a) * _dtype(d).itemsize for _, _, d, a, b, *_ in self._entries)
 
     def regions(self) -> tuple[tuple[str, int, int, int], ...]:
         dev = (self._device.index or 0) if self._device is not None and \
@@ -251,15 +302,15 @@ class Arena:
         old, self._cursor = self._entries, None
         self._entries = []
         stale = dict(self._blocks)
-        for name, shape, wire, start, stop, region, offset in old:
+        for name, shape, wire, start, stop, region, offset, *box in old:
             if region not in stale:       # served from its own storage
-                self._entries.append((name, shape, wire, start, stop, region, offset))
+                self._entries.append((name, shape, wire, start, stop, region, offset, *box))
                 continue
             nbytes = (stop - start) * torch.empty((), dtype=_dtype(wire)).element_size()
             new, off = self._alloc(nbytes)
             if nbytes:
                 self._blocks[new][0][off:off + nbytes].copy_(stale[region][0][offset:offset + nbytes])
-            self._entries.append((name, shape, wire, start, stop, new, off))
+            self._entries.append((name, shape, wire, start, stop, new, off, *box))
         for region in stale:
             self._free(region)
 
