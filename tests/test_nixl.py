@@ -465,6 +465,63 @@ def test_local_box_refuses_placements_that_are_not_a_block():
     assert local_box(_FakeDTensor(full, (2,), (0,), (Strided(0),))) is None
 
 
+def _fsdp_tp_boxes(rank, port, conn):
+    """FSDP2 over TP on a (dp 2, tp 2) mesh: every parameter's local_box, checked against
+    its full tensor (the ground truth), and its placements."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    from weightsync.transport.backends.nixl.layout import local_box
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 36), torch.nn.ReLU(),
+                                torch.nn.Linear(36, 10, bias=False))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    out = []
+    for name, p in model.named_parameters():
+        box = local_box(p)
+        full = p.full_tensor()
+        ok = box is not None and torch.equal(full[tuple(slice(a, b) for a, b in box)],
+                                             p.to_local())
+        out.append((name, str(p.placements), box, ok))
+    conn.send(out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(200)
+def test_fsdp2_over_tp_shards_are_blocks_of_the_full_tensor():
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes, procs = [], []
+    for rank in range(4):
+        a, b = ctx.Pipe()
+        procs.append(ctx.Process(target=_fsdp_tp_boxes, args=(rank, port, b)))
+        pipes.append(a)
+    for p in procs:
+        p.start()
+    try:
+        results = [c.recv() for c in pipes]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    placements = {pl for r in results for _, pl, _, _ in r}
+    assert any("_S(" in pl or "StridedShard" in pl for pl in placements), placements
+    for r in results:
+        assert all(ok for *_, ok in r), r
+
+
 def _free_port():
     import socket
     with socket.socket() as s:

@@ -6,8 +6,8 @@ a plain tensor is the whole of it; a DTensor whose placements are all ``Shard`` 
 2-D mesh, an expert-parallel slice of fused experts) is its local shard, a box of the full
 tensor: elements ``[start, stop)`` of the flattened tensor when the box is contiguous in
 it, else the box itself (a row-parallel weight's columns: one run per row). Any other
-placement (``Partial``, strided FSDP2-over-TP shards) is gathered (``full_tensor``) and
-logged once.
+placement (``Partial``) is gathered (``full_tensor``) and logged once. FSDP2 over TP's
+strided shards of a dim TP also splits are blocks too (:func:`local_box`).
 
 :class:`Arena` keeps those parts in memory registered with the rank's NIXL agent: blocks
 of at least ``bucket_size`` bytes, allocated and registered once, reused by every sync
@@ -53,22 +53,37 @@ _warned: set[str] = set()
 
 def local_box(t: torch.Tensor) -> Optional[tuple[tuple[int, int], ...]]:
     """The box of the full tensor that a DTensor's local shard is, when its placements are
-    all ``Shard``/``Replicate`` (each mesh dim chunks the range the ones before left, as
-    ``torch.chunk``); None for any other placement or when the local shape disagrees."""
+    ``Shard``/``Replicate`` (each mesh dim chunks the range the ones before left, as
+    ``torch.chunk``) or FSDP2-over-TP's strided shard (``_StridedShard(d, split_factor)``
+    first on dim ``d``, ``split_factor`` the product of the later mesh dims sharding ``d``:
+    it chunks what they left); None for any other placement or when the local shape
+    disagrees."""
     shape = tuple(int(d) for d in t.shape)
-    box = [[0, n] for n in shape]
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
         return None
+    ops: dict[int, list] = {}           # tensor dim -> [(mesh dim, strided?)] in mesh order
     for i, p in enumerate(t.placements):
         if p.is_replicate():
             continue
-        if type(p).__name__ != "Shard" or not p.is_shard():   # Partial, _StridedShard
+        kind = type(p).__name__
+        if kind == "_StridedShard" and not ops.get(p.dim):
+            ops.setdefault(p.dim, []).append((i, int(p.split_factor)))
+        elif kind == "Shard" and p.is_shard():
+            ops.setdefault(p.dim, []).append((i, 0))
+        else:                               # Partial, a strided shard not first on its dim
             return None
-        a, b = box[p.dim]
-        chunk = -(-(b - a) // mesh.size(i)) if b > a else 0
-        box[p.dim] = [min(a + coord[i] * chunk, b), min(a + (coord[i] + 1) * chunk, b)]
+    box = [[0, n] for n in shape]
+    for dim, seq in ops.items():
+        if seq[0][1]:                       # strided: the later mesh dims split dim first
+            if seq[0][1] != math.prod(mesh.size(i) for i, _ in seq[1:]):
+                return None
+            seq = seq[1:] + seq[:1]
+        for i, _ in seq:
+            a, b = box[dim]
+            chunk = -(-(b - a) // mesh.size(i)) if b > a else 0
+            box[dim] = [min(a + coord[i] * chunk, b), min(a + (coord[i] + 1) * chunk, b)]
     out = tuple((a, b) for a, b in box)
     local = tuple(int(d) for d in t.to_local().shape)
     return out if local == tuple(b - a for a, b in out) else None
