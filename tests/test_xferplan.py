@@ -565,3 +565,21 @@ def test_a_box_past_the_shape_or_an_uncovered_part_is_a_plan_mismatch():
         compile_plan([SourceLayout(rank=0, held=half)], [d])
     with pytest.raises(ValueError, match="HeldBox"):
         HeldBox(name="o", shape=(4, 6), dtype="float32", box=((0, 4), 3), region="r", offset=0)
+
+
+@pytest.mark.parametrize("replica", [1, 2, 4, 8])
+def test_receivers_compiling_alone_spread_over_replicated_holders(replica):
+    """Four data-parallel ranks hold the same tensor; worker 0 of each of 16 replicas of
+    ``replica`` workers (ranks ``k * replica``) compiles alone with its rank as ``spread``:
+    every holder serves the same share whatever the replica size (``spread=0``, or the
+    rank mod 4, would put them all on one rank when 4 divides the replica size)."""
+    g = torch.Generator().manual_seed(6)
+    model = {"o": random_tensor((8, 16), "bfloat16", g)}
+    sources, _ = box_sources(model, {r: {"o": full_box((8, 16))} for r in range(4)})
+    d, _ = build_dest("w", [("o", full_box((8, 16)))], model)
+    per = {}
+    for k in range(16):
+        for rd in compile_plan(sources, [d], spread=k * replica).reads:
+            per[rd.src_rank] = per.get(rd.src_rank, 0) + rd.nbytes
+    assert sorted(per) == [0, 1, 2, 3] and len(set(per.values())) == 1, per
+    assert {rd.src_rank for rd in compile_plan(sources, [d]).reads} == {0}

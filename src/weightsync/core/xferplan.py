@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -260,8 +260,12 @@ def _split(c: dict, limit: int) -> dict:
     return out
 
 
-def _assign(c: dict, reg: _Holders, balance: bool) -> tuple[dict, list[str]]:
-    """Pick a holder per piece: forced ones first, then greedy least-loaded, largest first."""
+def _assign(c: dict, reg: _Holders, balance: bool, spread: int = 0,
+            prior: Mapping[int, int] | None = None) -> tuple[dict, list[str]]:
+    """Pick a holder per piece: forced ones first, then greedy least-loaded, largest first;
+    of equally loaded holders, the first in rank order from a position set by ``spread``:
+    its base-``k`` digit sum mod ``k`` for ``k`` holders, so receivers ``spread = i`` with
+    ``i`` in steps of a replica size that ``k`` divides still cover every position."""
     hstart, nh, h_rank, h_reg, h_base = reg.arrays()
     hidx = hstart[c["gid"]] if len(c["gid"]) else np.empty(0, _I64)
     multi = np.flatnonzero(nh[c["gid"]] > 1) if balance and len(c["gid"]) \
@@ -270,12 +274,22 @@ def _assign(c: dict, reg: _Holders, balance: bool) -> tuple[dict, list[str]]:
     fixed[multi] = False
     loads = np.bincount(h_rank[hidx[fixed]], weights=c["nb"][fixed],
                         minlength=int(h_rank.max()) + 1).astype(_I64).tolist()
+    for rank, n in (prior or {}).items():
+        if rank < len(loads):
+            loads[rank] += int(n)
     keys = [c[k][multi] for k in ("doff", "did", "wid")] + [-c["nb"][multi]]
     order = multi[np.lexsort(keys)]  # largest first; ties by destination (deterministic)
     ranks, starts, counts, chosen = h_rank.tolist(), hstart.tolist(), nh.tolist(), []
+    turn: dict[int, int] = {}
     for g, n in zip(c["gid"][order].tolist(), c["nb"][order].tolist()):
-        best = starts[g]
-        for h in range(best + 1, best + counts[g]):  # holders sorted by rank: ties -> lowest
+        first, k = starts[g], counts[g]
+        if k not in turn:
+            x, turn[k] = spread, 0
+            while x:
+                turn[k], x = turn[k] + x % k, x // k
+        best = first + turn[k] % k
+        for j in range(1, k):                 # holders sorted by rank, from that position
+            h = first + (turn[k] + j) % k
             if loads[ranks[h]] < loads[ranks[best]]:
                 best = h
         loads[ranks[best]] += n
@@ -301,13 +315,19 @@ def _coalesce(c: dict) -> dict:
 
 
 def compile_plan(sources: Sequence[SourceLayout], dests: Sequence[DestLayout], *,
-                 max_read_bytes: int | None = None, balance: bool = True) -> TransferPlan:
+                 max_read_bytes: int | None = None, balance: bool = True,
+                 spread: int = 0, prior: Mapping[int, int] | None = None) -> TransferPlan:
     """Compile the reads that land every want of ``dests`` from the ranks of ``sources``.
 
     Raises :class:`PlanMismatch` listing every problem of the layouts. ``max_read_bytes``
     caps one read (pieces are cut before balancing, so even one big replicated tensor is
     spread over its holders); ``balance=False`` always reads from the lowest rank.
+    ``spread`` (e.g. the receiver's rank, when each receiver compiles its own plan) picks
+    which of equally loaded holders comes first, so receivers that balance alone do not
+    all start on the lowest rank of data-parallel replicas holding the same bytes.
+    ``prior``: bytes per rank already planned (a plan compiled in parts balances as one).
     """
+    _int(spread, "spread", 0)
     if max_read_bytes is not None:
         _int(max_read_bytes, "max_read_bytes", 1)
     problems: list[tuple[str, str]] = []
@@ -320,7 +340,7 @@ def compile_plan(sources: Sequence[SourceLayout], dests: Sequence[DestLayout], *
     _fail(problems)
     if max_read_bytes is not None:
         cols = _split(cols, max_read_bytes)
-    cols, regions = _assign(cols, holders, balance)
+    cols, regions = _assign(cols, holders, balance, spread, prior)
     cols = _coalesce(cols)
     if max_read_bytes is not None:
         cols = _split(cols, max_read_bytes)

@@ -6,7 +6,8 @@ the trainer's export: with FSDP2 every tensor has one owner
 (:func:`weightsync.trainer.export.assign_owners`) that gathers it in ``all_to_all``
 exchanges of up to 16 MiB (``export_weights``' ``coalesce_bytes``), then sends it; with
 full tensors on every rank the owner is :func:`weightsync.transport.protocol.ownership
-.owner_of`. Every exchange is a collective of all trainer ranks, run in model order, and
+.owner_of`. A tensor-/expert-parallel trainer's shards are gathered too (to the owner on
+a 1-D mesh, by ``full_tensor`` all-gathers on a 2-D one: :func:`_gather`). Every exchange is a collective of all trainer ranks, run in model order, and
 an owner must have sent (all but ``num_slots`` buckets of) what it gathered before it
 joins the next one, so the sync is modelled as one step per exchange, each
 ``gather + deliver``, steps one after another. Without FSDP2 gathers the whole sync is
@@ -35,7 +36,7 @@ import numpy as np
 from weightsync.core.plan import build_plan, itemsize
 from weightsync.trainer.export import ExportItem, assign_owners
 from weightsync.transport.protocol.ownership import owner_of
-from weightsync.tools.planner.compiled import held_rows
+from weightsync.tools.planner.compiled import rank_boxes
 from weightsync.tools.planner.linkmodel import Loads, PhaseResult, StrategyResult
 from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
 from weightsync.tools.planner.scenario import Placement, Scenario
@@ -55,7 +56,7 @@ def owners_of(sc: Scenario, pts: list[PlannedTensor]) -> list[int]:
     """Owner rank of every planned tensor (an FP8 scale goes with its weight)."""
     base = [i for i, pt in enumerate(pts) if not pt.rule.endswith("_scale")]
     ranks = list(range(sc.trainer_gpus))
-    if sc.trainer_shard == "fsdp":
+    if sc.trainer_shard == "fsdp" or sc.trainer_group > 1:     # export_weights gathers
         items = [ExportItem(pts[i].name, (), _nbytes(pts[i], sc.src_dtype)) for i in base]
         own = assign_owners(items, ranks)
     else:
@@ -67,10 +68,16 @@ def owners_of(sc: Scenario, pts: list[PlannedTensor]) -> list[int]:
     return out
 
 
+def gathers(sc: Scenario) -> bool:
+    """Whether the export gathers tensors before sending: FSDP2 shards over several ranks,
+    or a tensor-/expert-parallel trainer."""
+    return (sc.trainer_shard == "fsdp" and sc.trainer_gpus > 1) or sc.trainer_group > 1
+
+
 def exchanges(sc: Scenario, pts: list[PlannedTensor]) -> list[list[int]]:
     """Steps of the sync: the export's exchanges (runs of consecutive tensors of at most
     16 MiB, at least one each: ``export_weights``' rule), or one step of everything."""
-    if sc.trainer_shard != "fsdp" or sc.trainer_gpus == 1:
+    if not gathers(sc):
         return [list(range(len(pts)))]
     steps, size = [], 0
     for i, pt in enumerate(pts):
@@ -85,19 +92,32 @@ def exchanges(sc: Scenario, pts: list[PlannedTensor]) -> list[list[int]]:
 
 
 def _gather(sc: Scenario, pl: Placement, pts, step: list[int], owners: list[int]) -> Loads:
-    """One all_to_all: every rank sends each owner its Shard(0) rows of the owner's tensors."""
+    """One exchange. FSDP2 (or TP on a 1-D mesh): every rank sends each owner what it holds
+    of the owner's tensors (``all_to_all`` / ``gather``: Shard(0) rows, TP boxes). TP/EP with
+    data-parallel ranks (a 2-D mesh): the export's ``full_tensor``, an all-gather over the
+    ranks sharing the tensor (all of them under FSDP2, the TP x EP group when replicated),
+    priced as NCCL's ring: each rank sends its neighbour ``(n - 1) / n`` of the tensor."""
     loads = Loads(pl)
-    world = sc.trainer_gpus
+    world, group = sc.trainer_gpus, sc.trainer_group
+    ring = group > 1 and world > group
     for i in step:
         pt = pts[i]
         if pt.rule.endswith("_scale") or not pt.shape:
             continue
-        per = math.prod(pt.shape[1:]) * itemsize(sc.src_dtype)
+        isz = itemsize(sc.src_dtype)
+        if ring:
+            span = world if sc.trainer_shard == "fsdp" else group
+            share = math.prod(pt.shape) * isz * (span - 1) / span
+            for r in range(world):
+                first = r - r % span
+                loads.move(pl.trainer[r], pl.trainer[first + (r + 1 - first) % span], share)
+            continue
         dst = pl.trainer[owners[i]]
         for r in range(world):
-            a, b = held_rows(pt.shape[0], world, r)
-            if r != owners[i] and b > a:
-                loads.move(pl.trainer[r], dst, (b - a) * per)
+            if r != owners[i]:
+                n = sum(math.prod(b - a for a, b in box)
+                        for box in rank_boxes(pt, r, world, sc.trainer_shard))
+                loads.move(pl.trainer[r], dst, n * isz)
     links = pl.links_of(pl.trainer[0])
     loads.latency = links.sw("op_us") + links.link("nic" if pl.nodes > 1 else "intra").latency
     return loads
@@ -231,7 +251,7 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
     streams = _streams(sc, pts, owners, _direct_min(sc, pl, strategy))
     kept = [[kept_bytes(pt, g) for pt in pts] for g in range(sc.replica_size)]
     steps = exchanges(sc, pts)
-    gathered = sc.trainer_shard == "fsdp" and sc.trainer_gpus > 1
+    gathered = gathers(sc)
     total_g = total_d = 0.0
     worst: dict[str, PhaseResult] = {}
     totals = {"gather": Loads(pl), "deliver": Loads(pl, sc.links.collective_cap)}
@@ -273,6 +293,6 @@ def _finish(res, sc, pl, pts, owners, streams, steps, worst, total_g, total_d) -
     ops = sum(s["buckets"] + len(s["direct"]) for s in streams.values())
     res.dest_reads = [float(ops)] * sc.workers
     if len(steps) > 1:
-        res.notes.append(f"{len(steps)} FSDP2 exchanges, each a collective of all "
+        res.notes.append(f"{len(steps)} export exchanges, each a collective of all "
                          f"{sc.trainer_gpus} trainer ranks; the slowest step: "
                          f"{res.phases[0].limit}")

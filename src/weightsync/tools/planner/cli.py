@@ -40,7 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay = p.add_argument_group("layout")
     lay.add_argument("--trainer-gpus", type=int, default=1, help="trainer ranks (FSDP2)")
     lay.add_argument("--trainer-shard", choices=("fsdp", "full"), default="fsdp",
-                     help="fsdp: Shard(0) shards (default); full: every rank holds full tensors")
+                     help="fsdp: Shard(0) shards (default); full: every rank holds full tensors "
+                          "(with --trainer-tp/--trainer-ep: its TP/EP shards, replicated over "
+                          "data-parallel ranks, as Megatron)")
+    lay.add_argument("--trainer-tp", type=int, default=1,
+                     help="tensor parallel size of the trainer (ranks of a TP group consecutive)")
+    lay.add_argument("--trainer-ep", type=int, default=0,
+                     help="expert parallel groups of the trainer: a group is trainer-tp x "
+                          "trainer-ep ranks, experts split over all of them (0: experts TP-split)")
     lay.add_argument("--replicas", type=int, default=1, help="rollout replicas")
     lay.add_argument("--tp", type=int, default=1, help="tensor parallel size of a replica")
     lay.add_argument("--ep", type=int, default=0,
@@ -99,6 +106,7 @@ def scenario_from_args(args: argparse.Namespace):
                     trainer_gpus=args.trainer_gpus, replicas=args.replicas, tp=args.tp,
                     ep=args.ep, src_dtype=args.src_dtype, dst_dtype=args.dst_dtype,
                     fp8_at=args.fp8_at, trainer_shard=args.trainer_shard,
+                    trainer_tp=args.trainer_tp, trainer_ep=args.trainer_ep,
                     placement=args.placement, bucket_size=bucket,
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
                     pipelined=not args.no_pipeline, serve=args.serve,

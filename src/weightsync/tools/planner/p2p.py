@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from weightsync.core.plan import itemsize
-from weightsync.tools.planner.compiled import PullStats, held_rows
+from weightsync.tools.planner.compiled import PullStats, rank_boxes
 from weightsync.tools.planner.linkmodel import Loads, StrategyResult
 from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
 from weightsync.tools.planner.scenario import Placement, Scenario
@@ -36,21 +36,19 @@ __all__ = ["predict_p2p", "held_bytes"]
 
 
 def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
-               serve: str = "staging") -> tuple:
+               serve: str = "staging", shard: str = "fsdp") -> tuple:
     """Per trainer rank: (bytes it serves, bytes its staging copy moves, tensors it puts).
     ``serve="auto"``: a tensor served in the model's own dtype is served from its own
-    storage (an FSDP2 shard, marked by the export), so only casts and FP8 are staged."""
+    storage (an FSDP2 or TP shard, marked by the export), so only casts and FP8 are staged."""
     served, moved, count = np.zeros(world), np.zeros(world), np.zeros(world)
-    rows_of: dict[tuple, np.ndarray] = {}
+    elems_of: dict[tuple, np.ndarray] = {}
     for pt in pts:
-        if pt.shape not in rows_of:
-            if pt.shape:
-                r = [held_rows(pt.shape[0], world, k) for k in range(world)]
-                per = math.prod(pt.shape[1:])
-                rows_of[pt.shape] = np.array([(b - a) * per for a, b in r], np.float64)
-            else:
-                rows_of[pt.shape] = np.eye(1, world)[0]
-        elems = rows_of[pt.shape]
+        key = (pt.shape, pt.held)
+        if key not in elems_of:
+            elems_of[key] = np.array([sum(math.prod(b - a for a, b in box)
+                                          for box in rank_boxes(pt, r, world, shard))
+                                      for r in range(world)], np.float64)
+        elems = elems_of[key]
         src = itemsize(model_dtype) if not pt.rule.endswith("_scale") else 0
         served += elems * itemsize(pt.src_dtype)
         if serve == "staging" or pt.src_dtype != model_dtype or not src:
@@ -65,14 +63,19 @@ def _serve(sc: Scenario, pl: Placement, held: tuple, res: StrategyResult) -> Loa
     for r, dev in enumerate(pl.trainer):
         loads.copy(dev, moved[r])
         loads.work(f"trainer rank {r}", count[r] * pl.links_of(dev).sw("tensor_us"))
+    how = "FSDP2 Shard(0) rows" if sc.trainer_group == 1 else \
+        f"TP {sc.trainer_tp} x EP {max(sc.trainer_ep, 1)} shards, " + \
+        ("rows chunked by FSDP2" if sc.trainer_shard == "fsdp" else "replicated over DP")
+    if sc.trainer_group == 1 and sc.trainer_shard == "full":
+        how = "full tensors on every rank"
     res.notes.append(f"trainer ranks serve {served.min() / 1e9:.3g}-{served.max() / 1e9:.3g} GB "
-                     "each (FSDP2 Shard(0) rows)")
+                     f"each ({how})")
     return loads
 
 
 def _pull(sc: Scenario, pl: Placement, stats: PullStats, res: StrategyResult) -> Loads:
     loads = Loads(pl)
-    n = sc.replica_size
+    n = stats.pair_bytes.shape[1]        # one replica's workers, or all (replicated holders)
     cross = False
     sent = np.zeros(sc.trainer_gpus)
     for i, dev in enumerate(pl.worker):
@@ -123,7 +126,7 @@ def _pipelined(pl: Placement, serve: Loads, pull: Loads, first_block: float) -> 
 def predict_p2p(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
                 stats: PullStats) -> StrategyResult:
     res = StrategyResult("p2p")
-    held = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve)
+    held = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve, sc.trainer_shard)
     serve = _serve(sc, pl, held, res)
     pull = _pull(sc, pl, stats, res)
     if sc.pipelined:

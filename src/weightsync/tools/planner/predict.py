@@ -17,7 +17,6 @@ from typing import Any
 
 from weightsync.tools.planner.bucketed import predict_bucketed
 from weightsync.tools.planner.compiled import PullStats, pull_stats
-from weightsync.tools.planner.errors import PlannerError
 from weightsync.tools.planner.linkmodel import StrategyResult
 from weightsync.tools.planner.p2p import predict_p2p
 from weightsync.tools.planner.rules import kept_bytes, planned_tensors
@@ -68,14 +67,13 @@ def predict(sc: Scenario) -> Prediction:
     """Predict every strategy of ``sc.strategies`` (see the package doc)."""
     t0 = time.perf_counter()
     pl = Placement(sc)
-    pts, notes = planned_tensors(sc.model, sc.tp, sc.ep, sc.src_dtype, sc.dst_dtype, sc.fp8_at)
+    pts, notes = planned_tensors(sc.model, sc.tp, sc.ep, sc.src_dtype, sc.dst_dtype, sc.fp8_at,
+                                 sc.trainer_tp, sc.trainer_ep)
     stats, results = None, {}
     for strategy in sc.strategies:
         if strategy == "p2p":
-            if sc.trainer_shard != "fsdp":
-                raise PlannerError("trainer.shard", "p2p is planned from FSDP2 Shard(0) "
-                                                    "shards; use fsdp (one rank = full tensors)")
-            stats = pull_stats(pts, sc.trainer_gpus, sc.replica_size, sc.max_read_bytes)
+            stats = pull_stats(pts, sc.trainer_gpus, sc.replica_size, sc.max_read_bytes,
+                               sc.trainer_shard, sc.replicas)
             results[strategy] = predict_p2p(sc, pl, pts, stats)
         else:
             results[strategy] = predict_bucketed(sc, pl, pts, strategy)
@@ -117,7 +115,8 @@ def _to_dict(p: Prediction) -> dict:
         "scenario": {"label": sc.label, "model": sc.model.name, "params": sc.model.params,
                      "tensors": len(sc.model.tensors), "model_note": sc.model.note,
                      "src_dtype": sc.src_dtype, "dst_dtype": sc.dst_dtype, "fp8_at": sc.fp8_at,
-                     "trainer": {"gpus": sc.trainer_gpus, "shard": sc.trainer_shard},
+                     "trainer": {"gpus": sc.trainer_gpus, "shard": sc.trainer_shard,
+                                 "tp": sc.trainer_tp, "ep": sc.trainer_ep},
                      "rollout": {"replicas": sc.replicas, "tp": sc.tp, "ep": sc.ep,
                                  "workers": sc.workers, "placement": sc.placement},
                      "links": links.name,

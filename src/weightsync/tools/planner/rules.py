@@ -65,7 +65,9 @@ _QUANTIZED = {"column", "row", "kv", "experts_gate_up", "experts_down", "expert_
 @dataclass(frozen=True)
 class PlannedTensor:
     """One tensor as the plan sees it: served as ``src_dtype``, kept as ``dst_dtype``;
-    ``boxes[g]``: the boxes worker ``g`` of a replica keeps (empty: nothing)."""
+    ``boxes[g]``: the boxes worker ``g`` of a replica keeps (empty: nothing); ``held[g]``:
+    the boxes trainer rank ``g`` of a tensor-/expert-parallel group holds (None: every
+    rank's is the whole tensor before data-parallel sharding)."""
 
     name: str
     shape: tuple[int, ...]
@@ -73,6 +75,7 @@ class PlannedTensor:
     src_dtype: str
     dst_dtype: str
     boxes: tuple[tuple[Box, ...], ...]
+    held: tuple[tuple[Box, ...], ...] | None = None
 
 
 def rule_of(name: str) -> str:
@@ -91,8 +94,10 @@ def _on(shape: tuple[int, ...], dim: int, span: tuple[int, int]) -> Box:
 
 
 def _boxes(pt_name: str, shape: tuple[int, ...], rule: str, g: int, tp: int, ep: int,
-           model: ModelSpec, experts: dict[str, int]) -> tuple[Box, ...]:
-    """The boxes worker ``g`` keeps (see the module doc)."""
+           model: ModelSpec, experts: dict[str, int], side: str = "rollout") -> tuple[Box, ...]:
+    """The boxes worker ``g`` keeps (see the module doc); ``side``: whose layout it is
+    (``rollout``, or ``trainer`` for a tensor-/expert-parallel trainer rank's shard),
+    named in the errors."""
     t, n_ep = g % tp, tp * max(ep, 1)
     full = tuple((0, n) for n in shape)
     if rule in ("replicated", "unknown") or not shape:
@@ -103,34 +108,34 @@ def _boxes(pt_name: str, shape: tuple[int, ...], rule: str, g: int, tp: int, ep:
         a, b = min(t * per, shape[0]), min((t + 1) * per, shape[0])
         return (_on(shape, 0, (a, b)),) if b > a else ()
     if rule in ("experts_gate_up", "experts_down") and ep:
-        return (_on(shape, 0, _split(shape[0], n_ep, g, pt_name, 0, "rollout.ep")),)
+        return (_on(shape, 0, _split(shape[0], n_ep, g, pt_name, 0, f"{side}.ep")),)
     if rule in ("expert_column", "expert_row") and ep:
         m = _EXPERT_INDEX.match(pt_name)
         count = experts[m.group(1)]
         if count % n_ep:
-            raise PlannerError("rollout.ep", f"{m.group(1)}: {count} experts are not "
+            raise PlannerError(f"{side}.ep", f"{m.group(1)}: {count} experts are not "
                                              f"divisible by tp x ep = {n_ep}")
         return (full,) if int(m.group(2)) // (count // n_ep) == g else ()
     if rule == "experts_gate_up":
         half = shape[1] // 2
-        a, b = _split(half, tp, t, pt_name, 1, "rollout.tp")
+        a, b = _split(half, tp, t, pt_name, 1, f"{side}.tp")
         return (_on(shape, 1, (a, b)), _on(shape, 1, (half + a, half + b)))
     if rule == "experts_down":
-        return (_on(shape, 2, _split(shape[2], tp, t, pt_name, 2, "rollout.tp")),)
+        return (_on(shape, 2, _split(shape[2], tp, t, pt_name, 2, f"{side}.tp")),)
     if rule == "kv" and model.kv_heads and model.kv_heads >= tp and model.kv_heads % tp:
-        raise PlannerError("rollout.tp", f"{pt_name}: {model.kv_heads} kv heads are not "
+        raise PlannerError(f"{side}.tp", f"{pt_name}: {model.kv_heads} kv heads are not "
                                          f"divisible by tp {tp}")
     if rule == "kv" and model.kv_heads and model.kv_heads < tp:
         if tp % model.kv_heads:
-            raise PlannerError("rollout.tp", f"{pt_name}: {model.kv_heads} kv heads: tp {tp} "
+            raise PlannerError(f"{side}.tp", f"{pt_name}: {model.kv_heads} kv heads: tp {tp} "
                                              "is not a multiple of them")
         head = t // (tp // model.kv_heads)
         rows = shape[0] // model.kv_heads
         return (_on(shape, 0, (head * rows, (head + 1) * rows)),)
     if rule in ("column", "kv", "expert_column"):
-        return (_on(shape, 0, _split(shape[0], tp, t, pt_name, 0, "rollout.tp")),)
+        return (_on(shape, 0, _split(shape[0], tp, t, pt_name, 0, f"{side}.tp")),)
     if rule in ("row", "expert_row") and len(shape) >= 2:
-        return (_on(shape, 1, _split(shape[1], tp, t, pt_name, 1, "rollout.tp")),)
+        return (_on(shape, 1, _split(shape[1], tp, t, pt_name, 1, f"{side}.tp")),)
     return (full,)
 
 
@@ -164,9 +169,17 @@ def _check(tp: int, ep: int, src: str, dst: str) -> None:
 
 
 def planned_tensors(model: ModelSpec, tp: int, ep: int, src_dtype: str, dst_dtype: str,
-                    fp8_at: str = "trainer") -> tuple[list[PlannedTensor], list[str]]:
-    """Every tensor (and FP8 scale) with what each worker of one replica keeps; notes."""
+                    fp8_at: str = "trainer", trainer_tp: int = 1, trainer_ep: int = 0
+                    ) -> tuple[list[PlannedTensor], list[str]]:
+    """Every tensor (and FP8 scale) with what each worker of one replica keeps and, with
+    ``trainer_tp``/``trainer_ep``, what each trainer rank of a TP x EP group holds (the
+    same table: Megatron's column/row-parallel splits are vLLM's); notes."""
     _check(tp, ep, src_dtype, dst_dtype)
+    if not isinstance(trainer_tp, int) or trainer_tp < 1:
+        raise PlannerError("trainer.tp", f"must be an integer >= 1, got {trainer_tp!r}")
+    if not isinstance(trainer_ep, int) or trainer_ep < 0:
+        raise PlannerError("trainer.ep", f"must be an integer >= 0, got {trainer_ep!r}")
+    holders = range(trainer_tp * max(trainer_ep, 1))
     if fp8_at not in ("trainer", "receiver"):
         raise PlannerError("dtype.fp8_at", f"must be 'trainer' or 'receiver', got {fp8_at!r}")
     experts: dict[str, int] = {}
@@ -180,17 +193,22 @@ def planned_tensors(model: ModelSpec, tp: int, ep: int, src_dtype: str, dst_dtyp
         rule = rule_of(name)
         unknown += [name] if rule == "unknown" else []
         boxes = tuple(_boxes(name, shape, rule, g, tp, ep, model, experts) for g in workers)
+        held = None if len(holders) == 1 else tuple(
+            _boxes(name, shape, rule, g, trainer_tp, trainer_ep, model, experts, "trainer")
+            for g in holders)
         fp8 = dst_dtype == "fp8" and rule in _QUANTIZED and len(shape) >= 2
         fp8 = fp8 or (dst_dtype == "fp8" and rule == "replicated" and len(shape) == 2
                       and not name.endswith(".gate.weight"))
         dst = FP8 if fp8 else (src_dtype if dst_dtype == "fp8" else dst_dtype)
         src = FP8 if fp8 and fp8_at == "trainer" else src_dtype
-        out.append(PlannedTensor(name, shape, rule, src, dst, boxes))
+        out.append(PlannedTensor(name, shape, rule, src, dst, boxes, held))
         if fp8 and fp8_at == "trainer":
             sshape = shape[:-2] + tuple(-(-n // BLOCK) for n in shape[-2:])
             sboxes = tuple(_scale_boxes(shape, b, scale_notes) for b in boxes)
+            sheld = None if held is None else tuple(_scale_boxes(shape, b, scale_notes)
+                                                    for b in held)
             out.append(PlannedTensor(_scale_name(name), sshape, rule + "_scale", "float32",
-                                     "float32", sboxes))
+                                     "float32", sboxes, sheld))
     notes = sorted(scale_notes)
     if unknown:
         notes.append(f"{len(unknown)} tensor(s) not in the slicing table, planned as full "

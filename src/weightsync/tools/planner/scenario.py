@@ -36,7 +36,10 @@ def _positive(v, field_name: str, low: int = 1) -> int:
 @dataclass(frozen=True)
 class Scenario:
     """One sync to predict. ``ep`` 0: no expert parallelism (experts TP-split); ``ep`` N:
-    a replica is ``tp x N`` GPUs, experts split over all of them (see :mod:`.rules`)."""
+    a replica is ``tp x N`` GPUs, experts split over all of them (see :mod:`.rules`).
+    ``trainer_tp``/``trainer_ep``: the trainer's own tensor/expert parallelism, by the same
+    rules; its ``trainer_gpus / (trainer_tp x max(trainer_ep, 1))`` data-parallel ranks
+    chunk each shard's rows (``trainer_shard="fsdp"``) or each hold it (``"full"``)."""
 
     model: ModelSpec
     links: Links
@@ -48,6 +51,8 @@ class Scenario:
     dst_dtype: str = "bfloat16"
     fp8_at: str = "trainer"
     trainer_shard: str = "fsdp"
+    trainer_tp: int = 1
+    trainer_ep: int = 0
     placement: str = "nodes"
     rollout_links: Optional[Links] = None
     bucket_size: int = DEFAULT_BUCKET_SIZE
@@ -63,6 +68,11 @@ class Scenario:
         _positive(self.replicas, "rollout.replicas")
         _positive(self.tp, "rollout.tp")
         _positive(self.ep, "rollout.ep", 0)
+        _positive(self.trainer_tp, "trainer.tp")
+        _positive(self.trainer_ep, "trainer.ep", 0)
+        if self.trainer_gpus % self.trainer_group:
+            raise PlannerError("trainer.tp", f"trainer.gpus {self.trainer_gpus} is not divisible "
+                                             f"by trainer.tp x trainer.ep = {self.trainer_group}")
         _positive(self.bucket_size, "bucket_size")
         if self.max_read_bytes is not None:
             _positive(self.max_read_bytes, "max_read_bytes")
@@ -78,6 +88,11 @@ class Scenario:
         if bad or not self.strategies:
             raise PlannerError("strategies", f"choose from {', '.join(STRATEGIES)}, got "
                                              f"{', '.join(bad) or 'none'}")
+
+    @property
+    def trainer_group(self) -> int:
+        """Trainer ranks of one tensor-/expert-parallel group."""
+        return self.trainer_tp * max(self.trainer_ep, 1)
 
     @property
     def replica_size(self) -> int:

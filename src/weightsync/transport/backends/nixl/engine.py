@@ -443,7 +443,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         start = time.perf_counter()
         self._pull_plan = PullPlan(self._agent, f"rollout rank {self._rank}", sources, into,
                                    device, self.config.bucket_size, self._keep_for(sources),
-                                   peers=self._peers)
+                                   peers=self._peers, spread=max(self._rank, 0))
         self._plan_key, self.last_plan = key, self._pull_plan.plan
         plan = self._pull_plan.plan
         logger.info("weightsync nixl: rollout rank %d compiled a plan in %.3f s: %d reads, "

@@ -87,7 +87,7 @@ class PullPlan:
     def __init__(self, agent: NixlAgent, worker: str, sources: list,
                  into: Optional[Mapping[str, torch.Tensor]], device: torch.device,
                  max_read: int, keep: Optional[Keep] = None,
-                 peers: Optional[Mapping[int, str]] = None) -> None:
+                 peers: Optional[Mapping[int, str]] = None, spread: int = 0) -> None:
         self._agent, self._regs = agent, []
         self._peers = dict(peers or {})
         # (name, shape, dtype, dest, offset, nbytes, parts): parts None for a whole tensor,
@@ -123,7 +123,8 @@ class PullPlan:
         notes = () if keep is None else keep.notes
         self.plan: TransferPlan = compile_plan(
             [SourceLayout(rank=s, held=held_of(src)) for s, src in enumerate(sources)],
-            [DestLayout(worker=worker, wants=tuple(wants), notes=notes)], max_read_bytes=max_read)
+            [DestLayout(worker=worker, wants=tuple(wants), notes=notes)], max_read_bytes=max_read,
+            spread=spread)
         buffers[_LANDING] = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
         self.landing = buffers[_LANDING]
         self._buffers = buffers
