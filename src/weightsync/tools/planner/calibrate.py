@@ -1,21 +1,30 @@
 """Predicted vs measured: every recorded benchmark run the planner can model, predicted.
 
-Owns :func:`run` (the cases and their rows), :func:`format_text` and
-:func:`format_markdown`. Measurements come from ``benchmarks/results/`` of the checkout:
-the runs of :data:`CPU_RUNS` (``shm``, ``shm-buckets``, ``shm-direct``, ``collective``;
-1/2/4 receivers; the bench's own workloads, :mod:`weightsync.tools.bench.workloads`, on
-the ``cpu-2core`` preset), the ``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the
-``p2p`` strategy as the backend ran then, with the preset and with each run's own raw
-READ / memcpy rates as the links),
-``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``cuda_ipc`` bucket
-ring, one H200: the ``ring`` strategy, colocated), ``multi-gpu-h200x2-2026-11-29`` and
-``multi-gpu-h200x4-2026-11-29`` (``collective`` on NCCL: 1 -> 1, 1 -> 2, 2 senders -> 2;
-the ``broadcast`` strategy, packed on one node). GPU model shapes are taken from the
+Owns :func:`run` (the cases and their rows), :func:`run_links` (the link rates a bench run
+recorded beside a case), :func:`format_text` and :func:`format_markdown`. Measurements come
+from ``benchmarks/results/`` of the checkout: the runs of :data:`CPU_RUNS` (``shm``,
+``shm-buckets``, ``shm-direct``, ``collective``; 1/2/4 receivers; the bench's own
+workloads, :mod:`weightsync.tools.bench.workloads`, on the ``cpu-2core`` preset), the
+``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the ``p2p`` strategy as the backend ran
+then), ``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``cuda_ipc``
+bucket ring, one H200: the ``ring`` strategy, colocated), ``multi-gpu-h200x2-2026-11-29``
+and ``multi-gpu-h200x4-2026-11-29`` (``collective`` on NCCL: 1 -> 1, 1 -> 2, 2 senders ->
+2; the ``broadcast`` strategy, packed on one node). GPU model shapes are taken from the
 benchmark scripts themselves (``benchmarks/gpu_bench.py``, ``benchmarks/multi_gpu.py``,
-loaded by path). The presets' numbers and where each comes from are in their files; the
-limits they were read from (memcpy, raw gloo / NCCL broadcast, one device copy) are not
-calibration cases. Not modelled: ``cuda_ipc`` zero-copy, the verl-style baseline, Ray and
-the other baselines.
+loaded by path).
+
+A link model is judged given the link rates the box had during the run: every bench run
+records its own limits beside the weightsync methods (:data:`RUN_LIMITS`: ``memcpy``,
+``memcpy-parallel``, ``gloo-flat``, ``nixl-raw``; the GPU scripts a flat D2D copy and a raw
+NCCL broadcast), so each case is predicted with the preset's links *set from the limits
+its own run recorded* (paired with its steps where the bench paired them). Those rows are
+the calibration (``rows``, counted against :data:`GOAL`). The same cases predicted with
+the preset's fixed rates alone are kept apart (``preset_rows``, "preset vs this run's box":
+printed, not counted). A case whose run recorded no limit is predicted with the preset and
+counted. What no run records (``ring.direct_GBps``, the ``software`` costs, latencies)
+always comes from the preset, whose file says which of those are measured and which are
+assumed. The limits themselves are inputs, not calibration cases. Not modelled:
+``cuda_ipc`` zero-copy, the verl-style baseline, Ray and the other baselines.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import dataclasses
 import importlib.util
 import json
 import os
-from typing import Any, Callable, Optional
+from collections import defaultdict
+from typing import Any, Callable, Mapping, Optional
 
 from weightsync.tools.planner.errors import PlannerError
 from weightsync.tools.planner.links import Links, load_links
@@ -32,7 +42,8 @@ from weightsync.tools.planner.model import ModelSpec, model_from_tensors
 from weightsync.tools.planner.predict import predict
 from weightsync.tools.planner.scenario import Scenario
 
-__all__ = ["run", "format_text", "format_markdown", "results_dir", "GOAL", "GROUPS"]
+__all__ = ["run", "run_links", "format_text", "format_markdown", "results_dir", "GOAL",
+           "GROUPS", "RUN_LIMITS", "RunLimit"]
 
 GOAL = 0.25
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
@@ -46,8 +57,8 @@ def results_dir() -> str:
     return path
 
 
-def _json(*parts: str) -> dict:
-    path = os.path.join(results_dir(), *parts)
+def _json(root: str, *parts: str) -> dict:
+    path = os.path.join(root, *parts)
     with open(path) as f:
         return json.load(f)
 
@@ -60,17 +71,128 @@ def _script(name: str) -> Any:
     return mod
 
 
+# ------------------------------------------------------------------ the run's own limits
+
+@dataclasses.dataclass(frozen=True)
+class RunLimit:
+    """A limit the CPU bench records beside the weightsync methods (its ``method``,
+    :mod:`weightsync.tools.bench.methods`) and the field of the links file it sets:
+    ``bytes x (receivers if per_receiver else 1) / warm_median_s``, in GB/s, from the
+    record of the same receiver count; with ``ceiling``, the highest such rate of any
+    receiver count the run recorded (a per-node capacity: the most the host reached)."""
+
+    method: str
+    field: str
+    per_receiver: bool
+    what: str
+    ceiling: bool = False
+
+
+#: every limit the CPU bench records and the link it sets
+RUN_LIMITS = (
+    RunLimit(method="memcpy", field="links.device_mem.GBps", per_receiver=False,
+             what="one flat copy in one process"),
+    RunLimit(method="memcpy-parallel", field="links.host_mem.GBps", per_receiver=True,
+             ceiling=True, what="R processes copying the bytes at once; host_mem is every "
+                                "copy of the node together, so the most any R reached"),
+    RunLimit(method="gloo-flat", field="collective.GBps", per_receiver=True,
+             what="one raw gloo broadcast of a flat buffer (gloo sends each receiver a copy)"),
+    RunLimit(method="nixl-raw", field="links.intra.GBps", per_receiver=False,
+             what="one raw NIXL READ of a flat region into each receiver"),
+)
+
+
+def _seconds(rec: Mapping, where: str) -> float:
+    s = rec.get("warm_median_s")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
+        raise PlannerError("calibrate", f"{where}: warm_median_s must be > 0, got {s!r}")
+    return float(s)
+
+
+def _rate(lim: RunLimit, rec: Mapping, seconds: float) -> float:
+    return (rec["receivers"] if lim.per_receiver else 1) * rec["bytes"] / seconds / 1e9
+
+
+def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float],
+                                                                 dict[str, str]]:
+    """The link rates ``rec``'s steps had, from the :data:`RUN_LIMITS` the same run
+    recorded for the same workload and dtype (``limits``: method -> its records, one per
+    receiver count): the limit the bench paired with ``rec``'s steps (run right before
+    each step, in the same processes) where it paired that one, else the limit's own
+    record of the same receiver count (of any, for a ``ceiling``). Returns the
+    :func:`~.links.load_links` overrides and, per field, where it came from; both empty
+    when the run recorded none of them."""
+    paired = rec.get("paired") or {}
+    sets, where = {}, {}
+    for lim in RUN_LIMITS:
+        same = [r for r in limits.get(lim.method, ())
+                if lim.ceiling or r["receivers"] == rec["receivers"]]
+        if paired.get("method") == lim.method and not lim.ceiling:
+            rate = _rate(lim, rec, _seconds(paired, f"{rec['method']} paired {lim.method}"))
+            how = "paired"
+        elif same:
+            best = max(same, key=lambda r: _rate(lim, r, _seconds(r, lim.method)))
+            rate = _rate(lim, best, _seconds(best, lim.method))
+            how = f"own run, R={best['receivers']}" if lim.per_receiver else "own run"
+        else:
+            continue
+        sets[lim.field], where[lim.field] = rate, f"{lim.method}, {how}"
+    return sets, where
+
+
+def _limits_by_case(results: list[dict]) -> dict[tuple, dict[str, list]]:
+    """(workload, dtype) -> {limit method: its records} of one run."""
+    names = {lim.method for lim in RUN_LIMITS}
+    out: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        if r["status"] == "ok" and r["method"] in names:
+            out[(r["workload"], r["dtype"])][r["method"]].append(r)
+    return out
+
+
+def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
+    """``device_mem 10.5 GB/s (memcpy, paired); ...; the rest preset``."""
+    parts = []
+    for k, v in sets.items():
+        keys = [x for x in k.split(".") if x != "links"]
+        if keys[-1] == "GBps":
+            parts.append(f"{' '.join(keys[:-1])} {v:.3g} GB/s ({where[k]})")
+        else:
+            parts.append(f"{' '.join(keys)} {v:.3g} ({where[k]})")
+    return "; ".join(parts) + "; the rest preset"
+
+
+# ------------------------------------------------------------------ rows
+
 def _row(case: str, strategy: str, sc: Scenario, measured: float, source: str,
          check: Optional[Callable] = None) -> dict:
     p = predict(sc)
     r = p.results[strategy]
-    row = {"case": case, "strategy": strategy, "predicted_s": r.seconds,
-           "measured_s": measured, "error": r.seconds / measured - 1.0,
+    seconds = float(r.seconds)
+    row = {"case": case, "strategy": strategy, "predicted_s": seconds,
+           "measured_s": measured, "error": seconds / measured - 1.0,
            "limited_by": f"{r.bottleneck.name}: {r.bottleneck.limit}", "source": source}
-    row["within_goal"] = abs(row["error"]) <= GOAL
+    row["within_goal"] = bool(abs(row["error"]) <= GOAL)
     if check is not None:
         row.update(check(r))
     return row
+
+
+def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measured: float,
+          source: str, preset: str, sets: Mapping[str, float], where: Mapping[str, str],
+          check: Optional[Callable] = None) -> list[dict]:
+    """One case: with the links its run recorded (counted) and with the preset alone (not
+    counted); only the preset's, counted, when the run recorded no limit."""
+    rows = []
+    if sets:
+        row = _row(case, strategy, scenario(load_links(preset, sets)), measured, source, check)
+        row.update(links="run", links_from=_describe(sets, where), counted=True)
+        rows.append(row)
+    row = _row(case, strategy, scenario(load_links(preset)), measured, source, check)
+    row.update(links="preset", counted=not sets,
+               links_from=f"preset {preset}" + ("" if sets else " (the run recorded no limit)"))
+    rows.append(row)
+    return rows
 
 
 def _cpu_model(rec: dict) -> ModelSpec:
@@ -87,56 +209,73 @@ def _cpu_model(rec: dict) -> ModelSpec:
 
 #: The CPU bench runs of ``shm`` / ``collective`` (folder, file, label): the 11-29 run of
 #: that day's code (a loaded box, load average ~5), and the 12-03 run of the code with the
-#: direct window (`benchmarks/results/cpu-calib-2026-12-03/`).
+#: direct window (`benchmarks/results/cpu-calib-2026-12-03/`). Both recorded ``memcpy``,
+#: ``memcpy-parallel`` and ``gloo-flat`` for every workload and receiver count.
 CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
             ("cpu-calib-2026-12-03", "bench.json", "12-03"))
 
+#: what each CPU method is in the model: (strategy, fields of the Links replaced)
+_CPU_METHODS = {"shm": ("ring", {}), "collective": ("broadcast", {}),
+                "shm-buckets": ("ring", {"direct_min_bytes": 0}),
+                "shm-direct": ("ring", {"direct_max_receivers": 64})}
 
-def _cpu_cases() -> list[dict]:
-    base = load_links("cpu-2core")
-    variants: dict[str, tuple[str, Links]] = {
-        "shm": ("ring", base), "collective": ("broadcast", base),
-        "shm-buckets": ("ring", dataclasses.replace(base, direct_min_bytes=0)),
-        "shm-direct": ("ring", dataclasses.replace(base, direct_max_receivers=64))}
+
+def _cpu_cases(root: str) -> list[dict]:
     rows, models = [], {}
     for folder, name, label in CPU_RUNS:
-        if not os.path.exists(os.path.join(results_dir(), folder, name)):
+        if not os.path.exists(os.path.join(root, folder, name)):
             continue
-        for rec in _json(folder, name)["results"]:
-            if rec["status"] != "ok" or rec["method"] not in variants:
+        results = _json(root, folder, name)["results"]
+        limits = _limits_by_case(results)
+        for rec in results:
+            if rec["status"] != "ok" or rec["method"] not in _CPU_METHODS:
                 continue
-            strategy, links = variants[rec["method"]]
+            strategy, replace = _CPU_METHODS[rec["method"]]
             if rec["workload"] not in models:
                 models[rec["workload"]] = _cpu_model(rec)
-            sc = Scenario(model=models[rec["workload"]], links=links, trainer_gpus=1,
-                          replicas=rec["receivers"], bucket_size=rec["bucket_size"],
-                          src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
-                          strategies=(strategy,))
-            rows.append(_row(f"CPU {rec['workload']} {rec['method']} R={rec['receivers']} "
-                             f"({label})", strategy, sc, rec["warm_median_s"],
-                             f"{folder}/{name} warm_median_s"))
+
+            def scenario(links: Links, rec=rec, strategy=strategy, replace=replace) -> Scenario:
+                return Scenario(model=models[rec["workload"]],
+                                links=dataclasses.replace(links, **replace), trainer_gpus=1,
+                                replicas=rec["receivers"], bucket_size=rec["bucket_size"],
+                                src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
+                                strategies=(strategy,))
+            sets, where = run_links(rec, limits[(rec["workload"], rec["dtype"])])
+            rows += _rows(f"CPU {rec['workload']} {rec['method']} R={rec['receivers']} "
+                          f"({label})", strategy, scenario, rec["warm_median_s"],
+                          f"{folder}/{name} warm_median_s", "cpu-2core", sets, where)
     return rows
 
 
-def _h200_cases() -> list[dict]:
-    links, rows = load_links("h200-8gpu-400g"), []
+def _h200_cases(root: str) -> list[dict]:
+    """The ``cuda_ipc`` ring on one H200; the device-memory rate from the run's own flat
+    D2D copy of the same bytes (``d2d``), where it recorded one."""
+    rows = []
     for folder, name in (("gpu-h200-2026-11-29", "bench_final.json"),
                          ("gpu-h200-2026-12-01", "gpu_bench.json")):
-        if not os.path.exists(os.path.join(results_dir(), folder, name)):
+        if not os.path.exists(os.path.join(root, folder, name)):
             continue
-        doc = _json(folder, name)
+        doc = _json(root, folder, name)
         model = model_from_tensors("llama3-8b-shapes",
                                    _script("gpu_bench").model_shapes(doc["layers"]))
+        sets, where = {}, {}
+        d2d = doc.get("d2d") or {}
+        if d2d.get("flat_ms"):
+            sets["links.device_mem.GBps"] = d2d["bytes"] / (d2d["flat_ms"] / 1e3) / 1e9
+            where["links.device_mem.GBps"] = "flat D2D copy, own run"
         for e in doc["engine"]:
             cfg = e["cfg"]
             if cfg["zero_copy"]:
                 continue
-            sc = Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
-                          placement="colocated", bucket_size=cfg["bucket_size"],
-                          strategies=("ring",))
-            rows.append(_row(f"H200 cuda_ipc ring {cfg['bucket_size'] >> 20} MiB "
-                             f"({cfg['sync']}, {folder[-10:]})", "ring", sc,
-                             e["median_ms"] / 1e3, f"{folder}/{name} median_ms"))
+
+            def scenario(links: Links, cfg=cfg) -> Scenario:
+                return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
+                                placement="colocated", bucket_size=cfg["bucket_size"],
+                                strategies=("ring",))
+            rows += _rows(f"H200 cuda_ipc ring {cfg['bucket_size'] >> 20} MiB "
+                          f"({cfg['sync']}, {folder[-10:]})", "ring", scenario,
+                          e["median_ms"] / 1e3, f"{folder}/{name} median_ms",
+                          "h200-8gpu-400g", sets, where)
     return rows
 
 
@@ -147,30 +286,46 @@ def _sender_bytes(measured: list) -> Callable:
     return check
 
 
-def _nccl_cases() -> list[dict]:
+def _nccl_limit(b: Mapping) -> tuple[dict[str, float], dict[str, str]]:
+    """NVLink's efficiency from the raw NCCL broadcast the run timed beside ``b``."""
+    if not b.get("raw_s"):
+        return {}, {}
+    line = load_links("h200-8gpu-400g").link("intra").GBps
+    eff = b["GB"] / b["raw_s"] / line
+    return {"links.intra.efficiency": eff}, {"links.intra.efficiency":
+                                             f"raw NCCL broadcast {b['GB'] / b['raw_s']:.0f} "
+                                             f"GB/s, same case"}
+
+
+def _nccl_cases(root: str) -> list[dict]:
     spec = _script("multi_gpu").model_spec(16)
     model = model_from_tensors("llama70b-shaped-16gb", spec)
-    links, rows = load_links("h200-8gpu-400g"), []
+    rows = []
     runs = [("multi-gpu-h200x2-2026-11-29", "bench.json", "2 x H200"),
             ("multi-gpu-h200x4-2026-11-29", "multi_gpu.json", "4 x H200")]
     for folder, name, label in runs:
-        doc = _json(folder, name)
+        doc = _json(root, folder, name)
         for b in doc["bench"]:
-            sc = Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
-                          placement="packed", bucket_size=b["bucket_MiB"] << 20,
-                          strategies=("broadcast",))
-            rows.append(_row(f"{label} collective 1 -> 1, {b['bucket_MiB']} MiB", "broadcast",
-                             sc, b["warm_s"], f"{folder}/{name} bench warm_s"))
+            def scenario(links: Links, b=b) -> Scenario:
+                return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
+                                placement="packed", bucket_size=b["bucket_MiB"] << 20,
+                                strategies=("broadcast",))
+            rows += _rows(f"{label} collective 1 -> 1, {b['bucket_MiB']} MiB", "broadcast",
+                          scenario, b["warm_s"], f"{folder}/{name} bench warm_s",
+                          "h200-8gpu-400g", *_nccl_limit(b))
         for s in doc.get("senders", []):
             if "senders" not in s:
                 continue
-            sc = Scenario(model=model, links=links, trainer_gpus=s["senders"],
-                          trainer_shard="full", replicas=s["receivers"], placement="packed",
-                          bucket_size=1 << 30, strategies=("broadcast",))
-            rows.append(_row(f"{label} collective {s['senders']} sender(s) -> "
-                             f"{s['receivers']}, 1024 MiB", "broadcast", sc, s["warm_s"],
-                             f"{folder}/{name} senders warm_s",
-                             _sender_bytes(s["warm_bytes_per_sender"])))
+
+            def scenario(links: Links, s=s) -> Scenario:
+                return Scenario(model=model, links=links, trainer_gpus=s["senders"],
+                                trainer_shard="full", replicas=s["receivers"],
+                                placement="packed", bucket_size=1 << 30,
+                                strategies=("broadcast",))
+            rows += _rows(f"{label} collective {s['senders']} sender(s) -> "
+                          f"{s['receivers']}, 1024 MiB", "broadcast", scenario, s["warm_s"],
+                          f"{folder}/{name} senders warm_s", "h200-8gpu-400g",
+                          *_nccl_limit(s), check=_sender_bytes(s["warm_bytes_per_sender"]))
     return rows
 
 
@@ -183,83 +338,100 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              ("cpu-nixl-auto-2026-12-03", "bench_1g.json", True, "auto"))
 
 
-def _nixl_cases() -> list[dict]:
+def _nixl_cases(root: str) -> list[dict]:
     """``nixl`` 1 GiB 1 -> 1 on CPU, each run as the backend ran then (pipelined or not,
-    staging or serving its own storage): with the preset, and with the run's own limits
-    (its raw NIXL READ as the cross-process link, its memcpy as the copy rate)."""
+    staging or serving its own storage), with the run's own limits (:func:`run_links`: the
+    raw NIXL READ the bench paired with each nixl step in the same processes as the
+    cross-process link, its memcpy, where it ran one, as the copy rate)."""
     rows = []
     for folder, name, pipelined, serve in NIXL_RUNS:
-        if not os.path.exists(os.path.join(results_dir(), folder, name)):
+        if not os.path.exists(os.path.join(root, folder, name)):
             continue
-        doc = _json(folder, name)
-        by = {r["method"]: r for r in doc["results"] if r["status"] == "ok"}
-        if "nixl" not in by:
+        results = _json(root, folder, name)["results"]
+        rec = next((r for r in results if r["status"] == "ok" and r["method"] == "nixl"),
+                   None)
+        if rec is None:
             continue
-        rec = by["nixl"]
         model = _cpu_model(rec)
-        variants = [("preset", {})]
-        if "nixl-raw" in by and "memcpy" in by:
-            # the raw READ run right before each nixl step in the same processes, where
-            # the bench paired them (it ran ~1.7 x slower there than in processes of its
-            # own: BENCHMARKS.md), else the raw READ's own run
-            paired = rec.get("paired") or {}
-            raw_s, which = (paired["warm_median_s"], "paired raw READ") \
-                if paired.get("method") == "nixl-raw" else \
-                (by["nixl-raw"]["warm_median_s"], "raw READ run")
-            variants.append((f"links from this run's limits ({which})", {
-                "links.intra.GBps": rec["bytes"] / raw_s / 1e9,
-                "links.device_mem.GBps": rec["bytes"] / by["memcpy"]["warm_median_s"] / 1e9}))
+        sets, where = run_links(rec, _limits_by_case(results)[(rec["workload"], rec["dtype"])])
         how = f"{'pipelined' if pipelined else 'not pipelined'}, {serve}"
-        for label, sets in variants:
-            sc = Scenario(model=model, links=load_links("cpu-2core", sets), trainer_gpus=1,
-                          replicas=rec["receivers"], bucket_size=rec["bucket_size"],
-                          strategies=("p2p",), pipelined=pipelined, serve=serve)
-            rows.append(_row(f"CPU {rec['workload']} nixl R={rec['receivers']} ({folder[9:]}/"
-                             f"{name}, {how}, {label})", "p2p", sc, rec["warm_median_s"],
-                             f"{folder}/{name} warm_median_s"))
+
+        def scenario(links: Links, rec=rec, pipelined=pipelined, serve=serve) -> Scenario:
+            return Scenario(model=model, links=links, trainer_gpus=1,
+                            replicas=rec["receivers"], bucket_size=rec["bucket_size"],
+                            strategies=("p2p",), pipelined=pipelined, serve=serve)
+        rows += _rows(f"CPU {rec['workload']} nixl R={rec['receivers']} ({folder[9:]}/"
+                      f"{name}, {how})", "p2p", scenario, rec["warm_median_s"],
+                      f"{folder}/{name} warm_median_s", "cpu-2core", sets, where)
     return rows
 
 
-GROUPS = {"cpu": lambda: _cpu_cases(), "nixl": lambda: _nixl_cases(),
-          "h200": lambda: _h200_cases(), "nccl": lambda: _nccl_cases()}
+GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "h200": _h200_cases, "nccl": _nccl_cases}
 
 
-def run(groups: tuple[str, ...] = tuple(GROUPS)) -> dict:
+def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) -> dict:
     """Every case of ``groups``, predicted and compared (``error`` = predicted /
-    measured - 1)."""
-    rows = [row for g in groups for row in GROUPS[g]()]
-    within = sum(r["within_goal"] for r in rows)
-    return {"schema": "weightsync.plan.calibration/1", "goal": GOAL, "rows": rows,
-            "within_goal": within, "cases": len(rows),
+    measured - 1); ``results``: the folder of recorded runs (default: the checkout's
+    ``benchmarks/results``). ``rows``: the calibration (each case with the links its run
+    recorded); ``preset_rows``: the same cases with the preset alone, not counted."""
+    bad = [g for g in groups if g not in GROUPS]
+    if bad:
+        raise PlannerError("calibrate", f"unknown group(s) {', '.join(bad)}; "
+                                        f"known: {', '.join(GROUPS)}")
+    root = results if results is not None else results_dir()
+    rows, preset = [], []
+    for g in groups:
+        for row in GROUPS[g](root):
+            (rows if row.pop("counted") else preset).append(row)
+    return {"schema": "weightsync.plan.calibration/2", "goal": GOAL, "rows": rows,
+            "within_goal": sum(r["within_goal"] for r in rows), "cases": len(rows),
+            "preset_rows": preset,
+            "preset_within_goal": sum(r["within_goal"] for r in preset),
             "not_modelled": ["cuda_ipc zero-copy", "verl-style cuda_ipc baseline",
                              "ray, gloo-per-tensor, safetensors-shm baselines",
                              "nixl VRAM -> VRAM on one H200 (UCX takes a host path there)"]}
 
 
-def _lines(doc: dict, sep: str) -> list[str]:
+def _lines(rows: list[dict], sep: str) -> list[str]:
     out = []
-    for r in doc["rows"]:
+    for r in rows:
         extra = ""
         if "bytes_per_sender" in r:
             b = r["bytes_per_sender"]
             extra = f" (bytes per sender predicted {b['predicted']}, measured {b['measured']})"
         cells = [r["case"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
                  f"{r['error'] * 100:+.0f} %", "yes" if r["within_goal"] else "**no**",
-                 r["limited_by"] + extra]
+                 r["limited_by"] + extra, r["links_from"]]
         out.append(sep.join(cells))
     return out
 
 
+_PRESET_TITLE = ("preset vs this run's box (not counted: the same cases with the preset's "
+                 "fixed rates instead of the limits their run recorded)")
+
+
 def format_text(doc: dict) -> str:
-    head = "case | predicted ms | measured ms | error | within 25 % | predicted bottleneck"
-    tail = (f"{doc['within_goal']} of {doc['cases']} cases within +-{doc['goal'] * 100:.0f} %; "
+    head = ("case | predicted ms | measured ms | error | within 25 % | predicted bottleneck | "
+            "links")
+    tail = (f"{doc['within_goal']} of {doc['cases']} cases within +-{doc['goal'] * 100:.0f} % "
+            f"(links from each run's own limits where it recorded them); preset alone: "
+            f"{doc['preset_within_goal']} of {len(doc['preset_rows'])}, not counted; "
             f"not modelled: {', '.join(doc['not_modelled'])}")
-    return "\n".join([head] + _lines(doc, " | ") + [tail])
+    preset = ["", _PRESET_TITLE + ":", head] + _lines(doc["preset_rows"], " | ") \
+        if doc["preset_rows"] else []
+    return "\n".join([head] + _lines(doc["rows"], " | ") + preset + ["", tail])
 
 
 def format_markdown(doc: dict) -> str:
-    head = ["| case | predicted ms | measured ms | error | within +-25 % | predicted bottleneck |",
-            "| --- | ---: | ---: | ---: | --- | --- |"]
-    body = [f"| {line} |" for line in _lines(doc, " | ")]
-    return "\n".join(head + body + ["", f"{doc['within_goal']} of {doc['cases']} cases "
-                                         f"within +-{doc['goal'] * 100:.0f} %."])
+    head = ["| case | predicted ms | measured ms | error | within +-25 % | predicted bottleneck "
+            "| links |", "| --- | ---: | ---: | ---: | --- | --- | --- |"]
+    out = head + [f"| {line} |" for line in _lines(doc["rows"], " | ")]
+    out += ["", f"{doc['within_goal']} of {doc['cases']} cases within "
+                f"+-{doc['goal'] * 100:.0f} % (links from each run's own limits where it "
+                f"recorded them)."]
+    if doc["preset_rows"]:
+        out += ["", f"**{_PRESET_TITLE[0].upper() + _PRESET_TITLE[1:]}**", ""] + head
+        out += [f"| {line} |" for line in _lines(doc["preset_rows"], " | ")]
+        out += ["", f"Preset alone: {doc['preset_within_goal']} of {len(doc['preset_rows'])} "
+                    f"within +-{doc['goal'] * 100:.0f} % (not counted)."]
+    return "\n".join(out)

@@ -1,0 +1,163 @@
+"""Tests of ``weightsync plan --calibrate`` (weightsync.tools.planner.calibrate): every
+case is predicted with the link rates its own run recorded (memcpy, memcpy-parallel,
+gloo-flat, nixl-raw), the preset-only predictions are printed but not counted, and bad
+recorded limits are a PlannerError. Recorded runs are copied into a tmp folder and changed
+there, so a prediction that ignores its run's limits cannot pass."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+
+from weightsync.tools.planner import PlannerError
+from weightsync.tools.planner import calibrate
+
+pytestmark = pytest.mark.timeout(120)
+
+CPU_RUN = ("cpu-calib-2026-12-03", "bench.json")
+NIXL_RUN = ("cpu-nixl-pipelined-2026-12-02", "bench_1g.json")
+
+
+def _recorded(folder: str, name: str) -> dict:
+    with open(os.path.join(calibrate.results_dir(), folder, name)) as f:
+        return json.load(f)
+
+
+def _write(root, folder: str, name: str, doc: dict) -> str:
+    (root / folder).mkdir(parents=True, exist_ok=True)
+    (root / folder / name).write_text(json.dumps(doc))
+    return str(root)
+
+
+def _cpu_1gib() -> dict:
+    """The 12-03 CPU run, its 1 GiB workload only (no HF model needed, a few seconds)."""
+    doc = _recorded(*CPU_RUN)
+    doc["results"] = [r for r in doc["results"] if r["workload"] == "synthetic-1GiB"
+                      and r["status"] == "ok"]
+    return doc
+
+
+def _find(rows: list, case: str) -> dict:
+    hit = [r for r in rows if r["case"] == case]
+    assert len(hit) == 1, (case, [r["case"] for r in rows])
+    return hit[0]
+
+
+def _rec(doc: dict, method: str, receivers: int) -> dict:
+    return next(r for r in doc["results"] if r["method"] == method
+                and r["receivers"] == receivers)
+
+
+def test_cpu_links_come_from_the_runs_own_limits(tmp_path):
+    """Slowing a run's recorded gloo-flat (paired with the collective's steps) slows that
+    collective row's prediction by as much, and its memcpy-parallel the shm-buckets row's;
+    the preset rows of the same cases do not move."""
+    doc = _cpu_1gib()
+    before = calibrate.run(("cpu",), results=_write(tmp_path / "a", *CPU_RUN, doc))
+    slow = copy.deepcopy(doc)
+    col = _rec(slow, "collective", 1)
+    col["paired"]["warm_median_s"] *= 2
+    for r in slow["results"]:
+        if r["method"] == "memcpy-parallel":
+            r["warm_median_s"] *= 2
+    after = calibrate.run(("cpu",), results=_write(tmp_path / "b", *CPU_RUN, slow))
+
+    case = "CPU synthetic-1GiB collective R=1 (12-03)"
+    b, a = _find(before["rows"], case), _find(after["rows"], case)
+    assert b["links"] == "run" and "gloo-flat, paired" in b["links_from"]
+    # the broadcast stream is its bottleneck: twice the raw broadcast's time, ~twice the sync
+    assert "broadcast stream" in b["limited_by"]
+    assert a["predicted_s"] == pytest.approx(2 * b["predicted_s"], rel=0.1)
+    gbps = col["bytes"] / _rec(doc, "collective", 1)["paired"]["warm_median_s"] / 1e9
+    assert f"collective {gbps:.3g} GB/s" in b["links_from"]
+
+    case = "CPU synthetic-1GiB shm-buckets R=2 (12-03)"
+    b, a = _find(before["rows"], case), _find(after["rows"], case)
+    assert "host_mem" in b["limited_by"] and "memcpy-parallel" in b["links_from"]
+    assert a["predicted_s"] > 1.5 * b["predicted_s"]
+
+    for case in ("CPU synthetic-1GiB collective R=1 (12-03)",
+                 "CPU synthetic-1GiB shm-buckets R=2 (12-03)"):
+        pb, pa = _find(before["preset_rows"], case), _find(after["preset_rows"], case)
+        assert pb["links"] == "preset" and pb["predicted_s"] == pa["predicted_s"]
+
+
+def test_nixl_link_comes_from_the_paired_raw_read(tmp_path):
+    """The nixl row's cross-process link is the raw READ the bench paired with its steps:
+    a slower paired READ gives a slower prediction; the standalone READ is not used."""
+    doc = _recorded(*NIXL_RUN)
+    before = calibrate.run(("nixl",), results=_write(tmp_path / "a", *NIXL_RUN, doc))
+    slow = copy.deepcopy(doc)
+    _rec(slow, "nixl", 1)["paired"]["warm_median_s"] *= 3
+    after = calibrate.run(("nixl",), results=_write(tmp_path / "b", *NIXL_RUN, slow))
+    other = copy.deepcopy(doc)
+    _rec(other, "nixl-raw", 1)["warm_median_s"] *= 3
+    same = calibrate.run(("nixl",), results=_write(tmp_path / "c", *NIXL_RUN, other))
+    (b,), (a,), (s,) = before["rows"], after["rows"], same["rows"]
+    assert "nixl-raw, paired" in b["links_from"] and "intra_in" in b["limited_by"]
+    assert a["predicted_s"] > 2 * b["predicted_s"]
+    assert s["predicted_s"] == b["predicted_s"]
+
+
+def test_preset_rows_are_printed_but_not_counted(tmp_path):
+    """Each case with recorded limits has one counted row (its run's links) and one
+    preset row apart; the count and the tally are over the counted rows only. A run that
+    recorded no limit is predicted with the preset, and that row is counted."""
+    doc = _cpu_1gib()
+    res = calibrate.run(("cpu",), results=_write(tmp_path / "a", *CPU_RUN, doc))
+    assert res["rows"] and len(res["rows"]) == len(res["preset_rows"]) == res["cases"]
+    assert all(r["links"] == "run" for r in res["rows"])
+    assert all(r["links"] == "preset" for r in res["preset_rows"])
+    assert res["within_goal"] == sum(r["within_goal"] for r in res["rows"])
+    assert res["preset_within_goal"] == sum(r["within_goal"] for r in res["preset_rows"])
+    assert {r["case"] for r in res["rows"]} == {r["case"] for r in res["preset_rows"]}
+    for r in res["rows"] + res["preset_rows"]:
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        assert r["within_goal"] == (abs(r["error"]) <= calibrate.GOAL)
+
+    md = calibrate.format_markdown(res)
+    head, _, preset = md.partition("Preset vs this run's box")
+    assert preset, md
+    assert f"{res['within_goal']} of {res['cases']} cases within" in head
+    assert head.count("| preset cpu-2core |") == 0
+    assert preset.count("| preset cpu-2core |") == len(res["preset_rows"])
+    assert "preset vs this run's box" in calibrate.format_text(res)
+
+    bare = copy.deepcopy(doc)
+    limits = {lim.method for lim in calibrate.RUN_LIMITS}
+    bare["results"] = [r for r in bare["results"] if r["method"] not in limits]
+    for r in bare["results"]:
+        r["paired"] = None
+    res = calibrate.run(("cpu",), results=_write(tmp_path / "b", *CPU_RUN, bare))
+    assert res["rows"] and not res["preset_rows"]
+    assert all(r["links"] == "preset" and "recorded no limit" in r["links_from"]
+               for r in res["rows"])
+
+
+def test_run_links_rules():
+    """Paired limit first, else the same receiver count; host_mem is the most any receiver
+    count of the run reached (R copiers x bytes / s); gloo-flat counts each receiver's copy."""
+    gb = 10 ** 9
+    rec = {"method": "shm", "receivers": 2, "bytes": gb,
+           "paired": {"method": "memcpy", "warm_median_s": 0.2}}
+    limits = {"memcpy": [{"receivers": 2, "bytes": gb, "warm_median_s": 0.1}],
+              "memcpy-parallel": [{"receivers": 1, "bytes": gb, "warm_median_s": 0.1},
+                                  {"receivers": 2, "bytes": gb, "warm_median_s": 0.25},
+                                  {"receivers": 4, "bytes": gb, "warm_median_s": 0.2}],
+              "gloo-flat": [{"receivers": 1, "bytes": gb, "warm_median_s": 0.1},
+                            {"receivers": 2, "bytes": gb, "warm_median_s": 0.5}]}
+    sets, where = calibrate.run_links(rec, limits)
+    assert sets == pytest.approx({"links.device_mem.GBps": 5.0,     # the paired memcpy
+                                  "links.host_mem.GBps": 20.0,      # 4 x 1 GB in 0.2 s
+                                  "collective.GBps": 4.0})          # 2 x 1 GB in 0.5 s
+    assert where["links.device_mem.GBps"] == "memcpy, paired"
+    assert where["links.host_mem.GBps"] == "memcpy-parallel, own run, R=4"
+    assert calibrate.run_links({**rec, "paired": None}, {}) == ({}, {})
+    bad = {"memcpy": [{"receivers": 2, "bytes": gb, "warm_median_s": 0}]}
+    with pytest.raises(PlannerError, match="warm_median_s"):
+        calibrate.run_links({**rec, "paired": None}, bad)
+    with pytest.raises(PlannerError, match="unknown group"):
+        calibrate.run(("gpu",))
