@@ -1,11 +1,13 @@
-"""nixl backend on one GPU: two processes, VRAM -> VRAM, against a raw NIXL READ of one flat
-registered region of the same bytes and one device copy, in the same run.
+"""nixl backend, two processes, VRAM -> VRAM, against a raw NIXL READ of one flat
+registered region of the same bytes and one copy (device to device, or GPU to GPU with
+``--devices 0,1``), in the same run.
 
-    python benchmarks/nixl_gpu.py --gib 1 --warm 5 --out DIR
+    python benchmarks/nixl_gpu.py --gib 1 --warm 5 --out DIR [--devices 0,1]
 
-Prints one JSON line per case and writes DIR/nixl_gpu.json. Also checks the bytes. On a
-machine with one GPU UCX cannot use cuda_ipc between two processes on the same device
-(NOTES.md), so this measures what NIXL does there, not NVLink.
+Prints one JSON line and writes DIR/nixl_gpu.json. Also checks the bytes. ``--devices
+T,R``: the trainer on GPU T, the receiver on GPU R (default 0,0). On one GPU UCX cannot
+use cuda_ipc between two processes on the same device (NOTES.md), so that measures what
+NIXL does there, not NVLink; two GPUs show NIXL's GPU-to-GPU path.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def tensors(nbytes: int, seed: int, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def role_main(role: str, nbytes: int, warm: int, conn) -> None:
+def role_main(role: str, nbytes: int, warm: int, conn, dev: int = 0) -> None:
+    torch.cuda.set_device(dev)
     cls = CheckpointEngineRegistry.get("nixl")
     eng = cls(role=role, device="cuda", bucket_size=256 * MiB, timeout=120)
     conn.send(eng.prepare())
@@ -68,7 +71,8 @@ def role_main(role: str, nbytes: int, warm: int, conn) -> None:
     eng.finalize()
 
 
-def raw_main(role: str, nbytes: int, warm: int, conn) -> None:
+def raw_main(role: str, nbytes: int, warm: int, conn, dev: int = 0) -> None:
+    torch.cuda.set_device(dev)
     from weightsync.transport.backends.nixl.agent import NixlAgent, wait_all
     agent = NixlAgent(f"raw-{role}")
     buf = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
@@ -91,12 +95,12 @@ def raw_main(role: str, nbytes: int, warm: int, conn) -> None:
     agent.close()
 
 
-def run_pair(target, nbytes: int, warm: int, topo: bool) -> list:
+def run_pair(target, nbytes: int, warm: int, topo: bool, devs=(0, 0)) -> list:
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
-    for role in ("trainer", "rollout"):
+    for role, dev in zip(("trainer", "rollout"), devs):
         a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=target, args=(role, nbytes, warm, b)))
+        procs.append(ctx.Process(target=target, args=(role, nbytes, warm, b, dev)))
         pipes.append(a)
     for p in procs:
         p.start()
@@ -122,15 +126,17 @@ def run_pair(target, nbytes: int, warm: int, topo: bool) -> list:
     return out
 
 
-def device_copy(nbytes: int, warm: int) -> list:
-    a = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
+def device_copy(nbytes: int, warm: int, devs=(0, 0)) -> list:
+    a = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{devs[0]}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{devs[1]}")
     times = []
     for _ in range(1 + warm):
-        torch.cuda.synchronize()
+        for d in set(devs):
+            torch.cuda.synchronize(d)
         t0 = time.perf_counter()
         b.copy_(a)
-        torch.cuda.synchronize()
+        for d in set(devs):
+            torch.cuda.synchronize(d)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -140,15 +146,17 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--devices", default="0,0", help="trainer GPU, receiver GPU")
     args = ap.parse_args()
+    devs = tuple(int(x) for x in args.devices.split(","))
     nbytes = int(args.gib * (1 << 30))
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    res = {"bytes": nbytes, "ucx_tls": os.environ.get("UCX_TLS", "auto")}
-    copy = device_copy(nbytes, args.warm)
+    res = {"bytes": nbytes, "ucx_tls": os.environ.get("UCX_TLS", "auto"), "devices": devs}
+    copy = device_copy(nbytes, args.warm, devs)
     res["device_copy_s"] = med(copy[1:])
-    raw = run_pair(raw_main, nbytes, args.warm, topo=False)[1]["times"]
+    raw = run_pair(raw_main, nbytes, args.warm, topo=False, devs=devs)[1]["times"]
     res["raw_read_cold_s"], res["raw_read_warm_s"] = raw[0], med(raw[1:])
-    tr, rx = run_pair(role_main, nbytes, args.warm, topo=True)
+    tr, rx = run_pair(role_main, nbytes, args.warm, topo=True, devs=devs)
     res["nixl_cold_s"], res["nixl_warm_s"] = rx["times"][0], med(rx["times"][1:])
     res["trainer_warm_s"], res["bytes_ok"] = med(tr["times"][1:]), rx["ok"]
     res["nixl_vs_raw"] = res["raw_read_warm_s"] / res["nixl_warm_s"]
