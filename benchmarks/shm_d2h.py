@@ -7,8 +7,14 @@ Measures in one run, on a synthetic bf16 model of Llama-3-8B layer shapes
 (b) ``shm`` syncs from CUDA tensors of the trainer into a CPU receiver that lands them
     with ``receive_into`` (the README's consumer, torch's default threads), warm median of
     ``--warm``, with the ring registered as pinned memory (``WEIGHTSYNC_SHM_PIN=1``) and
-    without (``0``); every sync is checked (per-tensor sums).
-Usage: ``python benchmarks/shm_d2h.py --out DIR [--layers 8 --bucket-mb 512 --warm 5]``.
+    without (``0``); every sync is checked (per-tensor sums);
+(c) where the time goes (``--consumers into,views``): the same syncs consumed with
+    ``receive_weights`` and no copy (each tensor a view of the ring, dropped: what the
+    trainer and the protocol cost alone, the receiver's landing copy left out), and the
+    receiver host's own copy rate of the model's bytes (one ``copy_`` of a pageable buffer,
+    torch's default threads): the limit of the landing copy.
+Usage: ``python benchmarks/shm_d2h.py --out DIR [--layers 8 --bucket-mb 512 --warm 5
+--consumers into,views --pins 1,0]``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,16 @@ def worker(role, args, conn):
                   for n, s in model_shapes(args["layers"], args["scale"])}
         nbytes = sum(p.numel() * 2 for p in params.values())
         out = {"bytes": nbytes}
+        if role == "rollout":
+            src = torch.ones(nbytes, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                times.append((time.perf_counter() - t0) * 1e3)
+            out.update(host_copy_ms=statistics.median(times[1:]), threads=torch.get_num_threads())
+            del src, dst
         if role == "trainer" and not cuda:
             out.update(d2h_pinned_ms=1.0, d2h_pageable_ms=1.0)
         elif role == "trainer":
@@ -89,12 +105,21 @@ def worker(role, args, conn):
                     conn.send({"ms": (time.perf_counter() - start) * 1e3, "sums": want})
                 else:
                     conn.send({"ready": True})
+                    views = cmd.get("consumer") == "views"
+                    sums = {}
 
                     async def recv():
+                        if views:       # no landing copy: each view dropped, names counted
+                            async for name, t in engine.receive_weights(version=step):
+                                sums[name] = None
+                            return
                         async for _ in engine.receive_into(params, version=step):
                             pass
+                    start = time.perf_counter()
                     asyncio.run(recv())
-                    conn.send({"sums": _sums(params)})
+                    ms = (time.perf_counter() - start) * 1e3
+                    conn.send({"sums": None if views else _sums(params), "ms": ms,
+                               "names": len(sums) if views else len(params)})
             elif cmd["op"] == "close":
                 engine.finalize()
                 conn.send({})
@@ -109,6 +134,9 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--scale", type=int, default=1, help="divide every dimension")
+    ap.add_argument("--consumers", default="into", help="into (receive_into), views "
+                    "(receive_weights, no copy); comma-separated")
+    ap.add_argument("--pins", default="1,0", help="WEIGHTSYNC_SHM_PIN values to run")
     args = vars(ap.parse_args())
     os.makedirs(args["out"], exist_ok=True)
     from weightsync.transport.base import worker_kwargs
@@ -130,7 +158,8 @@ def main():
         return msg
     res = {"args": args, "trainer": get("trainer"), "rollout": get("rollout"), "runs": []}
     import torch
-    for pin in ("1", "0") if torch.cuda.is_available() else ("0",):
+    pins = args["pins"].split(",") if torch.cuda.is_available() else ["0"]
+    for pin, consumer in [(p, c) for p in pins for c in args["consumers"].split(",")]:
         for r in conns:
             conns[r].send({"op": "engine", "pin": pin})
         metas = [get("trainer")["meta"], get("rollout")["meta"]]
@@ -139,32 +168,39 @@ def main():
         conns["rollout"].send(worker_kwargs(rk, 0))
         pinned = get("trainer")["pinned"]
         get("rollout")
-        ms, ok = [], True
+        ms, rx_ms, ok = [], [], True
         for step in range(args["warm"] + 1):
             conns["trainer"].send({"op": "sync", "step": step})
             get("trainer")
-            conns["rollout"].send({"op": "sync", "step": step})
+            conns["rollout"].send({"op": "sync", "step": step, "consumer": consumer})
             get("rollout")
             t = get("trainer")
             r = get("rollout")
             ms.append(t["ms"])
-            ok = ok and t["sums"] == r["sums"]
+            rx_ms.append(r["ms"])
+            ok = ok and (t["sums"] == r["sums"] if consumer == "into" else
+                         r["names"] == len(t["sums"]))
         for r in conns:
             conns[r].send({"op": "close"})
             get(r)
-        run = {"pin": pin, "pinned_segments": pinned, "cold_ms": ms[0], "warm_ms": ms[1:],
-               "median_ms": statistics.median(ms[1:]), "all_ok": ok}
+        run = {"pin": pin, "consumer": consumer, "pinned_segments": pinned, "cold_ms": ms[0],
+               "warm_ms": ms[1:], "median_ms": statistics.median(ms[1:]),
+               "receiver_median_ms": statistics.median(rx_ms[1:]), "all_ok": ok}
         res["runs"].append(run)
         print(json.dumps(run), flush=True)
     for r in conns:
         conns[r].send({"op": "quit"})
     t = res["trainer"]
     gb = t["bytes"] / 1e9
+    rx = res["rollout"]
     print(f"model {gb:.2f} GB bf16, bucket {args['bucket_mb']} MiB; D2H pinned "
           f"{t['d2h_pinned_ms']:.1f} ms ({gb / t['d2h_pinned_ms'] * 1e3:.1f} GB/s), pageable "
-          f"{t['d2h_pageable_ms']:.1f} ms ({gb / t['d2h_pageable_ms'] * 1e3:.1f} GB/s)")
+          f"{t['d2h_pageable_ms']:.1f} ms ({gb / t['d2h_pageable_ms'] * 1e3:.1f} GB/s); "
+          f"receiver host copy {rx['host_copy_ms']:.1f} ms "
+          f"({gb / rx['host_copy_ms'] * 1e3:.1f} GB/s, {rx['threads']} threads)")
     for run in res["runs"]:
-        print(f"shm WEIGHTSYNC_SHM_PIN={run['pin']} ({run['pinned_segments']} segments pinned): "
+        print(f"shm WEIGHTSYNC_SHM_PIN={run['pin']} {run['consumer']} "
+              f"({run['pinned_segments']} segments pinned): "
               f"warm {run['median_ms']:.1f} ms ({gb / run['median_ms'] * 1e3:.1f} GB/s) = "
               f"{t['d2h_pinned_ms'] / run['median_ms']:.2f} x the pinned D2H; checks "
               f"{'ok' if run['all_ok'] else 'MISMATCH'}")
