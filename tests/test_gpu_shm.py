@@ -115,3 +115,30 @@ def test_big_bucket_copies_split_over_the_copy_threads_land_exactly(monkeypatch,
     finally:
         for e in ts + rs:
             e.finalize()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cores, receivers, want", [(16, 1, 16), (16, 2, 8), (64, 1, 16),
+                                                    (2, 1, 2), (16, 3, 5)])
+def test_receivers_size_their_copy_threads_from_the_hosts_cores(monkeypatch, cores, receivers,
+                                                                 want):
+    """Unless WEIGHTSYNC_COPY_THREADS is set, a receiver copies on the host's cores shared by
+    the receivers (at most 16): the landing copy set the pace of a GPU trainer over shm at
+    4 threads on a 16-core host (BENCHMARKS.md). Set, the variable wins."""
+    import os
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.delenv("WEIGHTSYNC_COPY_THREADS", raising=False)
+    ts, rs = _group(receivers=receivers)
+    try:
+        assert [r._copy_threads for r in rs] == [want] * receivers
+        assert all(r._split == (want >= 3) for r in rs)
+    finally:
+        for e in ts + rs:
+            e.finalize()
+    monkeypatch.setenv("WEIGHTSYNC_COPY_THREADS", "3")
+    ts, rs = _group(receivers=1)
+    try:
+        assert rs[0]._copy_threads == 3
+    finally:
+        for e in ts + rs:
+            e.finalize()

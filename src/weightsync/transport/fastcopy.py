@@ -91,8 +91,14 @@ _STEP = 64 << 20
 SPLIT_MIN = 8 << 20
 
 
-def copy_threads() -> int:
-    """Threads one big cross-memory read is split over (``WEIGHTSYNC_COPY_THREADS``)."""
+#: at most this many copy threads per receiver when they are sized from the host's cores
+AUTO_MAX_THREADS = 16
+
+
+def copy_threads(sharers: int | None = None) -> int:
+    """Threads one big copy or cross-memory read is split over: ``WEIGHTSYNC_COPY_THREADS``
+    when set; else, given ``sharers`` (the receivers that copy on this host at once), the
+    host's cores shared among them, at most :data:`AUTO_MAX_THREADS`; else min(4, cores)."""
     raw = os.environ.get("WEIGHTSYNC_COPY_THREADS", "")
     if raw.strip():
         try:
@@ -102,7 +108,10 @@ def copy_threads() -> int:
         if not 1 <= n <= 64:
             raise ValueError(f"WEIGHTSYNC_COPY_THREADS must be in [1, 64], got {n}")
         return n
-    return max(1, min(4, os.cpu_count() or 1))
+    cores = os.cpu_count() or 1
+    if sharers is not None:
+        return max(1, min(AUTO_MAX_THREADS, cores // max(1, int(sharers))))
+    return max(1, min(4, cores))
 
 
 def _read_range(pid: int, remote: int, local: int, total: int) -> None:

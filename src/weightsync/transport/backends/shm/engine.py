@@ -189,7 +189,9 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                     ok = False
             link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
                                     num_slots=msg.num_slots, segments=("cma",) if ok else ()))
-            n = self._copy_threads   # split bucket copies while every receiver has the cores
+            # split bucket copies while every receiver has the cores: unless set, the copy
+            # threads are this host's cores shared by the receivers (all on this host)
+            self._copy_threads = n = copy_threads(max(1, self._num_receivers))
             self._split = n >= _SPLIT_MIN_THREADS and \
                 n * max(1, self._num_receivers) <= (os.cpu_count() or 1)
             if (ok or self._split) and self._copy_pool is None and n > 1:
