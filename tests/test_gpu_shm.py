@@ -142,3 +142,34 @@ def test_receivers_size_their_copy_threads_from_the_hosts_cores(monkeypatch, cor
     finally:
         for e in ts + rs:
             e.finalize()
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_bigger_than_a_bucket_is_assembled_in_the_same_buffer_every_sync(monkeypatch):
+    """receive_weights without into: a chunked tensor lands in the buffer of the sync before
+    (no fresh memory each sync: a CPU receiver paid page faults for every big embedding),
+    with the new version's bytes; a changed shape gets a new buffer; finalize drops them."""
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "0")
+    ts, rs = _group(bucket_size=1 << 20)
+    got = []
+    try:
+        for version, n in ((1, 700_001), (2, 700_001), (3, 600_000)):
+            big = torch.arange(n, dtype=torch.int32) * version      # 2.7 MiB: 3 buckets
+
+            async def main():
+                seen = {}
+
+                async def recv():
+                    async for name, t in rs[0].receive_weights(version=version):
+                        seen[name] = (t, t.clone())
+                await asyncio.gather(ts[0].send_weights([("big", big)], version=version),
+                                     recv())
+                return seen
+            seen = asyncio.run(main())
+            assert torch.equal(seen["big"][1], big)
+            got.append(seen["big"][0])
+        assert got[1] is got[0] and got[2] is not got[1]
+    finally:
+        for e in ts + rs:
+            e.finalize()
+    assert "_rx_staging" not in rs[0].__dict__

@@ -359,8 +359,7 @@ class ReceiverMixin:
                               dest.reshape(1).view(torch.uint8), view)
                     return meta.name, dest
                 return meta.name, view.view(dtype).view(meta.shape)
-            staging = dest if dest is not None else torch.empty(meta.shape, dtype=dtype,
-                                                                device=buf.device)
+            staging = dest if dest is not None else self._staging_for(meta, dtype, buf.device)
             state.partial[meta.name] = (stream, staging)
         owner, staging = state.partial.get(meta.name, (None, None))
         if owner != stream:
@@ -378,6 +377,20 @@ class ReceiverMixin:
         state.tensors += 1
         state.nbytes += meta.total_nbytes
         return meta.name, staging
+
+    def _staging_for(self, meta: TensorMeta, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+        """Where a tensor bigger than a bucket is assembled when the caller gave none: the
+        same buffer as last sync's for this name (kept between syncs, as the buckets are),
+        so no sync pays for fresh memory (page faults on a CPU receiver: an embedding of
+        1 GB each time). Yielded, it is valid until the next sync, as bucket views are until
+        the next tensor."""
+        cache = self.__dict__.setdefault("_rx_staging", {})
+        t = cache.get(meta.name)
+        if t is None or tuple(t.shape) != tuple(meta.shape) or t.dtype != dtype \
+                or t.device != device:
+            cache[meta.name] = t = torch.empty(meta.shape, dtype=dtype, device=device)
+        return t
 
     def _land(self, dest: torch.Tensor, buf: torch.Tensor, offset: int, nbytes: int) -> None:
         """Hook: ``nbytes`` at ``offset`` of a CPU bucket into the caller's CPU tensor."""

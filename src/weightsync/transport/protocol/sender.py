@@ -310,6 +310,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         self._tx_plan = []
         self._tx_replay = None
         self._rx_plans = {}
+        self.__dict__.pop("_rx_staging", None)
         if self._ownership is not None:
             self._ownership.reset()
 
@@ -324,7 +325,9 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         return await asyncio.wrap_future(worker.submit(fn, *args))
 
     def _stop_threads(self) -> None:
-        """Teardown: end this engine's own thread (a call still waiting ends first)."""
+        """Teardown: end this engine's own thread (a call still waiting ends first); drop
+        the receiver's kept staging buffers."""
+        self.__dict__.pop("_rx_staging", None)
         worker = self.__dict__.pop("_tx_worker", None)
         if worker is not None:
             worker.close(self.config.timeout + 5)
