@@ -493,3 +493,28 @@ def test_every_preset_file_is_package_data():
     assert files
     missing = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert not missing, missing
+
+
+def test_a_hosts_cores_price_copies_and_a_cpu_bound_broadcast():
+    """On a host links file with ``cores``, a gloo broadcast costs every core for as long as
+    the raw broadcast of its bytes took, and each copy costs one core its bytes at the
+    copy rate: on 2 cores a 1 -> 1 collective is bytes / gloo + (pack + unpack) / 2, not the
+    wire alone; more cores give that back; cores on a GPU links file are refused."""
+    # 4 MiB tensors: below the collective's direct size, so each is packed and unpacked
+    model = model_from_tensors("small", [(f"l{i}.w", (1024, 2048)) for i in range(128)])
+
+    def secs(**sets):
+        links = load_links("cpu-2core", {**{"links.device_mem.GBps": 10.0,
+                                            "collective.GBps": 4.0}, **sets})
+        p = predict(Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
+                             strategies=("broadcast",)))
+        return p.results["broadcast"]
+    two = secs()
+    nbytes = 128 * 1024 * 2048 * 2
+    assert "cores" in two.bottleneck.limit
+    assert two.bottleneck.limit_seconds == pytest.approx(nbytes / 4e9 + nbytes / 10e9, rel=0.02)
+    many = secs(cores=64)
+    assert "cores" not in many.bottleneck.limit
+    assert many.bottleneck.limit_seconds < 0.85 * two.bottleneck.limit_seconds
+    with pytest.raises(PlannerError, match="links.cores"):
+        load_links("h100-8gpu-400g", {"cores": 2})

@@ -68,9 +68,10 @@ def test_cpu_links_come_from_the_runs_own_limits(tmp_path):
     case = "CPU synthetic-1GiB collective R=1 (12-03)"
     b, a = _find(before["rows"], case), _find(after["rows"], case)
     assert b["links"] == "run" and "gloo-flat, paired" in b["links_from"]
-    # the broadcast stream is its bottleneck: twice the raw broadcast's time, ~twice the sync
-    assert "broadcast stream" in b["limited_by"]
-    assert a["predicted_s"] == pytest.approx(2 * b["predicted_s"], rel=0.1)
+    # the gloo broadcast sets its pace (the stream, or the cores it keeps busy): twice the
+    # raw broadcast's time, nearly twice the sync (the copies on the cores do not double)
+    assert "broadcast stream" in b["limited_by"] or "cores" in b["limited_by"]
+    assert 1.6 * b["predicted_s"] < a["predicted_s"] < 2.1 * b["predicted_s"]
     gbps = col["bytes"] / _rec(doc, "collective", 1)["paired"]["warm_median_s"] / 1e9
     assert f"collective {gbps:.3g} GB/s" in b["links_from"]
 

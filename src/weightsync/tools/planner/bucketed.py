@@ -136,6 +136,11 @@ def _wire(loads: Loads, sc: Scenario, pl: Placement, strategy: str, src, nbytes:
         loads.put("stream", pl.name(src), nbytes * len(recv))
         if pl.host:
             loads.put("host_mem", src[0], 2 * nbytes * len(recv))
+            if links.cores and links.collective_cap:
+                # the raw broadcast that measured the cap kept every core busy (TCP over
+                # loopback: a kernel copy on each side): its bytes cost the cores that long
+                copy = links.link("device_mem").rate
+                loads.cpu(src[0], nbytes * len(recv) * links.cores * copy / links.collective_cap)
         return links.link("intra").latency * len(recv)
     by_node: dict[int, list] = defaultdict(list)
     for dev in recv:

@@ -57,11 +57,19 @@ class Loads:
 
     # -- what moves -----------------------------------------------------------------------
     def copy(self, dev: Device, nbytes: float) -> None:
-        """``dev`` copies ``nbytes`` in its own memory (through host memory on a host)."""
+        """``dev`` copies ``nbytes`` in its own memory (through host memory on a host, and
+        on its cores where the links give them)."""
         if nbytes:
             self.bytes[("device_mem", dev)] += nbytes
             if self.p.host:
                 self.bytes[("host_mem", dev[0])] += nbytes
+                self.cpu(dev[0], nbytes)
+
+    def cpu(self, node: int, nbytes: float) -> None:
+        """Work for a host's shared cores, in bytes of one core's copy (``device_mem``):
+        the resource ``cores`` runs ``cores x`` that rate. Nothing where no cores are given."""
+        if nbytes and self.p.node_links[node].cores:
+            self.bytes[("cores", node)] += nbytes
 
     def move(self, src: Device, dst: Device, nbytes: float) -> None:
         """``nbytes`` from ``src``'s memory into ``dst``'s (a READ, a send)."""
@@ -97,6 +105,9 @@ class Loads:
     def rate(self, kind: str, where: Any) -> float:
         if kind == "stream":
             return self.stream_cap or float("inf")
+        if kind == "cores":
+            links = self.p.node_links[where]
+            return links.cores * links.link("device_mem").rate
         node = where if kind == "host_mem" else where[0]
         key = (kind, node)
         if key not in self._rates:
@@ -108,6 +119,9 @@ class Loads:
             return f"broadcast stream of {where}"
         if kind == "host_mem":
             return f"host_mem node {where}"
+        if kind == "cores":
+            return f"the {self.p.node_links[where].cores} cores of node {where} (bytes of " \
+                   "one-core copies)"
         return f"{kind} {self.p.name(where)} ({self.p.who(where)})"
 
     def times(self) -> dict[tuple[str, Any], float]:

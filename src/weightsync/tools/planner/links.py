@@ -4,7 +4,9 @@ Owns :class:`Links` (parsed and checked) and :func:`load_links` (a preset name, 
 YAML/JSON file). A links file describes one kind of node:
 
 * ``device``: ``gpu`` (devices are GPUs) or ``host`` (devices are processes on one host,
-  as on this CPU box); ``gpus_per_node``; ``max_nodes`` (``null``: any);
+  as on this CPU box); ``gpus_per_node``; ``max_nodes`` (``null``: any); on a host,
+  optionally ``cores``: the processes share that many cores, so their copies and a
+  CPU-bound collective (gloo) are also priced as work on them;
 * ``links``: ``nic`` (per device, each direction: what crosses nodes), ``intra`` (per
   device, each direction, within a node: NVLink, PCIe, or cross-memory reads between
   processes), ``device_mem`` (per device: bytes *copied* per second, e.g. HBM) and
@@ -78,6 +80,7 @@ class Links:
     direct_rate: Optional[float]           # bytes/s of all direct reads of a host, or None
     software: Mapping[str, float]          # seconds
     max_nodes: Optional[int] = None
+    cores: Optional[int] = None            # a host's cores shared by its processes
     description: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
@@ -157,6 +160,13 @@ def parse_links(doc: Any, name: str = "links") -> Links:
     max_nodes = doc.get("max_nodes")
     if max_nodes is not None:
         max_nodes = int(_num(doc, "max_nodes", "links", positive=True))
+    cores = doc.get("cores")
+    if cores is not None:
+        cores = _num(doc, "cores", "links", positive=True)
+        if cores != int(cores) or device != "host":
+            raise PlannerError("links.cores", f"a whole number, on a host links file only; "
+                                              f"got {cores} on {device}")
+        cores = int(cores)
     return Links(name=str(doc.get("name", name)), device=device, gpus_per_node=int(gpn),
                  links=links, collective_algo=algo, collective_cap=cap,
                  direct_min_bytes=int(_num(ring, "direct_min_bytes", "links.ring", default=0)),
@@ -164,7 +174,7 @@ def parse_links(doc: Any, name: str = "links") -> Links:
                                                default=0)),
                  direct_rate=(_num(ring, "direct_GBps", "links.ring", positive=True) * 1e9
                               if ring.get("direct_min_bytes") else None),
-                 software=software, max_nodes=max_nodes,
+                 software=software, max_nodes=max_nodes, cores=cores,
                  description=str(doc.get("description", "")), raw=dict(doc))
 
 
