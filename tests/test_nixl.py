@@ -110,16 +110,28 @@ def test_ranks_that_disagree_on_a_shape_are_a_plan_mismatch_before_any_read():
 # -- FSDP2 shards, served without a gather ----------------------------------------------------
 
 def _fsdp_trainer(rank, port, conn):
+    _sharded_trainer(rank, port, conn, None)
+
+
+def _sharded_trainer(rank, port, conn, placements):
+    """Two trainer ranks on a 1-D mesh syncing DTensors for two steps: ``Shard(0)`` (FSDP2)
+    when ``placements`` is None, else per name ``Shard(dim)`` or, for None, ``Replicate``;
+    sends each step's result (and, with ``placements``, what was logged as gathered)."""
     import asyncio
     import datetime
+    import logging
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
+    gathered = []
+    handler = logging.Handler()
+    handler.emit = lambda record: gathered.append(record.getMessage())
+    logging.getLogger("weightsync.transport.backends.nixl.layout").addHandler(handler)
     mesh = init_device_mesh("cpu", (2,))
     engine = CheckpointEngineRegistry.new("nixl", role="trainer", bucket_size=BUCKET, timeout=20)
     conn.send(engine.prepare())
@@ -127,9 +139,12 @@ def _fsdp_trainer(rank, port, conn):
     out = []
     for step in range(2):
         full = _fsdp_tensors(step)
-        shards = [(n, distribute_tensor(t, mesh, [Shard(0)])) for n, t in full.items()]
+        dims = placements or {n: 0 for n in full}
+        shards = [(n, distribute_tensor(t, mesh, [Replicate() if dims[n] is None
+                                                  else Shard(dims[n])]))
+                  for n, t in full.items()]
         out.append(asyncio.run(engine.send_weights(iter(shards), step)))
-    conn.send(out)
+    conn.send(out if placements is None else {"steps": out, "gathered": gathered})
     engine.finalize()
     dist.destroy_process_group()
 
@@ -349,35 +364,7 @@ _TP_PLACEMENTS = {"embed": 0, "q": 0, "odd": 1, "bias": None, "big": 1}
 def _tp_trainer(rank, port, conn):
     """Two tensor-parallel trainer ranks: column-parallel shards (dim 0), row-parallel ones
     (dim 1, one uneven), a replicated bias; served as they are, nothing gathered."""
-    import asyncio
-    import datetime
-    import logging
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    gathered = []
-    handler = logging.Handler()
-    handler.emit = lambda record: gathered.append(record.getMessage())
-    logging.getLogger("weightsync.transport.backends.nixl.layout").addHandler(handler)
-    mesh = init_device_mesh("cpu", (2,))
-    engine = CheckpointEngineRegistry.new("nixl", role="trainer", bucket_size=BUCKET, timeout=20)
-    conn.send(engine.prepare())
-    engine.init_process_group(**conn.recv())
-    out = []
-    for step in range(2):
-        full = _fsdp_tensors(step)
-        shards = [(n, distribute_tensor(t, mesh, [Replicate() if _TP_PLACEMENTS[n] is None
-                                                  else Shard(_TP_PLACEMENTS[n])]))
-                  for n, t in full.items()]
-        out.append(asyncio.run(engine.send_weights(iter(shards), step)))
-    conn.send({"steps": out, "gathered": gathered})
-    engine.finalize()
-    dist.destroy_process_group()
+    _sharded_trainer(rank, port, conn, _TP_PLACEMENTS)
 
 
 @pytest.mark.timeout(200)

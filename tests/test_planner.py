@@ -285,9 +285,21 @@ def test_bucketed_strategies_use_build_plan(monkeypatch, moe_dir):
     assert p.results["broadcast"].dest_reads == [seen[0][0]]
 
 
+def _dest_layout(pts, g, name):
+    """Worker ``g``'s wants of every tensor, each in a buffer of its own."""
+    wants = []
+    for pt in pts:
+        off = 0
+        for box in pt.boxes[g]:
+            wants.append(Want(name=pt.name, dtype=pt.dst_dtype, box=box, dest=pt.name,
+                              offset=off))
+            off += math.prod(b - a for a, b in box) * itemsize(pt.dst_dtype)
+    return DestLayout(worker=name, wants=tuple(wants))
+
+
 def _whole_model_pairs(pts, world, workers):
     """One compile_plan of every tensor at once (own region / buffer per tensor)."""
-    sources, dests = [], []
+    sources = []
     for r in range(world):
         held = []
         for pt in pts:
@@ -297,15 +309,7 @@ def _whole_model_pairs(pts, world, workers):
                 held.append(HeldRange(name=pt.name, shape=pt.shape, dtype=pt.src_dtype,
                                       start=a * per, stop=b * per, region=pt.name, offset=0))
         sources.append(SourceLayout(rank=r, held=tuple(held)))
-    for g in range(workers):
-        wants = []
-        for pt in pts:
-            off = 0
-            for box in pt.boxes[g]:
-                wants.append(Want(name=pt.name, dtype=pt.dst_dtype, box=box, dest=pt.name,
-                                  offset=off))
-                off += math.prod(b - a for a, b in box) * itemsize(pt.dst_dtype)
-        dests.append(DestLayout(worker=f"g{g}", wants=tuple(wants)))
+    dests = [_dest_layout(pts, g, f"g{g}") for g in range(workers)]
     whole = compile_plan(sources, dests)
     nb, nr = np.zeros((world, workers)), np.zeros((world, workers))
     for rd in whole.reads:
@@ -344,18 +348,8 @@ def _whole_model_boxes(pts, world, workers, shard, replicas=1):
                 off += math.prod(b - a for a, b in box) * itemsize(pt.src_dtype)
         if held:
             sources.append(SourceLayout(rank=r, held=tuple(held)))
-
-    def dest(g, name):
-        wants = []
-        for pt in pts:
-            off = 0
-            for box in pt.boxes[g]:
-                wants.append(Want(name=pt.name, dtype=pt.dst_dtype, box=box, dest=pt.name,
-                                  offset=off))
-                off += math.prod(b - a for a, b in box) * itemsize(pt.dst_dtype)
-        return DestLayout(worker=name, wants=tuple(wants))
     # each nixl receiver compiles its own plan; its rank turns ties among holders
-    plans = [compile_plan(sources, [dest(i % workers, f"g{i}")], spread=i)
+    plans = [compile_plan(sources, [_dest_layout(pts, i % workers, f"g{i}")], spread=i)
              for i in range(workers * replicas)]
     cols = workers * replicas
     nb, nr = np.zeros((world, cols)), np.zeros((world, cols))
