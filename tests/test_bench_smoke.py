@@ -125,3 +125,19 @@ def test_multi_gpu_script_dry_run_on_cpu(tmp_path):
     sent = two["warm_bytes_per_sender"]      # each tensor from one owner, both ranks send
     assert abs(sum(sent) - two["GB"] * 1e9) < 1 and min(sent) > 0
     assert scaling["scaling_2_over_1"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_cross_memory_read_limit(tmp_path):
+    """``cma-raw``: every receiver reads the trainer's flat buffer with cross-memory reads;
+    a time per step for 1 and 2 receivers, the rate ``weightsync plan --calibrate`` takes as
+    ``ring.direct_GBps`` of that run."""
+    out = tmp_path / "cma.json"
+    assert main(["bench", "--sizes", "16MiB", "--dtypes", "bfloat16", "--receivers", "1,2",
+                 "--warm", "2", "--no-hf", "--quiet", "--timeout", "60", "--methods",
+                 "cma-raw", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["receivers"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["status"] == "ok", (row["note"], row.get("traceback"))
+        assert row["warm_median_s"] > 0 and len(row["warm_s"]) == 2

@@ -149,11 +149,13 @@ def test_run_links_rules():
                                   {"receivers": 2, "bytes": gb, "warm_median_s": 0.25},
                                   {"receivers": 4, "bytes": gb, "warm_median_s": 0.2}],
               "gloo-flat": [{"receivers": 1, "bytes": gb, "warm_median_s": 0.1},
-                            {"receivers": 2, "bytes": gb, "warm_median_s": 0.5}]}
+                            {"receivers": 2, "bytes": gb, "warm_median_s": 0.5}],
+              "cma-raw": [{"receivers": 2, "bytes": gb, "warm_median_s": 0.25}]}
     sets, where = calibrate.run_links(rec, limits)
     assert sets == pytest.approx({"links.device_mem.GBps": 5.0,     # the paired memcpy
                                   "links.host_mem.GBps": 20.0,      # 4 x 1 GB in 0.2 s
-                                  "collective.GBps": 4.0})          # 2 x 1 GB in 0.5 s
+                                  "collective.GBps": 4.0,           # 2 x 1 GB in 0.5 s
+                                  "ring.direct_GBps": 8.0})         # 2 readers x 1 GB, 0.25 s
     assert where["links.device_mem.GBps"] == "memcpy, paired"
     assert where["links.host_mem.GBps"] == "memcpy-parallel, own run, R=4"
     assert calibrate.run_links({**rec, "paired": None}, {}) == ({}, {})

@@ -270,6 +270,41 @@ class NixlRaw(Method):
             self.agent = self.buf = None
 
 
+class CmaRaw(Method):
+    """Limit: every receiver reads the trainer's flat buffer of the same bytes with
+    cross-memory reads (``process_vm_readv``), all at once, each split over the copy threads
+    an shm receiver of this many receivers uses: the rate shm's direct reads can reach."""
+
+    verify = False
+
+    def setup(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from weightsync.transport.fastcopy import copy_threads
+        ctx = self.ctx
+        self.flat = _FlatBytes(ctx.workload.nbytes)
+        self.buf = torch.ones(self.flat.size, dtype=torch.uint8)
+        self.src = ctx.gather((os.getpid(), self.buf.data_ptr()))[0]
+        self.parts = copy_threads(ctx.receivers)
+        self.pool = ThreadPoolExecutor(self.parts - 1) if not ctx.is_trainer and \
+            self.parts > 1 else None
+
+    def step(self, version: int) -> None:
+        from weightsync.transport.fastcopy import cma_read
+        if self.ctx.is_trainer:
+            return
+        for n in self.flat.passes:
+            cma_read(self.src[0], self.src[1], self.buf[:n], self.pool, self.parts)
+
+    def teardown(self) -> None:
+        try:
+            self.ctx.gather(None)            # the trainer's memory stays until all read it
+        finally:
+            if getattr(self, "pool", None) is not None:
+                self.pool.shutdown()
+            self.buf = self.pool = None
+
+
 _TABLE: dict[str, type[Method]] = {}
 
 
@@ -278,7 +313,8 @@ def method_table() -> dict[str, type[Method]]:
     if not _TABLE:
         from weightsync.tools.bench.baselines import BASELINES
         _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
-                       "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw})
+                       "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw,
+                       "cma-raw": CmaRaw})
         _TABLE.update({f"delta+{b}": type(f"Delta_{b}", (Delta,), {"backend": f"delta+{b}"})
                        for b in DELTA_OVER})
         _TABLE.update(BASELINES)

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
                    "gloo-flat", "memcpy-parallel")
-ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw") + \
+ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw", "cma-raw") + \
     tuple(f"delta+{b}" for b in DELTA_OVER)
 
 
@@ -115,6 +115,7 @@ def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
         "memcpy-parallel": receivers * 2 * cap,
         "nixl": n + receivers * n,          # trainer staging + each receiver's landing buffer
         "nixl-raw": (receivers + 1) * cap,
+        "cma-raw": (receivers + 1) * cap,
     }[method]
 
 

@@ -15,14 +15,14 @@ loaded by path).
 
 A link model is judged given the link rates the box had during the run: every bench run
 records its own limits beside the weightsync methods (:data:`RUN_LIMITS`: ``memcpy``,
-``memcpy-parallel``, ``gloo-flat``, ``nixl-raw``; the GPU scripts a flat D2D copy and a raw
-NCCL broadcast), so each case is predicted with the preset's links *set from the limits
+``memcpy-parallel``, ``gloo-flat``, ``nixl-raw``, ``cma-raw`` where a run has it; the GPU
+scripts a flat D2D copy and a raw NCCL broadcast), so each case is predicted with the preset's links *set from the limits
 its own run recorded* (paired with its steps where the bench paired them). Those rows are
 the calibration (``rows``, counted against :data:`GOAL`). The same cases predicted with
 the preset's fixed rates alone are kept apart (``preset_rows``, "preset vs this run's box":
 printed, not counted). A case whose run recorded no limit is predicted with the preset and
-counted. What no run records (``ring.direct_GBps``, the ``software`` costs, latencies)
-always comes from the preset, whose file says which of those are measured and which are
+counted. What a run does not record (``ring.direct_GBps`` before ``cma-raw`` existed, the
+``software`` costs, latencies) comes from the preset, whose file says which of those are measured and which are
 assumed. The limits themselves are inputs, not calibration cases. Not modelled:
 ``cuda_ipc`` zero-copy, the verl-style baseline, Ray and the other baselines.
 """
@@ -99,6 +99,9 @@ RUN_LIMITS = (
              what="one raw gloo broadcast of a flat buffer (gloo sends each receiver a copy)"),
     RunLimit(method="nixl-raw", field="links.intra.GBps", per_receiver=False,
              what="one raw NIXL READ of a flat region into each receiver"),
+    RunLimit(method="cma-raw", field="ring.direct_GBps", per_receiver=True,
+             what="every receiver reads the trainer's flat buffer at once with cross-memory "
+                  "reads over its copy threads (what shm's direct reads can reach)"),
 )
 
 
