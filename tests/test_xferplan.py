@@ -13,6 +13,7 @@ import torch
 
 from weightsync.core.xferplan import (
     DestLayout, HeldBox, HeldRange, Read, SourceLayout, TransferPlan, Want, compile_plan,
+    read_totals,
 )
 
 from weightsync.core.errors import PlanMismatch
@@ -583,3 +584,31 @@ def test_receivers_compiling_alone_spread_over_replicated_holders(replica):
             per[rd.src_rank] = per.get(rd.src_rank, 0) + rd.nbytes
     assert sorted(per) == [0, 1, 2, 3] and len(set(per.values())) == 1, per
     assert {rd.src_rank for rd in compile_plan(sources, [d]).reads} == {0}
+
+
+def test_read_totals_equal_each_receivers_own_compile():
+    """read_totals (sources prepared once, one compile per destination, no Read objects)
+    gives, for every destination, the bytes and READs per rank of compile_plan([that
+    destination]) with the same spread and prior: what the planner counts is what each
+    receiver of the backend compiles."""
+    g = torch.Generator().manual_seed(7)
+    model = {"o": random_tensor((48, 32), "bfloat16", g), "q": random_tensor((32, 16), "float32", g),
+             "n": random_tensor((16,), "bfloat16", g)}
+    kinds = {"o": "row", "q": "col"}
+    boxes = {dp * 2 + t: tp_boxes(model, kinds, 2, t) for dp in range(3) for t in range(2)}
+    sources, _ = box_sources(model, boxes)
+    dests = [build_dest(f"w{i}", tp_wants(model, i % 4, 4, kinds), model,
+                        dtypes={"q": "bfloat16"})[0] for i in range(8)]
+    spread = list(range(8))
+    prior = [None, {0: 10_000}, {5: 1}, None, {1: 99, 3: 7}, None, None, {2: 4096}]
+    got = read_totals(sources, dests, spread=spread, prior=prior, max_read_bytes=512)
+    for d, sp, pr, totals in zip(dests, spread, prior, got):
+        plan = compile_plan(sources, [d], spread=sp, prior=pr, max_read_bytes=512)
+        want = {}
+        for r in plan.reads:
+            b, n = want.get(r.src_rank, (0, 0))
+            want[r.src_rank] = (b + r.nbytes, n + 1)
+        assert totals == want
+    assert len({tuple(sorted(t)) for t in got}) > 1          # receivers read different ranks
+    with pytest.raises(ValueError, match="one entry per destination"):
+        read_totals(sources, dests, spread=[0])

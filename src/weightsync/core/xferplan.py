@@ -26,7 +26,7 @@ from weightsync.core.xfertypes import (PLAN_FORMAT, DestLayout, HeldBox, HeldRan
                                        SourceLayout, TransferPlan, Want, _I64, _int)
 
 __all__ = ["HeldRange", "HeldBox", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
-           "compile_plan", "PLAN_FORMAT"]
+           "compile_plan", "read_totals", "PLAN_FORMAT"]
 
 @dataclass
 class _Tensor:
@@ -63,11 +63,14 @@ class _Holders:
 
     def arrays(self) -> tuple:
         """``(start, count, rank, reg, base)``; one dummy holder when there is none."""
+        if getattr(self, "_cached", (None,))[0] == self.sets:
+            return self._cached[1]
         cat = {k: np.concatenate(v) if v else np.empty(0, _I64) for k, v in self._parts.items()}
         if not len(cat["rank"]):
             cat.update(rank=np.zeros(1, _I64), reg=np.zeros(1, _I64), base=np.zeros(1, _I64))
         start = np.concatenate(([0], np.cumsum(cat["count"])[:-1])).astype(_I64)
-        return start, cat["count"], cat["rank"], cat["reg"], cat["base"]
+        self._cached = (self.sets, (start, cat["count"], cat["rank"], cat["reg"], cat["base"]))
+        return self._cached[1]
 
 
 def _fail(problems: list[tuple[str, str]]) -> None:
@@ -205,13 +208,13 @@ def _segments(t: _Tensor, reg: _Holders) -> tuple:
     return t.segments
 
 
-def _pieces(wants: list, wid: dict, did: dict, problems: list) -> tuple[dict, _Holders, list]:
+def _pieces(wants: list, wid: dict, did: dict, problems: list,
+            reg: _Holders) -> tuple[dict, _Holders, list]:
     """Columns of pieces (a run cut at holder boundaries), the holder sets, cast pairs.
 
     ``src`` is the byte offset in the flattened tensor (until a holder is picked);
     ``sisz``/``disz`` are the item sizes on cast rows, 1 on direct (byte-copy) rows."""
     parts: dict[str, list] = {}
-    reg = _Holders()
     casts: list = [None]
     for worker, w, t, cast in wants:
         starts, length = _box_runs(t.shape, w.box)
@@ -314,6 +317,44 @@ def _coalesce(c: dict) -> dict:
     return dict({k: v[first] for k, v in c.items()}, nb=np.add.reduceat(c["nb"], first))
 
 
+class _Sources:
+    """Trainer ranks' layouts checked once, and their holder ranges registered once, for
+    one or more compiles against them."""
+
+    def __init__(self, sources: Sequence[SourceLayout]) -> None:
+        self.problems: list[tuple[str, str]] = []
+        self.tensors = _gather_sources(sources, self.problems)
+        self.ranks = tuple(sorted({s.rank for s in sources}))
+        self.reg = _Holders()
+
+
+def _columns(src: _Sources, dests: Sequence[DestLayout], max_read_bytes: int | None,
+             balance: bool, spread: int, prior: Mapping[int, int] | None
+             ) -> tuple[dict, list[str], list[str], list[str], list]:
+    """The coalesced reads of ``dests`` as columns, with the names their indices refer to
+    (workers, destination buffers, regions) and the cast pairs; raises PlanMismatch."""
+    problems = list(src.problems)
+    wants = _check_dests(dests, src.tensors, problems)
+    workers = sorted({d.worker for d in dests})
+    dnames = sorted({w.dest for d in dests for w in d.wants})
+    cols, holders, casts = _pieces(wants, {x: i for i, x in enumerate(workers)},
+                                   {x: i for i, x in enumerate(dnames)}, problems, src.reg)
+    _fail(problems)
+    if max_read_bytes is not None:
+        cols = _split(cols, max_read_bytes)
+    cols, regions = _assign(cols, holders, balance, spread, prior)
+    cols = _coalesce(cols)
+    if max_read_bytes is not None:
+        cols = _split(cols, max_read_bytes)
+    return cols, workers, dnames, regions, casts
+
+
+def _check_args(max_read_bytes: int | None, spread: int) -> None:
+    _int(spread, "spread", 0)
+    if max_read_bytes is not None:
+        _int(max_read_bytes, "max_read_bytes", 1)
+
+
 def compile_plan(sources: Sequence[SourceLayout], dests: Sequence[DestLayout], *,
                  max_read_bytes: int | None = None, balance: bool = True,
                  spread: int = 0, prior: Mapping[int, int] | None = None) -> TransferPlan:
@@ -327,35 +368,52 @@ def compile_plan(sources: Sequence[SourceLayout], dests: Sequence[DestLayout], *
     all start on the lowest rank of data-parallel replicas holding the same bytes.
     ``prior``: bytes per rank already planned (a plan compiled in parts balances as one).
     """
-    _int(spread, "spread", 0)
-    if max_read_bytes is not None:
-        _int(max_read_bytes, "max_read_bytes", 1)
-    problems: list[tuple[str, str]] = []
-    tensors = _gather_sources(sources, problems)
-    wants = _check_dests(dests, tensors, problems)
-    workers = sorted({d.worker for d in dests})
-    dnames = sorted({w.dest for d in dests for w in d.wants})
-    cols, holders, casts = _pieces(wants, {x: i for i, x in enumerate(workers)},
-                                   {x: i for i, x in enumerate(dnames)}, problems)
-    _fail(problems)
-    if max_read_bytes is not None:
-        cols = _split(cols, max_read_bytes)
-    cols, regions = _assign(cols, holders, balance, spread, prior)
-    cols = _coalesce(cols)
-    if max_read_bytes is not None:
-        cols = _split(cols, max_read_bytes)
+    _check_args(max_read_bytes, spread)
+    src = _Sources(sources)
+    cols, workers, dnames, regions, casts = _columns(src, dests, max_read_bytes, balance,
+                                                     spread, prior)
     reads = []
-    for rank, reg, src, nb, wid, did, doff, cid in zip(*(cols[k].tolist() for k in (
+    for rank, reg, off, nb, wid, did, doff, cid in zip(*(cols[k].tolist() for k in (
             "rank", "reg", "src", "nb", "wid", "did", "doff", "cid"))):
         cast = casts[cid] or (None, None)
-        reads.append(Read(src_rank=rank, src_region=regions[reg], src_offset=src, nbytes=nb,
+        reads.append(Read(src_rank=rank, src_region=regions[reg], src_offset=off, nbytes=nb,
                           dst_worker=workers[wid], dst=dnames[did], dst_offset=doff,
                           cast=cid != 0, src_dtype=cast[0], dst_dtype=cast[1]))
     notes = []
+    tensors = src.tensors
     for d in sorted(dests, key=lambda d: d.worker):
         notes += [f"{d.worker}: {n}" for n in d.notes]
         notes += [f"{d.worker}: {w.name} lands as {tensors[w.name].dtype}, cast to {w.dtype}"
                   for w in d.wants if w.dtype != tensors[w.name].dtype]
     return TransferPlan(reads=tuple(reads), notes=tuple(notes),
                         tensors=tuple((n, t.shape, t.dtype) for n, t in sorted(tensors.items())),
-                        ranks=tuple(sorted({s.rank for s in sources})), workers=tuple(workers))
+                        ranks=src.ranks, workers=tuple(workers))
+
+
+def read_totals(sources: Sequence[SourceLayout], dests: Sequence[DestLayout], *,
+                max_read_bytes: int | None = None, balance: bool = True,
+                spread: Sequence[int] | None = None,
+                prior: Sequence[Mapping[int, int] | None] | None = None
+                ) -> list[dict[int, tuple[int, int]]]:
+    """For each destination layout compiled alone (as each receiver of the pull backend
+    compiles its own plan), with ``spread[i]`` and ``prior[i]``: ``{source rank: (bytes,
+    reads)}`` of the plan :func:`compile_plan` would return for ``[dests[i]]``, without
+    building its reads. The sources are checked and their holder ranges found once. Used
+    by the ``weightsync plan`` tool; raises as :func:`compile_plan` does."""
+    n = len(dests)
+    spread = list(spread) if spread is not None else [0] * n
+    prior = list(prior) if prior is not None else [None] * n
+    if len(spread) != n or len(prior) != n:
+        raise ValueError("spread and prior give one entry per destination layout")
+    for sp in spread:
+        _check_args(max_read_bytes, sp)
+    src = _Sources(sources)
+    out = []
+    for d, sp, pr in zip(dests, spread, prior):
+        cols = _columns(src, [d], max_read_bytes, balance, sp, pr)[0]
+        ranks, nbytes = cols["rank"], cols["nb"]
+        size = int(ranks.max()) + 1 if len(ranks) else 0
+        b = np.bincount(ranks, weights=nbytes, minlength=size)
+        c = np.bincount(ranks, minlength=size)
+        out.append({int(r): (int(b[r]), int(c[r])) for r in np.flatnonzero(c)})
+    return out

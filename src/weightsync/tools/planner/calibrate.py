@@ -213,12 +213,14 @@ def _cpu_model(rec: dict) -> ModelSpec:
 #: The CPU bench runs of ``shm`` / ``collective`` (folder, file, label): the 11-29 run of
 #: that day's code (a loaded box, load average ~5), and the 12-03 run of the code with the
 #: direct window (`benchmarks/results/cpu-calib-2026-12-03/`), and the 12-04 run of the
-#: code of that day on a quiet box (load 0.66 at its start, nothing else run beside it).
+#: code of that day on a quiet box (load 0.66 at its start, nothing else run beside it),
+#: and 12-04b, the same again with ``cma-raw`` (the direct reads' own limit).
 #: Each recorded ``memcpy``, ``memcpy-parallel`` and ``gloo-flat`` for every workload and
 #: receiver count.
 CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
             ("cpu-calib-2026-12-03", "bench.json", "12-03"),
-            ("cpu-calib-2026-12-04", "bench.json", "12-04"))
+            ("cpu-calib-2026-12-04", "bench.json", "12-04"),
+            ("cpu-calib-2026-12-04b", "bench.json", "12-04b"))
 
 #: what each CPU method is in the model: (strategy, fields of the Links replaced)
 _CPU_METHODS = {"shm": ("ring", {}), "collective": ("broadcast", {}),

@@ -45,7 +45,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from weightsync.core.plan import itemsize
-from weightsync.core.xferplan import DestLayout, HeldBox, SourceLayout, Want, compile_plan
+from weightsync.core.xferplan import (DestLayout, HeldBox, SourceLayout, Want, compile_plan,
+                                      read_totals)
 from weightsync.tools.planner.rules import PlannedTensor
 
 __all__ = ["PullStats", "ClassStat", "pull_stats", "held_rows", "reduce_dims", "rank_boxes"]
@@ -162,15 +163,16 @@ def _sources(pt: PlannedTensor, proto: tuple[int, ...], world: int,
 
 def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard: str,
                    replicas: int, expand: bool, sent: np.ndarray, mult: int):
-    """compile_plan for one class: ``([(plan, [(column compiled, columns it stands for)])],
-    factor)``. Where every byte has one holder, workers that read alike share one compile
-    (rule 2: by FSDP2 row signature, or by equal boxes under TP/EP trainer boxes). Where a
-    byte has several holders (replicated over DP, a norm on every TP rank) every worker of
-    every replica is compiled alone with its global index as ``spread``, as each receiver
-    of the backend compiles its own plan (balanced over the holders by itself, ties turned
-    by its rank), going on from the bytes ``sent`` already planned per (rank, column) as
-    a receiver's whole-plan balance would (the class's tensors planned ``mult`` at a time).
-    ``expand``: columns are the workers of every replica, else of one."""
+    """The compile of one class: ``([(column compiled, columns it stands for, {rank:
+    (bytes, reads)})], factor, digest)``. Where every byte has one holder, workers that
+    read alike share one :func:`compile_plan` (rule 2: by FSDP2 row signature, or by equal
+    boxes under TP/EP trainer boxes). Where a byte has several holders (replicated over DP,
+    a norm on every TP rank) every worker of every replica is compiled alone with its
+    global index as ``spread`` (:func:`~weightsync.core.xferplan.read_totals`), as each
+    receiver of the backend compiles its own plan (balanced over the holders by itself,
+    ties turned by its rank), going on from the bytes ``sent`` already planned per (rank,
+    column) as a receiver's whole-plan balance would (the class's tensors planned ``mult``
+    at a time). ``expand``: columns are the workers of every replica, else of one."""
     trainer = [b for r in range(world) for b in rank_boxes(pt, r, world, shard)]
     proto, factor = reduce_dims(pt.shape, pt.boxes, trainer)
     n = len(pt.boxes)
@@ -195,19 +197,21 @@ def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard
     if unique:
         plan = compile_plan(sources, [DestLayout(worker=f"g{gs[0]}", wants=w) for w, gs in dests],
                             max_read_bytes=max_read)
-        cols = [(gs[0], [k * n + g for k in range(replicas if expand else 1) for g in gs])
-                for _, gs in dests]
-        return [(plan, cols)], factor
-    out = []
-    for wants, gs in dests:
-        for k in range(replicas if expand else 1):
-            for g in gs:
-                i = k * n + g
-                one = DestLayout(worker=f"g{i}", wants=wants)
-                prior = {r: int(b // mult) for r, b in enumerate(sent[:, i]) if b}
-                out.append((compile_plan(sources, [one], max_read_bytes=max_read, spread=i,
-                                         prior=prior), [(i, [i])]))
-    return out, factor
+        per: dict[int, dict[int, list]] = defaultdict(dict)
+        for r in plan.reads:
+            cell = per[int(r.dst_worker[1:])].setdefault(r.src_rank, [0, 0])
+            cell[0] += r.nbytes
+            cell[1] += 1
+        out = [(gs[0], [k * n + g for k in range(replicas if expand else 1) for g in gs],
+                per[gs[0]]) for _, gs in dests]
+        return out, factor, plan.digest[:12]
+    alone = [(wants, k * n + g) for wants, gs in dests
+             for k in range(replicas if expand else 1) for g in gs]
+    totals = read_totals(sources, [DestLayout(worker=f"g{i}", wants=w) for w, i in alone],
+                         max_read_bytes=max_read, spread=[i for _, i in alone],
+                         prior=[{r: int(b // mult) for r, b in enumerate(sent[:, i]) if b}
+                                for _, i in alone])
+    return [(i, [i], t) for (_, i), t in zip(alone, totals)], factor, "per-receiver"
 
 
 def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
@@ -233,26 +237,23 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
         mult = len(members) * reduce_dims(members[0].shape, members[0].boxes,
                                           [b for r in range(world) for b in
                                            rank_boxes(members[0], r, world, shard)])[1]
-        compiled, factor = _compile_class(members[0], world, max_read_bytes, shard, replicas,
-                                          expand, pb, mult)
+        compiled, factor, digest = _compile_class(members[0], world, max_read_bytes, shard,
+                                                  replicas, expand, pb, mult)
         n_reads = n_bytes = 0.0
-        for plan, cols in compiled:
-            src = np.array([r.src_rank for r in plan.reads], np.int64)
-            dst = np.array([int(r.dst_worker[1:]) for r in plan.reads], np.int64)
-            nb = np.array([r.nbytes for r in plan.reads], np.float64)
-            b1, r1 = np.zeros((world, cols_n)), np.zeros((world, cols_n))
-            np.add.at(b1, (src, dst), nb)
-            np.add.at(r1, (src, dst), 1.0)
-            for rep, targets in cols:
-                for c in targets:
-                    pb[:, c] += b1[:, rep] * mult
-                    pr[:, c] += r1[:, rep] * mult
-                n_reads += r1[:, rep].sum() * len(targets) * mult
-                n_bytes += b1[:, rep].sum() * len(targets) * mult
+        for rep, targets, by_rank in compiled:
+            if not by_rank:
+                continue
+            ranks = np.fromiter(by_rank, np.int64)
+            nb = np.array([by_rank[r][0] for r in ranks], np.float64)
+            nr = np.array([by_rank[r][1] for r in ranks], np.float64)
+            for c in targets:
+                pb[ranks, c] += nb * mult
+                pr[ranks, c] += nr * mult
+            n_reads += nr.sum() * len(targets) * mult
+            n_bytes += nb.sum() * len(targets) * mult
         if expand:       # per replica, as the class figures always were
             n_reads, n_bytes = n_reads / replicas, n_bytes / replicas
         stats.append(ClassStat(members[0].name, len(members), members[0].shape,
                                members[0].rule, factor, int(n_reads), int(n_bytes),
-                               compiled[0][0].digest[:12] if compiled else "",
-                               time.perf_counter() - t0))
+                               digest, time.perf_counter() - t0))
     return PullStats(pb, pr, stats, time.perf_counter() - t_all)
