@@ -49,6 +49,7 @@ class _Holders:
         self.regions: dict[str, int] = {}
         self._parts: dict[str, list] = {k: [] for k in ("count", "rank", "reg", "base")}
         self.sets = 0
+        self._cached: tuple = (-1, ())       # (sets when built, arrays)
 
     def region(self, name: str) -> int:
         return self.regions.setdefault(name, len(self.regions))
@@ -63,7 +64,7 @@ class _Holders:
 
     def arrays(self) -> tuple:
         """``(start, count, rank, reg, base)``; one dummy holder when there is none."""
-        if getattr(self, "_cached", (None,))[0] == self.sets:
+        if self._cached[0] == self.sets:
             return self._cached[1]
         cat = {k: np.concatenate(v) if v else np.empty(0, _I64) for k, v in self._parts.items()}
         if not len(cat["rank"]):

@@ -283,7 +283,9 @@ class CmaRaw(Method):
         from weightsync.transport.fastcopy import copy_threads
         ctx = self.ctx
         self.flat = _FlatBytes(ctx.workload.nbytes)
-        self.buf = torch.ones(self.flat.size, dtype=torch.uint8)
+        # the trainer's bytes are ones, a receiver's zeros until read (checked at teardown)
+        self.buf = (torch.ones if ctx.is_trainer else torch.zeros)(self.flat.size,
+                                                                    dtype=torch.uint8)
         self.src = ctx.gather((os.getpid(), self.buf.data_ptr()))[0]
         self.parts = copy_threads(ctx.receivers)
         self.pool = ThreadPoolExecutor(self.parts - 1) if not ctx.is_trainer and \
@@ -299,6 +301,10 @@ class CmaRaw(Method):
     def teardown(self) -> None:
         try:
             self.ctx.gather(None)            # the trainer's memory stays until all read it
+            if not self.ctx.is_trainer and self.flat.passes and \
+                    int(self.buf[:self.flat.passes[0]].sum()) != self.flat.passes[0]:
+                raise RuntimeError("cma-raw: the receiver's buffer does not hold the "
+                                   "trainer's bytes")
         finally:
             if getattr(self, "pool", None) is not None:
                 self.pool.shutdown()

@@ -96,8 +96,10 @@ def rank_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") ->
     rows of the TP rows), with ``"full"`` each data-parallel rank holds all of it."""
     group = len(pt.held) if pt.held is not None else 1
     boxes = pt.held[rank % group] if pt.held is not None else (tuple((0, n) for n in pt.shape),)
-    if shard != "fsdp" or world == group or not pt.shape:
-        return boxes if pt.shape or rank % world == 0 or shard != "fsdp" else ()
+    if not pt.shape:                 # a scalar: FSDP2 leaves it on rank 0
+        return boxes if shard != "fsdp" or rank == 0 else ()
+    if shard != "fsdp" or world == group:
+        return boxes
     dp, d = world // group, rank // group
     rows = sum(b[0][1] - b[0][0] for b in boxes)
     a, b = held_rows(rows, dp, d)
@@ -162,9 +164,11 @@ def _sources(pt: PlannedTensor, proto: tuple[int, ...], world: int,
 
 
 def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard: str,
-                   replicas: int, expand: bool, sent: np.ndarray, mult: int):
-    """The compile of one class: ``([(column compiled, columns it stands for, {rank:
-    (bytes, reads)})], factor, digest)``. Where every byte has one holder, workers that
+                   replicas: int, expand: bool, sent: np.ndarray, mult: int,
+                   trainer: list, proto: tuple[int, ...]):
+    """The compile of one class (``trainer``: every rank's boxes of it; ``proto``: its shape
+    with the dims of rule 3 at 1): ``([(column compiled, columns it stands for, {rank:
+    (bytes, reads)})], digest)``. Where every byte has one holder, workers that
     read alike share one :func:`compile_plan` (rule 2: by FSDP2 row signature, or by equal
     boxes under TP/EP trainer boxes). Where a byte has several holders (replicated over DP,
     a norm on every TP rank) every worker of every replica is compiled alone with its
@@ -173,8 +177,6 @@ def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard
     ties turned by its rank), going on from the bytes ``sent`` already planned per (rank,
     column) as a receiver's whole-plan balance would (the class's tensors planned ``mult``
     at a time). ``expand``: columns are the workers of every replica, else of one."""
-    trainer = [b for r in range(world) for b in rank_boxes(pt, r, world, shard)]
-    proto, factor = reduce_dims(pt.shape, pt.boxes, trainer)
     n = len(pt.boxes)
     unique = shard == "fsdp" and sum(math.prod(b - a for a, b in box) for box in trainer) \
         == math.prod(pt.shape)
@@ -204,14 +206,14 @@ def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard
             cell[1] += 1
         out = [(gs[0], [k * n + g for k in range(replicas if expand else 1) for g in gs],
                 per[gs[0]]) for _, gs in dests]
-        return out, factor, plan.digest[:12]
+        return out, plan.digest[:12]
     alone = [(wants, k * n + g) for wants, gs in dests
              for k in range(replicas if expand else 1) for g in gs]
     totals = read_totals(sources, [DestLayout(worker=f"g{i}", wants=w) for w, i in alone],
                          max_read_bytes=max_read, spread=[i for _, i in alone],
                          prior=[{r: int(b // mult) for r, b in enumerate(sent[:, i]) if b}
                                 for _, i in alone])
-    return [(i, [i], t) for (_, i), t in zip(alone, totals)], factor, "per-receiver"
+    return [(i, [i], t) for (_, i), t in zip(alone, totals)], "per-receiver"
 
 
 def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
@@ -234,11 +236,12 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
                    itemsize(m[0].src_dtype))
     for members in order:
         t0 = time.perf_counter()
-        mult = len(members) * reduce_dims(members[0].shape, members[0].boxes,
-                                          [b for r in range(world) for b in
-                                           rank_boxes(members[0], r, world, shard)])[1]
-        compiled, factor, digest = _compile_class(members[0], world, max_read_bytes, shard,
-                                                  replicas, expand, pb, mult)
+        pt = members[0]
+        trainer = [b for r in range(world) for b in rank_boxes(pt, r, world, shard)]
+        proto, factor = reduce_dims(pt.shape, pt.boxes, trainer)
+        mult = len(members) * factor
+        compiled, digest = _compile_class(pt, world, max_read_bytes, shard, replicas, expand,
+                                          pb, mult, trainer, proto)
         n_reads = n_bytes = 0.0
         for rep, targets, by_rank in compiled:
             if not by_rank:

@@ -63,13 +63,8 @@ def _serve(sc: Scenario, pl: Placement, held: tuple, res: StrategyResult) -> Loa
     for r, dev in enumerate(pl.trainer):
         loads.copy(dev, moved[r])
         loads.work(f"trainer rank {r}", count[r] * pl.links_of(dev).sw("tensor_us"))
-    how = "FSDP2 Shard(0) rows" if sc.trainer_group == 1 else \
-        f"TP {sc.trainer_tp} x EP {max(sc.trainer_ep, 1)} shards, " + \
-        ("rows chunked by FSDP2" if sc.trainer_shard == "fsdp" else "replicated over DP")
-    if sc.trainer_group == 1 and sc.trainer_shard == "full":
-        how = "full tensors on every rank"
     res.notes.append(f"trainer ranks serve {served.min() / 1e9:.3g}-{served.max() / 1e9:.3g} GB "
-                     f"each ({how})")
+                     f"each ({sc.trainer_layout})")
     return loads
 
 

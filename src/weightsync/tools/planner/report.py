@@ -25,7 +25,7 @@ def _header(d: dict) -> list[str]:
         f"weightsync plan{': ' + s['label'] if s['label'] else ''}",
         f"  model: {s['model']} ({s['params'] / 1e9:.4g} B params, {s['tensors']} tensors), "
         f"{s['src_dtype']} -> {s['dst_dtype']}{fp8}",
-        f"  trainer: {s['trainer']['gpus']} ranks ({_trainer_layout(s['trainer'])})"
+        f"  trainer: {s['trainer']['gpus']} ranks ({s['trainer']['layout']})"
         f" on {s['links']}; rollout: {ro['replicas']} replicas x TP {ro['tp']}{ep} = "
         f"{ro['workers']} workers ({ro['placement']}) on "
         f"{s['rollout_links']}; {s['nodes']} node(s)",
@@ -46,14 +46,6 @@ def _strategy_rows(d: dict) -> list[str]:
                     f"{r['reads_per_dest']['max']:>12.4g}{_gb(r['bytes_per_dest']['max']):>13}"
                     f"{_gb(r['bytes_per_source']['max']):>12}  {b['phase']}: {b['limited_by']}")
     return rows
-
-
-def _trainer_layout(t: dict) -> str:
-    tp, ep = t.get("tp", 1), t.get("ep", 0)
-    if tp * max(ep, 1) == 1:
-        return "FSDP2 Shard(0)" if t["shard"] == "fsdp" else "full tensors on every rank"
-    dp = "rows chunked by FSDP2" if t["shard"] == "fsdp" else "replicated over data parallel"
-    return f"TP {tp}{f' x EP {ep}' if ep else ''} shards, {dp}"
 
 
 def format_table(d: dict) -> str:

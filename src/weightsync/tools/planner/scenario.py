@@ -90,6 +90,17 @@ class Scenario:
                                              f"{', '.join(bad) or 'none'}")
 
     @property
+    def trainer_layout(self) -> str:
+        """The trainer's layout in words (reports and notes)."""
+        if self.trainer_group == 1:
+            return "FSDP2 Shard(0)" if self.trainer_shard == "fsdp" else \
+                "full tensors on every rank"
+        ep = f" x EP {self.trainer_ep}" if self.trainer_ep else ""
+        dp = "rows chunked by FSDP2" if self.trainer_shard == "fsdp" else \
+            "replicated over data parallel"
+        return f"TP {self.trainer_tp}{ep} shards, {dp}"
+
+    @property
     def trainer_group(self) -> int:
         """Trainer ranks of one tensor-/expert-parallel group."""
         return self.trainer_tp * max(self.trainer_ep, 1)

@@ -93,7 +93,7 @@ def _flat_range(shape: tuple[int, ...], box: tuple) -> Optional[tuple[int, int]]
     """Elements ``[start, stop)`` of the flattened tensor the box is, if it is contiguous
     there (dims before the first partial one of extent 1, dims after it full)."""
     j = next((d for d, (a, b) in enumerate(box) if (a, b) != (0, shape[d])), len(shape))
-    if any(b - a != 1 for a, b in box[:j]) and j < len(shape):
+    if j < len(shape) and any(b - a != 1 for a, b in box[:j]):   # all full: contiguous
         return None
     if any((a, b) != (0, shape[d]) for d, (a, b) in enumerate(box) if d > j):
         return None
