@@ -606,3 +606,139 @@ def test_receivers_can_wait_for_fills_on_their_stream(fake_ops, zero_copy):
 def test_rx_stream_wait_checks_catch_a_missing_wait(fake_ops):
     bad, _ = _rx_waits_case(False, mutant=True)
     assert bad, "no corruption without the receivers' stream waits"
+
+
+def _sync_into(ts, rs, items_of, version, dests):
+    """One sync each receiver ``j`` takes with ``receive_into(dests[j])``; returns
+    (trainer metrics, per receiver the yielded {name: tensor object})."""
+    async def recv(r, into):
+        got = {}
+        async for name, t in r.receive_into(into, version=version):
+            assert name not in got
+            got[name] = t
+        return got
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(32))
+        jobs = [t.send_weights(items_of(i), version=version) for i, t in enumerate(ts)]
+        jobs += [recv(r, d) for r, d in zip(rs, dests)]
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 60)
+
+    out = asyncio.run(main())
+    return out[:len(ts)], out[len(ts):]
+
+
+def _destinations(seed):
+    return {n: torch.empty(t.shape, dtype=t.dtype)
+            for n, t in expected_tensors(seed, bucket_size=BUCKET).items()}
+
+
+def _whole_buckets_names(engine):
+    """Names in the buckets (and zero-copy batches) of trainer 0 that hold only whole,
+    non-empty tensors: those a program lands."""
+    buckets = list(engine._rx_plans.get(0, [])) + \
+        [b for b, _ in engine._rx_ref_plans.get(0, [])]
+    return {e.name for b in buckets
+            if all(not e.is_chunk and e.total_nbytes for e in b.entries) for e in b.entries}
+
+
+def _program_runs(engine):
+    return sorted(p.runs for p in engine.__dict__.get("_rx_progs", {}).values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero_copy", [False, True])
+@pytest.mark.parametrize("receivers,sync", [(1, "event"), (2, "event"), (2, "host")])
+def test_receive_into_replays_each_buckets_copies(fake_ops, zero_copy, receivers, sync):
+    """``receive_into`` lands a bucket whose layout, memory and destinations did not change
+    through the program built for it the sync before (no per-tensor work); over late
+    streams (FakeStream) the bytes are right only if its copies are queued where the
+    per-tensor ones were (before the slot is released, before the final wait)."""
+    ts, rs = _group(1, receivers, zero_copy=zero_copy, min_ref_bytes=0, sync=sync)
+    dests = [_destinations(0) for _ in rs]
+    params = make_tensors(0, bucket_size=BUCKET)   # a trainer's: the same storage each step
+    try:
+        for step in range(4):
+            for (_, p), (_, new) in zip(params, make_tensors(step, bucket_size=BUCKET)):
+                p.copy_(new)
+            sent, got = _sync_into(ts, rs, lambda i: params, step, dests)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            expected = expected_tensors(step, bucket_size=BUCKET)
+            for g, d in zip(got, dests):
+                assert set(g) == set(expected)
+                fitting = [n for n, t in expected.items() if t.numel()]
+                assert all(g[n] is d[n] for n in fitting)   # landed in the caller's tensors
+                bad = [n for n in expected if not same_bytes(d[n], expected[n])]
+                assert not bad, bad[:5]
+            for r in rs:
+                runs = _program_runs(r)
+                # buckets of whole tensors have programs (chunks and empties do not), built
+                # at the first sync and used again at each one since
+                assert len(runs) >= 2 and runs[-1] == step + 1, runs
+                covered = {n for p in r._rx_progs.values() for n in p.names}
+                assert covered == _whole_buckets_names(r) and len(covered) > 100
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_replayed_program_writes_new_destinations_and_keeps_no_old_one_alive(fake_ops,
+                                                                              zero_copy):
+    """A caller that hands new tensors (same names, shapes, dtypes) gets the bytes in
+    those, not in the ones a program was built for; programs hold their destinations
+    weakly, so dropped ones are freed."""
+    import gc
+    import weakref
+
+    ts, rs = _group(1, 1, zero_copy=zero_copy, min_ref_bytes=0)
+    old = _destinations(0)
+    params = make_tensors(0, bucket_size=BUCKET)
+
+    def step_params(step):
+        for (_, p), (_, new) in zip(params, make_tensors(step, bucket_size=BUCKET)):
+            p.copy_(new)
+        return params
+    try:
+        for step in range(2):
+            sent, got = _sync_into(ts, rs, lambda i: step_params(step), step, [old])
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+        assert _program_runs(rs[0])[-1] == 2
+        new = _destinations(0)
+        sent, got = _sync_into(ts, rs, lambda i: step_params(2), 2, [new])
+        assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+        for n, t in expected_tensors(2, bucket_size=BUCKET).items():
+            assert same_bytes(new[n], t), n
+        for n, t in expected_tensors(1, bucket_size=BUCKET).items():
+            assert same_bytes(old[n], t), n           # untouched since sync 1
+        assert _program_runs(rs[0])[-1] == 1          # rebuilt for the new tensors
+        watch = weakref.ref(old["tiny.0"])
+        del old
+        gc.collect()
+        assert watch() is None
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rx_stream_waits", [False, True])
+def test_replayed_copies_are_done_before_their_slot_is_refilled(fake_ops, rx_stream_waits):
+    """Every bucket a program's (whole tensors, eight buckets through two slots): over late
+    streams a program whose copies were queued after the slot's release would read the
+    next bucket's bytes."""
+    g = torch.Generator().manual_seed(3)
+    params = [(f"w.{i}", torch.randn(BUCKET // 16 - 8, generator=g)) for i in range(32)]
+    ts, rs = _group(1, 1, min_ref_bytes=0, rx_stream_waits=rx_stream_waits)
+    dests = [{n: torch.empty_like(t) for n, t in params}]
+    try:
+        for step in range(3):
+            for _, p in params:
+                p.add_(1.0)
+            sent, got = _sync_into(ts, rs, lambda i: params, step, dests)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            assert sent[0]["buckets"] >= 8
+            bad = [n for n, p in params if not same_bytes(dests[0][n], p)]
+            assert not bad, bad[:5]
+        assert _program_runs(rs[0]) == [3] * sent[0]["buckets"]
+    finally:
+        _finalize(ts + rs)

@@ -7,6 +7,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Optional
 
@@ -20,7 +21,7 @@ from weightsync.core.wire import DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorM
 from weightsync.transport.fastcopy import copy_into, memmove_from
 from weightsync.transport.tensors import checksum, plain_cpu
 
-__all__ = ["ReceiverMixin"]
+__all__ = ["ReceiverMixin", "IntoProgram"]
 
 logger = logging.getLogger(__name__)
 _SLICE = 0.05          # how often a pump's wait looks at its sync's ``stop``
@@ -74,6 +75,32 @@ class _SemEvent:
         return self._sem.acquire(timeout=timeout)
 
 
+class IntoProgram:
+    """A replayed bucket's copies into the caller's tensors (``receive_into``), worked out
+    once: the names, where each lies in the bucket, and a weak reference to each
+    destination (a program never keeps the caller's tensors alive). It is used again while
+    the bucket's layout, its memory and every destination object are the same; the
+    backend's ``runner`` issues the copies (on a GPU: a captured CUDA graph from the second
+    use on, see :meth:`ReceiverMixin._rx_copy_runner`)."""
+
+    __slots__ = ("layout", "src", "names", "spans", "refs", "nbytes", "runner", "runs")
+
+    def __init__(self, layout: str, src: Any, names: tuple, spans: tuple, dests: list,
+                 runner: Any) -> None:
+        self.layout, self.src, self.names, self.spans = layout, src, names, spans
+        self.refs = tuple(weakref.ref(d) for d in dests)
+        self.nbytes = sum(n for _, n in spans)
+        self.runner = runner
+        self.runs = 0
+
+    def dests_in(self, into: Mapping[str, torch.Tensor]) -> Optional[list]:
+        """The destinations if ``into`` still maps every name to the same object."""
+        dests = [into.get(n) for n in self.names]
+        if all(d is not None and d is r() for d, r in zip(dests, self.refs)):
+            return dests
+        return None
+
+
 def _fits(dest: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> bool:
     return (dest is not None and dest.dtype == dtype and tuple(dest.shape) == tuple(shape)
             and dest.device == device and dest.is_contiguous())
@@ -88,6 +115,11 @@ def patience(timeout: float) -> float:
 
 class ReceiverMixin:
     """``receive_weights`` for :class:`BucketedEngine` subclasses."""
+
+    #: Whether buckets received ``into`` the caller's tensors replay an
+    #: :class:`IntoProgram` (backends whose copies are queued on a device stream, where
+    #: per-tensor host work sets the pace; CPU backends land bytes their own way).
+    _rx_programs = False
 
     def receive_into(self, params: Mapping[str, torch.Tensor], version: Any = None
                      ) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -293,13 +325,85 @@ class ReceiverMixin:
                 raise IntegrityError(f"bucket {msg.index} failed its checksum",
                                      peer=f"trainer rank {stream}", phase="receive",
                                      version=msg.version)
-        for meta in entries:
-            out = self._take(state, stream, meta, buf)
-            if out is not None:
-                yield out
+        found = self._rx_program(state, stream, msg, entries, buf)
+        if found is not None:
+            prog, dests = found
+            prog.runner(lambda: self._rx_program_pairs(prog, dests, buf))
+            prog.runs += 1
+            state.seen.update(prog.names)
+            state.tensors += len(dests)
+            state.nbytes += prog.nbytes
+            for name, dest in zip(prog.names, dests):
+                yield name, dest
+        else:
+            for meta in entries:
+                out = self._take(state, stream, meta, buf)
+                if out is not None:
+                    yield out
         self._rx_release(stream, msg)
         self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
                                                   rank=self._rank, index=msg.index))
+
+    # -- replayed copies into the caller's tensors -------------------------------------------
+    def _rx_program(self, state: _RecvState, stream: int, msg: BucketMsg,
+                    entries: tuple[TensorMeta, ...], buf: Any) -> Optional[tuple]:
+        """``(program, destinations)`` when this bucket lands whole in ``into``: the last
+        sync's program if layout, bucket memory and destinations are the same, else a new
+        one (or None: a chunk, a name already delivered, a destination that does not fit)."""
+        if state.into is None or not self._rx_programs:
+            return None
+        progs = self.__dict__.setdefault("_rx_progs", {})
+        key = (stream, msg.index, msg.slot)
+        src = self._rx_src_key(buf)
+        prog = progs.get(key)
+        if prog is not None and prog.layout == msg.layout and prog.src == src:
+            dests = prog.dests_in(state.into)
+            if dests is not None and state.seen.isdisjoint(prog.names) \
+                    and state.partial.keys().isdisjoint(prog.names):
+                return prog, dests
+        progs.pop(key, None)
+        names, spans, dests = [], [], []
+        for meta in entries:
+            dest = state.into.get(meta.name)
+            if meta.is_chunk or meta.total_nbytes == 0 or meta.name in state.seen \
+                    or meta.name in state.partial or not _fits(dest, meta.shape, dtype_from_name(meta.dtype), buf.device):
+                return None
+            names.append(meta.name)
+            spans.append((meta.offset, meta.nbytes))
+            dests.append(dest)
+        if len(set(names)) != len(names):
+            return None
+        prog = progs[key] = IntoProgram(msg.layout, src, tuple(names), tuple(spans), dests,
+                                        self._rx_copy_runner())
+        return prog, dests
+
+    @staticmethod
+    def _rx_program_pairs(prog: IntoProgram, dests: list, buf: Any) -> list:
+        """The program's ``(destination bytes, bucket bytes)`` pairs, for this sync."""
+        return [(d.view(-1).view(torch.uint8) if d.dim() else d.reshape(1).view(torch.uint8),
+                 buf[off: off + n]) for d, (off, n) in zip(dests, prog.spans)]
+
+    def _rx_src_key(self, buf: Any) -> Any:
+        """Hook: what identifies the memory a bucket is read from (a program is replayed
+        only over the same memory)."""
+        return (buf.data_ptr(), buf.numel())
+
+    def _rx_copy_runner(self) -> Any:
+        """Hook: a callable that issues a program's copies, given a function returning
+        its pairs (default: one copy each, now)."""
+        def run(pairs: Any) -> None:
+            for dst, src in pairs():
+                copy_into(dst, src)
+        return run
+
+    def _rx_drop_programs(self, stream: Optional[int] = None, *, min_index: int = 0) -> None:
+        """Forget the programs of ``stream`` (None: all) for buckets from ``min_index`` on,
+        e.g. when the memory they read changed."""
+        progs = self.__dict__.get("_rx_progs")
+        if progs:
+            for key in [k for k in progs
+                        if (stream is None or k[0] == stream) and k[1] >= min_index]:
+                del progs[key]
 
     def _layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
         plan = self._rx_plans.setdefault(stream, [])

@@ -311,6 +311,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         self._tx_replay = None
         self._rx_plans = {}
         self.__dict__.pop("_rx_staging", None)
+        self.__dict__.pop("_rx_progs", None)
         if self._ownership is not None:
             self._ownership.reset()
 
@@ -326,8 +327,9 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
 
     def _stop_threads(self) -> None:
         """Teardown: end this engine's own thread (a call still waiting ends first); drop
-        the receiver's kept staging buffers."""
+        the receiver's kept staging buffers and copy programs."""
         self.__dict__.pop("_rx_staging", None)
+        self.__dict__.pop("_rx_progs", None)
         worker = self.__dict__.pop("_tx_worker", None)
         if worker is not None:
             worker.close(self.config.timeout + 5)

@@ -202,6 +202,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
     """Same-GPU (or same-host) multi-process transport over CUDA IPC."""
 
     capabilities = frozenset({"cuda", "same_host"})
+    _rx_programs = True   # receive_into replays each bucket's copies (a CUDA graph on a GPU)
     #: Builds the device operations for a device string (tests swap in a CPU stand-in).
     ops_factory: ClassVar[Callable[[str], IpcOps]] = CudaIpcOps
 
@@ -561,6 +562,9 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             # the consumer iterates on this thread: its stream reads the bucket after the fill
             self._stream_wait(self._ops.current_stream(), self._rx_filled[stream][msg.slot])
         return entries
+
+    def _rx_copy_runner(self) -> Any:
+        return self._ops.copy_runner()
 
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         if msg.index >= REF_INDEX_BASE:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import re
 import string
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from weightsync.core.errors import BackendUnavailable
 
-__all__ = ["IpcOps", "CudaIpcOps", "storage_bytes", "parse_descriptor", "format_descriptor"]
+__all__ = ["IpcOps", "CudaIpcOps", "GraphedCopies", "storage_bytes", "parse_descriptor", "format_descriptor"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,14 @@ class IpcOps:
         """``copy(dst, src, stream)`` for each ``(dst, src)`` of ``pairs``, in order."""
         for dst, src in pairs:
             self.copy(dst, src, stream)
+
+    def copy_runner(self) -> Callable[[Callable[[], list]], None]:
+        """A callable that queues ``copy_many(pairs(), current stream)`` for a receiver's
+        replayed copy program; it is handed the same pairs (same memory) on every call,
+        so a device may replay them without looking at them again."""
+        def run(pairs: Callable[[], list]) -> None:
+            self.copy_many(pairs(), self.current_stream())
+        return run
 
     def sync(self, stream: Any) -> None:
         """Block until the work queued on ``stream`` is done."""
@@ -216,6 +224,9 @@ class CudaIpcOps(IpcOps):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
+    def copy_runner(self) -> Callable[[Callable[[], list]], None]:
+        return GraphedCopies(self.device)
+
     def sync(self, stream: Any) -> None:
         stream.synchronize()
 
@@ -253,3 +264,47 @@ class CudaIpcOps(IpcOps):
             torch.cuda.ipc_collect()
         except RuntimeError:
             logger.debug("ipc_collect failed", exc_info=True)
+
+
+class GraphedCopies:
+    """A receiver's replayed copies on the current stream. The first call queues them one
+    by one; the second captures them once as a CUDA graph, and every call from then on
+    replays it: one launch, no per-tensor host work, and no gap between the copies on the
+    GPU (on the H200, 291 copies of a 16 GB model: 8.41 ms one by one, 8.07 ms as a graph,
+    host 2.7 vs 0.1 ms; ``benchmarks/gpu_copies.py``). The caller guarantees the pairs
+    cover the same memory on every call. If capture fails, copies go one by one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.graph: Any = None
+        self.calls = 0
+        self.capturable = True
+
+    def __call__(self, pairs: Callable[[], list]) -> None:
+        self.calls += 1
+        if self.graph is None and self.capturable and self.calls >= 2:
+            self.graph = self._capture(pairs())
+            self.capturable = self.graph is not None
+        if self.graph is not None:
+            self.graph.replay()          # on the current stream
+            return
+        for dst, src in pairs():
+            dst.copy_(src, non_blocking=True)
+
+    def _capture(self, pairs: list) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.device)
+        try:
+            with torch.cuda.stream(side):
+                # thread-local: the pump threads poll events while this captures
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+                finally:
+                    graph.capture_end()
+        except (RuntimeError, TypeError) as exc:
+            logger.info("cuda_ipc: copies not captured as a CUDA graph (%s); queued one by "
+                        "one", exc)
+            return None
+        return graph

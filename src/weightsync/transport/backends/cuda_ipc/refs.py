@@ -51,6 +51,10 @@ class _RegionView:
         self.regions = regions
         self.device = device
 
+    def key(self) -> tuple:
+        """The mapped regions and their addresses (what a replayed copy program reads)."""
+        return tuple(sorted((rid, t.data_ptr()) for rid, t in self.regions.items()))
+
     def __getitem__(self, key: slice) -> torch.Tensor:
         rid, local = divmod(key.start, 1 << REGION_SHIFT)
         return self.regions[rid][local: local + (key.stop - key.start)]
@@ -261,6 +265,11 @@ class ZeroCopyMixin:
                                phase="receive", version=version)
         return self._open(msg.handles[0], msg.bucket_size, peer)
 
+    def _rx_src_key(self, buf: Any) -> Any:
+        if isinstance(buf, _RegionView):
+            return buf.key()
+        return super()._rx_src_key(buf)
+
     def _ref_layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
         peer = f"trainer rank {stream}"
         k = msg.index - REF_INDEX_BASE
@@ -291,6 +300,9 @@ class ZeroCopyMixin:
     def _rx_finish_stream(self, state: Any, stream: int, msg: Any) -> None:
         used = self._rx_used.pop(stream, set())
         regions = self._rx_regions.get(stream, {})
-        for rid in [r for r in regions if r not in used]:
+        dropped = [r for r in regions if r not in used]
+        for rid in dropped:
             del regions[rid]  # releases the mapping (and the trainer's reference)
+        if dropped:
+            self._rx_drop_programs(stream, min_index=REF_INDEX_BASE)
         super()._rx_finish_stream(state, stream, msg)

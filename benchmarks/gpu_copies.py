@@ -1,0 +1,172 @@
+"""How fast can one process copy a model's tensors on one GPU? (issue 20's copy kernels)
+
+On the Llama-3-8B shapes of ``gpu_bench.py`` (16.06 GB bf16 by default), each way of
+moving every tensor is timed with CUDA events (median of ``--reps``), with the host time
+spent issuing it:
+
+- ``flat``: one copy of the whole model as one buffer (the floor: what ``gpu_bench`` calls
+  "one D2D copy");
+- ``loop``: ``dst.copy_(src)`` per tensor (what ``cuda_ipc`` zero-copy receivers and the
+  ring's pack/unpack do);
+- ``foreach``: ``torch._foreach_copy_(dsts, srcs)`` (multi-tensor kernels);
+- ``graph-loop`` / ``graph-foreach``: the same captured once as a CUDA graph and replayed;
+- ``pack``/``unpack`` ``loop``/``foreach``: the ring's two copies, tensors into and out of
+  the slices of a ``--slot-mib`` slot, a slot at a time.
+
+Usage: ``python benchmarks/gpu_copies.py --out DIR`` (writes ``DIR/gpu_copies.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE]
+
+import torch  # noqa: E402
+
+from gpu_bench import model_shapes  # noqa: E402
+
+MiB = 1 << 20
+
+
+def timed(fn, reps: int) -> dict:
+    fn()  # warm (allocations, kernel selection)
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return {"ms": statistics.median(gpu), "all_ms": gpu, "issue_ms": statistics.median(host)}
+
+
+def graphed(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm on the side stream before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def slots(sizes: list[int], slot_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Tensors grouped into slots: (tensor index, byte offset in the slot, bytes)."""
+    out, cur, used = [], [], 0
+    for i, n in enumerate(sizes):
+        if cur and used + n > slot_bytes:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append((i, used, n))
+        used += (n + 255) // 256 * 256
+    return out + ([cur] if cur else [])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--slot-mib", type=int, default=2048)
+    args = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    shapes = model_shapes(args.layers)
+    numels = [int(torch.Size(s).numel()) for _, s in shapes]
+    total = sum(numels)
+    flat_src = torch.randn(total, device=dev, dtype=torch.float32).to(torch.bfloat16)
+    flat_dst = torch.empty_like(flat_src)
+    srcs, off = [], 0
+    for (_, shape), n in zip(shapes, numels):
+        srcs.append(flat_src[off: off + n].view(shape))
+        off += n
+    dsts = [torch.empty(s, device=dev, dtype=torch.bfloat16) for _, s in shapes]
+    nbytes = total * 2
+
+    def flat() -> None:
+        flat_dst.copy_(flat_src)
+
+    def loop() -> None:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s, non_blocking=True)
+
+    def foreach() -> None:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+    res = {"bytes": nbytes, "tensors": len(shapes), "gpu": torch.cuda.get_device_name(0),
+           "torch": torch.__version__}
+    for name, fn in (("flat", flat), ("loop", loop), ("foreach", foreach)):
+        res[name] = timed(fn, args.reps)
+        print(name, json.dumps(res[name]), flush=True)
+    for name, fn in (("graph-loop", loop), ("graph-foreach", foreach)):
+        try:
+            res[name] = timed(graphed(fn), args.reps)
+        except Exception as exc:  # noqa: BLE001 - a capture that fails is a result too
+            res[name] = {"error": repr(exc)}
+        print(name, json.dumps(res[name]), flush=True)
+
+    slot_bytes = args.slot_mib * MiB
+    slot = torch.empty(slot_bytes, device=dev, dtype=torch.uint8)
+    groups = slots([n * 2 for n in numels], slot_bytes)
+    views = [[(i, slot[o: o + n].view(torch.bfloat16).view(shapes[i][1])) for i, o, n in g]
+             for g in groups]
+
+    def pack_loop() -> None:
+        for g in views:
+            for i, v in g:
+                v.copy_(srcs[i], non_blocking=True)
+
+    def pack_foreach() -> None:
+        for g in views:
+            torch._foreach_copy_([v for _, v in g], [srcs[i] for i, _ in g], non_blocking=True)
+
+    def unpack_loop() -> None:
+        for g in views:
+            for i, v in g:
+                dsts[i].copy_(v, non_blocking=True)
+
+    def unpack_foreach() -> None:
+        for g in views:
+            torch._foreach_copy_([dsts[i] for i, _ in g], [v for _, v in g], non_blocking=True)
+
+    for name, fn in (("pack-loop", pack_loop), ("pack-foreach", pack_foreach),
+                     ("unpack-loop", unpack_loop), ("unpack-foreach", unpack_foreach)):
+        res[name] = timed(fn, args.reps)
+        print(name, json.dumps(res[name]), flush=True)
+    # correctness of the fastest candidates
+    dsts_ok = True
+    for d in dsts:
+        d.zero_()
+    foreach()
+    torch.cuda.synchronize()
+    dsts_ok = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    res["foreach_exact"] = dsts_ok
+    flat_ms = res["flat"]["ms"]
+    print(f"model {nbytes / 1e9:.2f} GB, {len(shapes)} tensors, {len(groups)} slots of "
+          f"{args.slot_mib} MiB; x the flat copy ({flat_ms:.2f} ms):")
+    for k, v in res.items():
+        if isinstance(v, dict) and "ms" in v:
+            print(f"  {k:16s} {v['ms']:8.2f} ms  {v['ms'] / flat_ms:5.2f} x  "
+                  f"(host issue {v['issue_ms']:.2f} ms)")
+    print("foreach exact:", dsts_ok)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_copies.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
