@@ -100,22 +100,34 @@ async def _race_trainer(engine, zero_copy, cycles, kept=False):
     return []
 
 
-async def _race_rollout(engine, cycles):
+async def _race_rollout(engine, cycles, into=False):
+    """Returns the corrupt (step, name) pairs; with ``into`` (``receive_into``, whose
+    copies the engine replays: a CUDA graph from the second sync on) also each replayed
+    program's (runs, graph captured)."""
     bad = []
+    n = BUCKET // 4
+    dests = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda")
+             for i in range(RACE_TENSORS)}
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(3):
             kept = {}
-            async for name, t in engine.receive_weights(version=step):
-                _sleep(cycles)
+            stream = engine.receive_into(dests, version=step) if into else \
+                engine.receive_weights(version=step)
+            async for name, t in stream:
+                _sleep(cycles)   # the next bucket's copies queue behind this kernel
                 kept[name] = t.clone()
             torch.cuda.current_stream().synchronize()
-            for name, t in kept.items():
+            for name, t in list(kept.items()) + (list(dests.items()) if into else []):
                 if not bool((t == 1000 * step + int(name[1:])).all()):
                     bad.append((step, name))
-    return bad
+    if not into:
+        return bad
+    progs = engine.__dict__.get("_rx_progs", {}).values()
+    return bad, sorted((p.runs, getattr(p.runner, "graph", None) is not None) for p in progs)
 
 
-def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=False):
+def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=False,
+                 into=False):
     import asyncio
     try:
         engine = CheckpointEngineRegistry.new(
@@ -130,20 +142,21 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=
         engine.init_process_group(**conn.recv())
         prod, cons = SCENARIOS[scenario]
         job = _race_trainer(engine, zero_copy, prod, kept) if role == "trainer" else \
-            _race_rollout(engine, cons)
+            _race_rollout(engine, cons, into)
         conn.send({"bad": asyncio.run(job)})
         engine.finalize()
     except BaseException:
         conn.send({"fatal": traceback.format_exc()})
 
 
-def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False):
+def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False, into=False):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_race_worker,
-                        args=(role, zero_copy, sync, mutant, scenario, child, kept, rxw),
+                        args=(role, zero_copy, sync, mutant, scenario, child, kept, rxw,
+                              into),
                         daemon=True)
         p.start()
         pipes.append(parent)
@@ -199,15 +212,56 @@ def test_slow_streams_never_corrupt_kept_parameters_on_the_ring(scenario):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("zero_copy,kept", [(False, False), (False, True), (True, False)])
+def test_slow_streams_never_corrupt_replayed_copies_into_the_callers_tensors(scenario,
+                                                                            zero_copy, kept):
+    """``receive_into``: each bucket's copies are a program, queued one by one at the first
+    sync, captured as a CUDA graph at the second and replayed at the third; the bytes stay
+    right behind slow kernels on either side."""
+    trainer, rollout = _run_race(zero_copy, "event", scenario, kept=kept, into=True)
+    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
+    bad, progs = rollout["bad"]
+    assert bad == []
+    assert progs == [(3, True)] * RACE_TENSORS, progs
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero_copy,sync,scenario", [
     (False, "event", "slow_producer"), (False, "event", "slow_consumer"),
     (True, "event", "slow_producer"), (False, "host", "slow_producer"),
     (False, "host", "slow_consumer"), (False, "event", "slow_consumer-kept"),
     (False, "event", "slow_producer-kept"), (False, "event", "slow_producer-rxw"),
-    (True, "event", "slow_producer-rxw")])
+    (True, "event", "slow_producer-rxw"), (False, "event", "slow_consumer-into"),
+    (True, "event", "slow_producer-into")])
 def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
-    scenario, kept, rxw = scenario.split("-")[0], scenario.endswith("-kept"), \
-        scenario.endswith("-rxw")
-    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept, rxw=rxw)
+    scenario, kept, rxw, into = scenario.split("-")[0], scenario.endswith("-kept"), \
+        scenario.endswith("-rxw"), scenario.endswith("-into")
+    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept, rxw=rxw,
+                                 into=into)
     assert "fatal" not in rollout, rollout
-    assert rollout["bad"], f"no corruption without stream waits ({scenario})"
+    bad = rollout["bad"][0] if into else rollout["bad"]
+    assert bad, f"no corruption without stream waits ({scenario})"
+
+
+@pytest.mark.timeout(120)
+def test_graphed_copies_queue_then_capture_then_replay_the_current_bytes():
+    from weightsync.transport.backends.cuda_ipc.ops import GraphedCopies
+
+    src = [torch.arange(n, dtype=torch.float32, device="cuda") for n in (5, 4096, 1 << 20)]
+    dst = [torch.zeros_like(s) for s in src]
+    run = GraphedCopies(torch.device("cuda", 0))
+    asked = []
+
+    def pairs():
+        asked.append(1)
+        return list(zip(dst, src))
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for k in range(4):
+            for s in src:
+                s.add_(1)         # the copies must take the bytes as they are at each call
+            run(pairs)
+            torch.cuda.current_stream().synchronize()
+            assert all(torch.equal(d, s) for d, s in zip(dst, src)), k
+            assert (run.graph is not None) == (k >= 1)
+    assert len(asked) == 2        # the pairs are looked at to queue once and to capture once
