@@ -3,7 +3,7 @@
 # VRAM benchmark, then the GPU tests.
 # Everything lands in $OUT.
 #   OUT=/tmp/out bash benchmarks/run_gpu.sh [gpu_bench.py options]
-# SKIP_BENCH=1 / SKIP_D2H=1 skip the cuda_ipc / shm D2H benchmarks; on 2+ GPUs the nixl
+# SKIP_BENCH=1 / SKIP_D2H=1 / SKIP_NIXL_BENCH=1 skip the cuda_ipc / shm D2H / nixl benchmarks; on 2+ GPUs the nixl
 # benchmark runs again with the trainer on GPU 0 and the receiver on GPU 1.
 # NIXL: carry .wheels-device (nixl + nixl-cu13 wheels, see BENCHMARKS.md); without it the
 # nixl steps are skipped.
@@ -31,7 +31,7 @@ if [ -z "${SKIP_D2H:-}" ]; then
     | tee "$OUT/shm_d2h.txt" | tail -3
   echo "shm d2h exit ${PIPESTATUS[0]}"
 fi
-if $PY -c 'import nixl' 2>/dev/null; then
+if [ -z "${SKIP_NIXL_BENCH:-}" ] && $PY -c 'import nixl' 2>/dev/null; then
   timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_gpu.py --gib "${NIXL_GIB:-1}" --warm 3 \
     --out "$OUT" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/nixl_gpu.txt" | tail -5
   echo "nixl bench exit ${PIPESTATUS[0]}"
