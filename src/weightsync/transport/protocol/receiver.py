@@ -354,7 +354,7 @@ class ReceiverMixin:
             return None
         progs = self.__dict__.setdefault("_rx_progs", {})
         key = (stream, msg.index, msg.slot)
-        src = self._rx_src_key(buf)
+        src = self._rx_src_key(buf, entries)
         prog = progs.get(key)
         if prog is not None and prog.layout == msg.layout and prog.src == src:
             dests = prog.dests_in(state.into)
@@ -383,9 +383,9 @@ class ReceiverMixin:
         return [(d.view(-1).view(torch.uint8) if d.dim() else d.reshape(1).view(torch.uint8),
                  buf[off: off + n]) for d, (off, n) in zip(dests, prog.spans)]
 
-    def _rx_src_key(self, buf: Any) -> Any:
-        """Hook: what identifies the memory a bucket is read from (a program is replayed
-        only over the same memory)."""
+    def _rx_src_key(self, buf: Any, entries: tuple[TensorMeta, ...]) -> Any:
+        """Hook: what identifies the memory a bucket's ``entries`` are read from (a program
+        is replayed only over the same memory)."""
         return (buf.data_ptr(), buf.numel())
 
     def _rx_copy_runner(self) -> Any:

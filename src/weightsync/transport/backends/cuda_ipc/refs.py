@@ -51,9 +51,11 @@ class _RegionView:
         self.regions = regions
         self.device = device
 
-    def key(self) -> tuple:
-        """The mapped regions and their addresses (what a replayed copy program reads)."""
-        return tuple(sorted((rid, t.data_ptr()) for rid, t in self.regions.items()))
+    def key(self, entries: tuple[TensorMeta, ...]) -> tuple:
+        """The regions ``entries`` read and their addresses (what a replayed copy program
+        reads; regions mapped for other batches do not change it)."""
+        rids = sorted({e.offset >> REGION_SHIFT for e in entries})
+        return tuple((rid, self.regions[rid].data_ptr()) for rid in rids)
 
     def __getitem__(self, key: slice) -> torch.Tensor:
         rid, local = divmod(key.start, 1 << REGION_SHIFT)
@@ -265,10 +267,10 @@ class ZeroCopyMixin:
                                phase="receive", version=version)
         return self._open(msg.handles[0], msg.bucket_size, peer)
 
-    def _rx_src_key(self, buf: Any) -> Any:
+    def _rx_src_key(self, buf: Any, entries: tuple[TensorMeta, ...]) -> Any:
         if isinstance(buf, _RegionView):
-            return buf.key()
-        return super()._rx_src_key(buf)
+            return buf.key(entries)
+        return super()._rx_src_key(buf, entries)
 
     def _ref_layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
         peer = f"trainer rank {stream}"
