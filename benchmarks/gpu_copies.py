@@ -13,7 +13,11 @@ spent issuing it:
 - ``pack``/``unpack`` ``loop``/``foreach``: the ring's two copies, tensors into and out of
   the slices of a ``--slot-mib`` slot, a slot at a time.
 
-Usage: ``python benchmarks/gpu_copies.py --out DIR`` (writes ``DIR/gpu_copies.json``).
+With ``--ipc`` the sources live in another process and are mapped here through CUDA IPC
+(as a ``cuda_ipc`` zero-copy receiver reads the trainer's tensors): ``ipc-loop`` and
+``ipc-graph-loop``.
+
+Usage: ``python benchmarks/gpu_copies.py --out DIR [--ipc]`` (writes ``DIR/gpu_copies.json``).
 """
 
 from __future__ import annotations
@@ -77,12 +81,49 @@ def slots(sizes: list[int], slot_bytes: int) -> list[list[tuple[int, int, int]]]
     return out + ([cur] if cur else [])
 
 
+def _exporter(layers: int, q, done) -> None:
+    """Child process: the model's tensors, each its own allocation, shared through CUDA
+    IPC (torch.multiprocessing), alive until ``done`` is set."""
+    shapes = model_shapes(layers)
+    ts = [torch.randn(s, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+          for _, s in shapes]
+    torch.cuda.synchronize()
+    q.put(ts)
+    done.wait(600)
+
+
+def ipc_copies(layers: int, reps: int, dsts: list) -> dict:
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_exporter, args=(layers, q, done), daemon=True)
+    p.start()
+    out = {}
+    try:
+        srcs = q.get(timeout=300)
+
+        def loop() -> None:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s, non_blocking=True)
+        out["ipc-loop"] = timed(loop, reps)
+        out["ipc-graph-loop"] = timed(graphed(loop), reps)
+        torch.cuda.synchronize()
+        out["ipc_exact"] = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+        del srcs
+    finally:
+        done.set()
+        p.join(30)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--slot-mib", type=int, default=2048)
+    ap.add_argument("--ipc", action="store_true",
+                    help="also copy from another process's tensors mapped through CUDA IPC")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     shapes = model_shapes(args.layers)
@@ -155,6 +196,10 @@ def main() -> None:
     torch.cuda.synchronize()
     dsts_ok = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     res["foreach_exact"] = dsts_ok
+    if args.ipc:
+        res.update(ipc_copies(args.layers, args.reps, dsts))
+        print("ipc", json.dumps({k: v for k, v in res.items() if k.startswith("ipc")}),
+              flush=True)
     flat_ms = res["flat"]["ms"]
     print(f"model {nbytes / 1e9:.2f} GB, {len(shapes)} tensors, {len(groups)} slots of "
           f"{args.slot_mib} MiB; x the flat copy ({flat_ms:.2f} ms):")

@@ -683,11 +683,11 @@ def test_receive_into_replays_each_buckets_copies(fake_ops, zero_copy, receivers
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_a_replayed_program_writes_new_destinations_and_keeps_no_old_one_alive(fake_ops,
-                                                                              zero_copy):
-    """A caller that hands new tensors (same names, shapes, dtypes) gets the bytes in
-    those, not in the ones a program was built for; programs hold their destinations
-    weakly, so dropped ones are freed."""
+def test_a_program_replays_over_new_views_and_writes_new_memory(fake_ops, zero_copy):
+    """Destinations are matched by memory, not object: new views of the same tensors (a
+    replica's ``detach()`` of its parameters every sync) replay the programs; tensors
+    elsewhere (same names, shapes, dtypes) get the bytes through new programs, and the
+    old ones are not written. Programs keep no caller tensor alive."""
     import gc
     import weakref
 
@@ -699,21 +699,30 @@ def test_a_replayed_program_writes_new_destinations_and_keeps_no_old_one_alive(f
         for (_, p), (_, new) in zip(params, make_tensors(step, bucket_size=BUCKET)):
             p.copy_(new)
         return params
+
+    def check(step, sent, got):
+        assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+        runs = _program_runs(rs[0])
+        assert len(runs) >= 2 and len(set(runs)) == 1, runs
+        return runs[0]
     try:
         for step in range(2):
             sent, got = _sync_into(ts, rs, lambda i: step_params(step), step, [old])
-            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
-        assert _program_runs(rs[0])[-1] == 2
-        new = _destinations(0)
-        sent, got = _sync_into(ts, rs, lambda i: step_params(2), 2, [new])
-        assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            assert check(step, sent, got) == step + 1
+        views = {n: t.detach() for n, t in old.items()}      # new objects, same memory
+        sent, got = _sync_into(ts, rs, lambda i: step_params(2), 2, [views])
+        assert check(2, sent, got) == 3                      # replayed, not rebuilt
         for n, t in expected_tensors(2, bucket_size=BUCKET).items():
+            assert same_bytes(old[n], t), n
+        new = _destinations(0)
+        sent, got = _sync_into(ts, rs, lambda i: step_params(3), 3, [new])
+        assert check(3, sent, got) == 1                      # rebuilt for the new memory
+        for n, t in expected_tensors(3, bucket_size=BUCKET).items():
             assert same_bytes(new[n], t), n
-        for n, t in expected_tensors(1, bucket_size=BUCKET).items():
-            assert same_bytes(old[n], t), n           # untouched since sync 1
-        assert _program_runs(rs[0])[-1] == 1          # rebuilt for the new tensors
+        for n, t in expected_tensors(2, bucket_size=BUCKET).items():
+            assert same_bytes(old[n], t), n                  # untouched since sync 2
         watch = weakref.ref(old["tiny.0"])
-        del old
+        del old, views
         gc.collect()
         assert watch() is None
     finally:

@@ -7,7 +7,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Optional
 
@@ -77,28 +76,33 @@ class _SemEvent:
 
 class IntoProgram:
     """A replayed bucket's copies into the caller's tensors (``receive_into``), worked out
-    once: the names, where each lies in the bucket, and a weak reference to each
-    destination (a program never keeps the caller's tensors alive). It is used again while
-    the bucket's layout, its memory and every destination object are the same; the
-    backend's ``runner`` issues the copies (on a GPU: a captured CUDA graph from the second
-    use on, see :meth:`ReceiverMixin._rx_copy_runner`)."""
+    once: the names, where each lies in the bucket, and where each destination's memory
+    is. It is used again while the bucket's layout and memory are the same and each name
+    maps to a tensor over the same memory (address, shape, dtype): the very objects, or new
+    views of them, as a replica's ``detach()`` of its parameters yields every sync. A
+    program keeps no reference to the caller's tensors. The backend's ``runner`` issues
+    the copies (on a GPU: a captured CUDA graph from the second use on, see
+    :meth:`ReceiverMixin._rx_copy_runner`)."""
 
-    __slots__ = ("layout", "src", "names", "spans", "refs", "nbytes", "runner", "runs")
+    __slots__ = ("layout", "src", "names", "spans", "where", "nbytes", "runner", "runs")
 
     def __init__(self, layout: str, src: Any, names: tuple, spans: tuple, dests: list,
                  runner: Any) -> None:
         self.layout, self.src, self.names, self.spans = layout, src, names, spans
-        self.refs = tuple(weakref.ref(d) for d in dests)
+        self.where = tuple((d.data_ptr(), d.shape, d.dtype, d.device) for d in dests)
         self.nbytes = sum(n for _, n in spans)
         self.runner = runner
         self.runs = 0
 
     def dests_in(self, into: Mapping[str, torch.Tensor]) -> Optional[list]:
-        """The destinations if ``into`` still maps every name to the same object."""
+        """The destinations if ``into`` still maps every name to a contiguous tensor over
+        the same memory."""
         dests = [into.get(n) for n in self.names]
-        if all(d is not None and d is r() for d, r in zip(dests, self.refs)):
-            return dests
-        return None
+        for d, (ptr, shape, dtype, device) in zip(dests, self.where):
+            if d is None or d.data_ptr() != ptr or d.shape != shape or d.dtype != dtype \
+                    or d.device != device or not d.is_contiguous():
+                return None
+        return dests
 
 
 def _fits(dest: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype, device: Any) -> bool:
