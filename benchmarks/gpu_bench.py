@@ -109,7 +109,11 @@ class Worker:
     def op_engine_prepare(self, cfg: dict) -> dict:
         from weightsync import CheckpointEngineRegistry
         self.views = bool(cfg.pop("views", False))
-        self.into = cfg.pop("consume", "copy") == "into"
+        consume = cfg.pop("consume", "copy")
+        self.into = consume in ("into", "into-detach")
+        # into-detach: new views of the parameters every sync, as HfReplica's land_in hands
+        # receive_into {name: param.detach()}
+        self.detach = consume == "into-detach"
         if not self.cuda:
             cfg = {k: v for k, v in cfg.items() if k not in (
                 "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes",
@@ -220,7 +224,9 @@ class Worker:
         self.log.clear()
         start, first = time.perf_counter(), None
         if self.into:   # the README's consumer: the engine lands the bytes in params
-            async for name, t in self.engine.receive_into(self.params, version=version):
+            into = {n: p.detach() for n, p in self.params.items()} if self.detach \
+                else self.params
+            async for name, t in self.engine.receive_into(into, version=version):
                 if first is None:
                     first = time.perf_counter()
         else:
@@ -396,6 +402,10 @@ VARIANTS = (
      {"consume": "into"}),
     ("--into-zero-copy-buckets", "1024", "zero-copy, consumed with receive_into",
      {"consume": "into", "zero_copy": True}),
+    ("--into-detach-buckets", "", "ring, receive_into new views of the parameters every "
+     "sync (as HfReplica's land_in)", {"consume": "into-detach"}),
+    ("--into-detach-zero-copy-buckets", "", "zero-copy, receive_into new views every sync",
+     {"consume": "into-detach", "zero_copy": True}),
     ("--zero-copy-first-bucket-buckets", "1024", "zero-copy, first batch a whole bucket",
      {"zero_copy": True, "ref_first_bytes": "bucket"}),
     ("--rx-waits-buckets", "2048", "ring, rx_stream_waits=True (the consumer's stream waits)",
@@ -526,6 +536,8 @@ def report(out: dict) -> str:
             name += " (rx stream waits)"
         if c.get("consume") == "into":
             name += " (receive_into)"
+        elif c.get("consume") == "into-detach":
+            name += " (receive_into, new views)"
         if c.get("ref_first_bytes"):
             name += " (first batch = bucket)"
         if c.get("views"):
