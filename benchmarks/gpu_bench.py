@@ -188,6 +188,19 @@ class Worker:
         return {"ms": (time.perf_counter() - start) * 1e3, "metrics": metrics,
                 "peak": self._peak(base), "log": list(self.log)}
 
+    def op_trace(self, on: bool, path: str = "") -> dict:
+        """torch.profiler (CUDA activity) over the following syncs (``on``), or stop it and
+        write a Chrome trace to ``path``."""
+        from torch.profiler import ProfilerActivity, profile
+        if on:
+            self.tracer = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.tracer.__enter__()
+            return {}
+        self.tracer.__exit__(None, None, None)
+        self.tracer.export_chrome_trace(path)
+        self.tracer = None
+        return {}
+
     def op_profile(self, on: bool, path: str = "") -> dict:
         """cProfile the following syncs of this process (``on``), or dump the stats."""
         import cProfile
@@ -372,7 +385,7 @@ def run_profile(d: Driver, cfg: dict, out_dir: str, tag: str, seed0: int) -> dic
     return {"cfg": cfg, "plain_ms": plain, "profiled_ms": prof}
 
 
-def run_engine(d: Driver, cfg: dict, warm: int, seed0: int) -> dict:
+def run_engine(d: Driver, cfg: dict, warm: int, seed0: int, trace: str = "") -> dict:
     from weightsync.transport.base import worker_kwargs
     from weightsync.transport.backends.cuda_ipc.engine import CudaIpcEngine
     free0 = d.call("trainer", "mem")["free"]
@@ -381,6 +394,11 @@ def run_engine(d: Driver, cfg: dict, warm: int, seed0: int) -> dict:
     d.both("engine_init", {"kw": worker_kwargs(tk, 0)}, {"kw": worker_kwargs(rk, 0)})
     ring = free0 - d.call("trainer", "mem")["free"]  # device-wide, both processes
     runs = [d.sync_once(seed0 + i) for i in range(warm + 1)]
+    if trace:   # one more warm sync, traced on both sides (not counted)
+        d.both("trace", {"on": True}, {"on": True})
+        d.sync_once(seed0 + warm + 1)
+        for role in ("trainer", "rollout"):
+            d.call(role, "trace", on=False, path=f"{trace}_{role}.json")
     d.call("rollout", "engine_close")  # receivers let go first, then the trainer frees
     d.call("trainer", "engine_close")
     warm_ms = [x["ms"] for x in runs[1:]]
@@ -406,6 +424,8 @@ VARIANTS = (
      "sync (as HfReplica's land_in)", {"consume": "into-detach"}),
     ("--into-detach-zero-copy-buckets", "", "zero-copy, receive_into new views every sync",
      {"consume": "into-detach", "zero_copy": True}),
+    ("--into-zero-copy-first-64m-buckets", "", "zero-copy, receive_into, first batch 64 MiB",
+     {"zero_copy": True, "consume": "into", "ref_first_bytes": 64 * MiB}),
     ("--zero-copy-first-bucket-buckets", "1024", "zero-copy, first batch a whole bucket",
      {"zero_copy": True, "ref_first_bytes": "bucket"}),
     ("--rx-waits-buckets", "2048", "ring, rx_stream_waits=True (the consumer's stream waits)",
@@ -434,6 +454,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile two configurations")
     ap.add_argument("--timeline", action="store_true",
                     help="print when each engine step ran in the last warm sync")
+    ap.add_argument("--cuda-trace", action="store_true",
+                    help="trace one more warm sync of each configuration with torch.profiler "
+                         "(CUDA activity): DIR/trace<k>_<role>.json")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="sys.setswitchinterval in both processes (0: leave Python's 5 ms)")
     args = ap.parse_args()
@@ -473,9 +496,10 @@ def main() -> None:
                         cfg["ref_first_bytes"] = cfg["bucket_size"]
                     configs += [{**cfg, "zero_copy": zc} for zc in
                                 ((True, False) if extra.get("views") else (cfg["zero_copy"],))]
-        for cfg in configs:
-            res = run_engine(d, cfg, args.warm, seed)
-            seed += args.warm + 1
+        for k, cfg in enumerate(configs):
+            res = run_engine(d, cfg, args.warm, seed,
+                             os.path.join(args.out, f"trace{k}") if args.cuda_trace else "")
+            seed += args.warm + 2
             out["engine"].append(res)
             print("engine", json.dumps({k: v for k, v in res.items()
                                         if k not in ("metrics", "last")}), flush=True)

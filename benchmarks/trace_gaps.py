@@ -1,0 +1,75 @@
+"""Where a traced sync's GPU time goes: reads the Chrome traces ``gpu_bench.py
+--cuda-trace`` writes (one per process) and prints, per process, the GPU work (copies and
+kernels) as busy intervals: when it starts and ends, how much of that span the GPU was
+busy, the largest gaps, and the copy rate of the big copies.
+
+Usage: ``python benchmarks/trace_gaps.py DIR/trace3_trainer.json DIR/trace3_rollout.json``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def gpu_events(path: str) -> list[dict]:
+    with open(path) as f:
+        data = json.load(f)
+    evs = data["traceEvents"] if isinstance(data, dict) else data
+    return sorted((e for e in evs if e.get("cat") in GPU_CATS and "dur" in e),
+                  key=lambda e: e["ts"])
+
+
+def busy(events: list[dict]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for e in events:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def report(path: str, t0: float) -> None:
+    evs = gpu_events(path)
+    if not evs:
+        print(f"{path}: no GPU events")
+        return
+    iv = busy(evs)
+    start, end = iv[0][0], iv[-1][1]
+    total = sum(b - a for a, b in iv)
+    gaps = sorted(((iv[i + 1][0] - iv[i][1], iv[i][1] - t0) for i in range(len(iv) - 1)),
+                  reverse=True)
+    big = [e for e in evs if e.get("cat") == "gpu_memcpy" and
+           e.get("args", {}).get("bytes", 0) >= 64 << 20]
+    rate = (sum(e["args"]["bytes"] for e in big) / sum(e["dur"] for e in big) / 1e3) \
+        if big else 0.0
+    print(f"{path}: {len(evs)} GPU events, from {(start - t0) / 1e3:.2f} to "
+          f"{(end - t0) / 1e3:.2f} ms (span {(end - start) / 1e3:.2f} ms), busy "
+          f"{total / 1e3:.2f} ms ({100 * total / (end - start):.0f} %); copies >= 64 MiB "
+          f"{rate:.0f} GB/s (one direction)")
+    print("  largest gaps (ms, at ms):", ", ".join(f"{g / 1e3:.3f}@{at / 1e3:.2f}"
+                                                  for g, at in gaps[:8]))
+    names: dict[str, list[float]] = {}
+    for e in evs:
+        names.setdefault(e.get("name", "?")[:60], []).append(e["dur"])
+    for n, d in sorted(names.items(), key=lambda kv: -sum(kv[1]))[:6]:
+        print(f"  {sum(d) / 1e3:8.2f} ms  x{len(d):4d}  {n}")
+
+
+def main() -> None:
+    paths = sys.argv[1:]
+    firsts = [gpu_events(p) for p in paths]
+    if not any(firsts):
+        print("no GPU events in", ", ".join(paths))
+        return
+    t0 = min(e[0]["ts"] for e in firsts if e)   # one clock when both traces use it
+    for p in paths:
+        report(p, t0)
+
+
+if __name__ == "__main__":
+    main()
