@@ -141,7 +141,10 @@ class Worker:
             def wrapped(*a, _fn=fn, _name=name, **k):
                 self.log.append((time.perf_counter(), _name + ">"))
                 try:
-                    return _fn(*a, **k)
+                    if getattr(self, "tracer", None) is None:
+                        return _fn(*a, **k)
+                    with torch.profiler.record_function("ws" + _name):  # in --cuda-trace
+                        return _fn(*a, **k)
                 finally:
                     self.log.append((time.perf_counter(), "<" + _name))
             setattr(self.engine, name, wrapped)
@@ -183,7 +186,11 @@ class Worker:
         # buffers, merged-LoRA exports)
         items = [(n, p.view(p.shape)) for n, p in self.params.items()] if self.views \
             else self.params.items()
-        metrics = await self.engine.send_weights(items, version=version)
+        if getattr(self, "tracer", None) is not None:
+            with torch.profiler.record_function("ws_send_weights"):
+                metrics = await self.engine.send_weights(items, version=version)
+        else:
+            metrics = await self.engine.send_weights(items, version=version)
         self.log.append((time.perf_counter(), "<send_weights"))
         return {"ms": (time.perf_counter() - start) * 1e3, "metrics": metrics,
                 "peak": self._peak(base), "log": list(self.log)}
@@ -563,7 +570,9 @@ def report(out: dict) -> str:
         elif c.get("consume") == "into-detach":
             name += " (receive_into, new views)"
         if c.get("ref_first_bytes"):
-            name += " (first batch = bucket)"
+            first = c["ref_first_bytes"]
+            name += " (first batch = bucket)" if first == c["bucket_size"] else \
+                f" (first batch {first // MiB} MiB)"
         if c.get("views"):
             name += " (new views)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "

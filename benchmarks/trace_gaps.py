@@ -60,6 +60,37 @@ def report(path: str, t0: float) -> None:
         print(f"  {sum(d) / 1e3:8.2f} ms  x{len(d):4d}  {n}")
 
 
+def sync_window(paths: list[str]) -> None:
+    """With ``--timeline`` too, the engine's steps are marked in the traces (``ws_*``): the
+    sync from the trainer's ``send_weights`` to its return, against the receiver's GPU
+    copies (device-to-device) in it."""
+    marks, copies = [], []
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        evs = data["traceEvents"] if isinstance(data, dict) else data
+        role = "T" if "trainer" in p else "R"
+        marks += [(e["ts"], e["ts"] + e.get("dur", 0), role + " " + e["name"][2:])
+                  for e in evs if str(e.get("name", "")).startswith("ws_")]
+        if role == "R":
+            copies += [(e["ts"], e["ts"] + e["dur"]) for e in evs
+                       if e.get("cat") == "gpu_memcpy" and "DtoD" in e.get("name", "")]
+    send = [m for m in marks if m[2] == "T send_weights"]
+    if not send or not copies:
+        return
+    a, b = send[-1][0], send[-1][1]
+    inside = sorted(c for c in copies if a <= c[0] <= b)
+    if not inside:
+        return
+    busy = sum(y - x for x, y in inside)
+    print(f"sync {(b - a) / 1e3:.2f} ms: receiver copies from {(inside[0][0] - a) / 1e3:.2f} "
+          f"to {(inside[-1][1] - a) / 1e3:.2f} ms (busy {busy / 1e3:.2f} ms, "
+          f"{len(inside)} copies); the trainer returns {(b - inside[-1][1]) / 1e3:.2f} ms "
+          "after the last copy")
+    for x, y, n in sorted(m for m in marks if a <= m[0] <= b):
+        print(f"  {(x - a) / 1e3:8.3f} .. {(y - a) / 1e3:8.3f} ms  {n}")
+
+
 def main() -> None:
     paths = sys.argv[1:]
     firsts = [gpu_events(p) for p in paths]
@@ -69,6 +100,7 @@ def main() -> None:
     t0 = min(e[0]["ts"] for e in firsts if e)   # one clock when both traces use it
     for p in paths:
         report(p, t0)
+    sync_window(paths)
 
 
 if __name__ == "__main__":
