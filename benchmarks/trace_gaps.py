@@ -70,11 +70,10 @@ def sync_window(paths: list[str]) -> None:
             data = json.load(f)
         evs = data["traceEvents"] if isinstance(data, dict) else data
         role = "T" if "trainer" in p else "R"
-        marks += [(e["ts"], e["ts"] + e.get("dur", 0), role + " " + e["name"][2:])
+        marks += [(e["ts"], e["ts"] + e.get("dur", 0), role + " " + e["name"][3:])
                   for e in evs if str(e.get("name", "")).startswith("ws_")]
         if role == "R":
-            copies += [(e["ts"], e["ts"] + e["dur"]) for e in evs
-                       if e.get("cat") == "gpu_memcpy" and "DtoD" in e.get("name", "")]
+            copies += [(e["ts"], e["ts"] + e["dur"]) for e in evs if is_copy(e) and "dur" in e]
     send = [m for m in marks if m[2] == "T send_weights"]
     if not send or not copies:
         return
@@ -91,6 +90,31 @@ def sync_window(paths: list[str]) -> None:
         print(f"  {(x - a) / 1e3:8.3f} .. {(y - a) / 1e3:8.3f} ms  {n}")
 
 
+def is_copy(e: dict) -> bool:
+    """A device-to-device copy: a memcpy, or the copy kernel a CUDA graph's memcpy node
+    runs as (``memcpy128``, ``memcpy32_post``)."""
+    name = e.get("name", "")
+    return (e.get("cat") == "gpu_memcpy" and "DtoD" in name) or \
+        (e.get("cat") == "kernel" and name.startswith("memcpy"))
+
+
+def copies_window(path: str) -> None:
+    """The process's device-to-device copies: from the first to the last, how much of
+    that window they kept the GPU busy, and the gaps between them."""
+    with open(path) as f:
+        data = json.load(f)
+    evs = data["traceEvents"] if isinstance(data, dict) else data
+    cp = sorted((e for e in evs if is_copy(e) and "dur" in e), key=lambda e: e["ts"])
+    if not cp:
+        return
+    a, b = cp[0]["ts"], cp[-1]["ts"] + cp[-1]["dur"]
+    gaps = sorted(((y["ts"] - x["ts"] - x["dur"], x["ts"] + x["dur"] - a)
+                   for x, y in zip(cp, cp[1:])), reverse=True)
+    print(f"{path}: {len(cp)} copies in {(b - a) / 1e3:.2f} ms, busy "
+          f"{sum(e['dur'] for e in cp) / 1e3:.2f} ms; largest gaps (ms, at ms): "
+          + ", ".join(f"{g / 1e3:.3f}@{at / 1e3:.2f}" for g, at in gaps[:5] if g > 20))
+
+
 def main() -> None:
     paths = sys.argv[1:]
     firsts = [gpu_events(p) for p in paths]
@@ -100,6 +124,8 @@ def main() -> None:
     t0 = min(e[0]["ts"] for e in firsts if e)   # one clock when both traces use it
     for p in paths:
         report(p, t0)
+    for p in paths:
+        copies_window(p)
     sync_window(paths)
 
 
