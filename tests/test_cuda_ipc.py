@@ -416,7 +416,7 @@ def _ring_case(mix, mutant, receivers=2, steps=4):
     trainer = ts[0]
     host_waits = []
     real_wait = trainer._wait_event
-    trainer._wait_event = lambda *a, **k: (host_waits.append(k.get("phase")),
+    trainer._wait_event = lambda *a, **k: (host_waits.append((k.get("phase"), a[0])),
                                            real_wait(*a, **k))[1]
     if mutant:   # the ring no longer waits on the GPU (for the receivers, or the trainer)
         trainer._stream_wait = lambda *a, **k: None
@@ -437,7 +437,10 @@ def _ring_case(mix, mutant, receivers=2, steps=4):
             host_waits.clear()
             sent, got = _sync(ts, rs, items, step, on_stream=True)
             assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
-            rings.append((sent[0]["ring_tensors"], host_waits.count("send")))
+            done = [events[-1] for events in trainer._drained]   # the receivers' ends
+            rings.append((sent[0]["ring_tensors"],
+                          sum(p == "send" and e not in done for p, e in host_waits),
+                          sum(e in done for _, e in host_waits)))
             for g in got:
                 for name, (t, _) in g.items():
                     want = values[name].contiguous() if name in values else \
@@ -459,10 +462,11 @@ def test_kept_tensors_go_on_the_ring_and_the_trainer_host_never_waits(fake_ops, 
     bad, rings = _ring_case(mix, mutant=False)
     assert bad == []
     assert rings[0][0] == 0                 # the first sync knows no storage yet
-    for on_ring, waits in rings[1:]:
+    for on_ring, waits, ends in rings[1:]:
         assert on_ring >= 40
         if not mix:
-            assert waits == 0, rings         # no host wait for the receivers at all
+            assert waits == 0, rings         # no host wait for the receivers' slot reads
+        assert ends == 2, rings              # only for each one's end of the sync
 
 
 @pytest.mark.timeout(120)
@@ -749,5 +753,55 @@ def test_replayed_copies_are_done_before_their_slot_is_refilled(fake_ops, rx_str
             bad = [n for n, p in params if not same_bytes(dests[0][n], p)]
             assert not bad, bad[:5]
         assert _program_runs(rs[0]) == [3] * sent[0]["buckets"]
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_send_returns_only_once_every_receiver_has_read(fake_ops, monkeypatch, zero_copy):
+    """Receivers acknowledge the end before their last reads are done (the trainer waits
+    for their "done" events itself): a trainer that overwrites its tensors the moment
+    ``send_weights`` returns must not change what the receivers get. Trainer and
+    receivers run on threads of their own, and events complete late."""
+    monkeypatch.setattr(FakeOps, "late_polls", 40)
+    params = [(f"w.{i}", torch.zeros(BUCKET // 16 - 8)) for i in range(12)]
+    ts, rs = _group(1, 2, zero_copy=zero_copy, min_ref_bytes=0)
+    dests = [{n: torch.empty_like(t) for n, t in params} for _ in rs]
+    steps, bad, errors = 3, [], []
+
+    def trainer():
+        async def run():
+            for step in range(steps):
+                for i, (_, p) in enumerate(params):
+                    p.fill_(step * 100 + i)
+                await ts[0].send_weights(params, version=step)
+                for _, p in params:
+                    p.fill_(-1.0)        # the next optimizer step, at once
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def receiver(r, into):
+        async def run():
+            for step in range(steps):
+                async for _ in r.receive_into(into, version=step):
+                    pass
+                bad.extend((step, n) for i, (n, _) in enumerate(params)
+                           if not bool((into[n] == step * 100 + i).all()))
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+    threads = [threading.Thread(target=trainer)] + \
+        [threading.Thread(target=receiver, args=(r, d)) for r, d in zip(rs, dests)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors
+        assert bad == []
     finally:
         _finalize(ts + rs)

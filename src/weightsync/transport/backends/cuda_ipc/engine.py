@@ -36,8 +36,12 @@ slots are kept from the allocator while it may still use them; a sync that follo
 failed one first waits (bounded) until the ring has drained, else it asks for a new
 ``init_process_group``. Every wait on a peer is bounded on the host (``SyncTimeout``).
 With ``"host"`` the trainer synchronizes its stream before publishing and the receiver
-its consumer's stream before acknowledging. Before the final acknowledgement a receiver
-synchronizes its consumer's stream.
+its consumer's stream before acknowledging. At the end of a sync a receiver (with
+``"event"``) records a "done" event behind all its reads and acknowledges at once, then
+waits for that event before its receive returns; the trainer, once every receiver
+acknowledged, waits for their "done" events before ``send_weights`` returns (so the
+message's trip overlaps the last copies). With ``"host"`` the receiver synchronizes its
+consumer's stream before the final acknowledgement.
 
 Zero-copy option (``zero_copy=True``, see :mod:`._cudaipc_refs`): eligible tensors are
 read straight from the trainer's memory, one copy per sync instead of two.
@@ -231,7 +235,6 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._rx_filled: dict[int, list[Any]] = {}     # receiver: per stream (opened)
         self._rx_drained: dict[int, list[Any]] = {}    # receiver: per stream, per slot
         self._rx_bufs: dict[int, list[torch.Tensor]] = {}
-        self._rx_done_event: Any = None
         self._ackers: dict[int, _AckPusher] = {}
         self._dst_views: dict[tuple, torch.Tensor] = {}   # sender: views into slots
         # sender, with stream_waits: the ring stream, an event marking the caller's stream,
@@ -290,7 +293,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 if self._events:
                     self._drained[msg.rank] = [self._open_event(h, f"rollout rank {msg.rank}")
                                                for h in msg.handles]
-                    if len(self._drained[msg.rank]) != n:
+                    if len(self._drained[msg.rank]) != n + 1:   # per slot, and "done"
                         raise TopologyError("a receiver sent the wrong number of events",
                                             peer=f"rollout rank {msg.rank}", phase="init")
                 attached.add(msg.rank)
@@ -325,7 +328,9 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             self._events = events
             if events:
                 self._rx_filled[s] = [self._open_event(h, peer) for h in msg.handles[n:]]
-                self._rx_drained[s] = [self._ops.new_event() for _ in range(n)]
+                # one per slot, then "done": every read of a sync (the trainer waits for
+                # it after the final acknowledgement, which goes out before it completes)
+                self._rx_drained[s] = [self._ops.new_event() for _ in range(n + 1)]
             if msg.segments == ("link",):   # connected before the hello: the trainer accepts
                 if not self._links:
                     self._links = {}
@@ -577,17 +582,27 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                        phase="receive", version=msg.version)
 
     def _rx_finish_stream(self, state: Any, stream: int, msg: Any) -> None:
-        # Every read (zero-copy ones too) is done before the final acknowledgement.
-        if self._events:   # bounded: the consumer's stream may wait for the trainer's fills
-            done = self._rx_done_event = self._rx_done_event or \
-                self._ops.new_event()
+        # Every read (zero-copy ones too) is done before this receive returns. With events,
+        # the final acknowledgement goes out first, behind the "done" event recorded after
+        # the reads: the trainer waits for that event itself, so the message's trip
+        # overlaps the GPU's last copies instead of following them.
+        if self._events:
+            done = self._rx_drained[stream][-1]
             self._ops.record(done, self._ops.current_stream())
-            self._wait_event(done, peer=f"trainer rank {stream}", phase="receive",
+            super()._rx_finish_stream(state, stream, msg)
+            self._wait_event(done, peer=f"rollout rank {self._rank}", phase="receive",
                              version=msg.version)
-        else:
-            self._sync(self._ops.current_stream(), peer=f"rollout rank {self._rank}",
-                       phase="receive", version=msg.version)
+            return
+        self._sync(self._ops.current_stream(), peer=f"rollout rank {self._rank}",
+                   phase="receive", version=msg.version)
         super()._rx_finish_stream(state, stream, msg)
+
+    def _finish_stream(self, state: Any) -> None:
+        super()._finish_stream(state)        # every receiver acknowledged the end ...
+        for r, events in enumerate(self._drained if self._events else ()):
+            # ... and, with events, its reads are done (it acknowledges before they are)
+            self._wait_event(events[-1], peer=f"rollout rank {r}", phase="send",
+                             version=state.version)
 
     def _abort_send(self, state: Any, exc: BaseException) -> None:
         if self._ring is not None:   # the next sync refills slots only once this is done
@@ -604,7 +619,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._dst_views = {}
         self._bufs, self._rx_bufs = [], {}
         self._filled, self._drained, self._rx_filled, self._rx_drained = [], [], {}, {}
-        self._ring = self._mark = self._fence = self._rx_done_event = None   # slots kept until the ring is done
+        self._ring = self._mark = self._fence = None   # slots kept until the ring is done
         if self._hub is not None:
             self._hub.close()
         for link in self._links.values():
