@@ -370,7 +370,8 @@ class ReceiverMixin:
         for meta in entries:
             dest = state.into.get(meta.name)
             if meta.is_chunk or meta.total_nbytes == 0 or meta.name in state.seen \
-                    or meta.name in state.partial or not _fits(dest, meta.shape, dtype_from_name(meta.dtype), buf.device):
+                    or meta.name in state.partial \
+                    or not _fits(dest, meta.shape, dtype_from_name(meta.dtype), buf.device):
                 return None
             names.append(meta.name)
             spans.append((meta.offset, meta.nbytes))

@@ -22,7 +22,8 @@ import torch
 
 from weightsync.core.errors import BackendUnavailable
 
-__all__ = ["IpcOps", "CudaIpcOps", "GraphedCopies", "storage_bytes", "parse_descriptor", "format_descriptor"]
+__all__ = ["IpcOps", "CudaIpcOps", "GraphedCopies", "storage_bytes", "parse_descriptor",
+           "format_descriptor"]
 
 logger = logging.getLogger(__name__)
 
