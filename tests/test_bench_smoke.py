@@ -5,6 +5,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from weightsync.tools.bench import BenchConfig, parse_size, synthetic, validate
 from weightsync.tools.bench.runner import DEFAULT_METHODS
@@ -41,8 +42,14 @@ def test_bench_cli_smoke(tmp_path, capsys):
         assert row["rss"] and all(p["peak_bytes"] > 0 for p in row["rss"])
         assert method in table
     assert by_method["shm"]["paired"]["method"] == "memcpy"
+    # the README's consumer beside the tuned rows: torch's default threads, limits paired
+    assert by_method["shm"]["torch_threads"] == by_method["collective"]["torch_threads"] == 1
+    for m, limit in (("shm@readme", "memcpy"), ("collective@readme", "gloo-flat")):
+        assert by_method[m]["torch_threads"] == torch.get_num_threads(), by_method[m]
+        assert by_method[m]["paired"]["method"] == limit
     goals = {g["goal"] for g in doc["goals"]}
-    assert {"shm_vs_memcpy", "collective_vs_gloo", "memory"} <= goals
+    assert {"shm_vs_memcpy", "collective_vs_gloo", "memory", "shm_vs_memcpy_readme",
+            "collective_vs_gloo_readme"} <= goals
     if _have("matplotlib"):
         assert png.stat().st_size > 1000
     assert "| shm | weightsync |" in md.read_text()

@@ -100,6 +100,20 @@ def compute_goals(results: list[dict], bucket: int) -> list[dict]:
             if ratio is not None:
                 goals.append(_goal("collective_vs_gloo", "collective >= 0.9 x raw gloo "
                                    "broadcast", case, ratio, 0.9, True, how))
+        # the same two, consumed as the README shows (receive_into, torch's default
+        # threads); their limits ran paired under the same threads
+        x = _find(results, "shm@readme", w, d, r)
+        if r == 1 and x:
+            ratio, how = _speed_ratio(x, None, "memcpy")
+            if ratio is not None:
+                goals.append(_goal("shm_vs_memcpy_readme", "shm >= 0.8 x memcpy, README's "
+                                   "consumer", case, ratio, 0.8, True, how))
+        x = _find(results, "collective@readme", w, d, r)
+        if x:
+            ratio, how = _speed_ratio(x, None, "gloo-flat")
+            if ratio is not None:
+                goals.append(_goal("collective_vs_gloo_readme", "collective >= 0.9 x raw gloo, "
+                                   "README's consumer", case, ratio, 0.9, True, how))
         nx, raw = _find(results, "nixl", w, d, r), _find(results, "nixl-raw", w, d, r)
         if nx:
             ratio, how = _speed_ratio(nx, raw, "nixl-raw")

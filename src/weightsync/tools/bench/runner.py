@@ -24,14 +24,24 @@ from weightsync.tools.bench.workloads import (GiB, MiB, Workload, hf_qwen2, pars
 from weightsync.tools.bench.worker import worker_main
 from weightsync.tools.bench.methods import DELTA_OVER
 
-__all__ = ["BenchConfig", "run_bench", "ALL_METHODS", "DEFAULT_METHODS"]
+__all__ = ["BenchConfig", "run_bench", "ALL_METHODS", "DEFAULT_METHODS", "README",
+           "base_method"]
 
 logger = logging.getLogger(__name__)
 
+#: ``<method>@readme``: the method consumed as the README shows (``receive_into``) with
+#: torch's default thread count in every process, its paired limit too; beside the tuned
+#: row (one torch thread per process, as R + 1 processes share the cores)
+README = "@readme"
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
-                   "gloo-flat", "memcpy-parallel")
+                   "gloo-flat", "memcpy-parallel", "shm" + README, "collective" + README)
 ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw", "cma-raw") + \
     tuple(f"delta+{b}" for b in DELTA_OVER)
+
+
+def base_method(method: str) -> str:
+    """The method a row runs (``shm@readme`` runs ``shm``)."""
+    return method[:-len(README)] if method.endswith(README) else method
 
 
 @dataclass(kw_only=True)
@@ -99,6 +109,7 @@ def mem_available() -> int:
 
 def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
     """Rough bytes a method needs beyond the models (for skipping what cannot fit)."""
+    method = base_method(method)
     n, cap, big = w.nbytes, min(w.nbytes, GiB), w.largest
     if method.startswith("delta+"):      # the trainer's base copy + the inner backend's
         return n + method_memory(method[len("delta+"):], w, receivers, bucket)
@@ -248,14 +259,17 @@ def _summarize(w: Workload, method: str, receivers: int, results: list[dict],
     return {**w.summary(), "receivers": receivers, "method": method,
             "kind": _kind(method), "bucket_size": bucket, "ok": all(r["ok"] for r in results),
             "setup_s": max(r["setup_s"] for r in results), "cold_s": cold, "warm_s": warm,
+            "torch_threads": trainer.get("threads"),
             "warm_median_s": med, "gbps": w.nbytes / med / 1e9 if med > 0 else None,
             "rss": rss, "max_extra_rss_bytes": max(x["extra_bytes"] for x in rss),
-            "info": trainer.get("info") or {}, "status": "ok", "note": "", "paired": paired}
+            "info": trainer.get("info") or {}, "status": "ok",
+            "note": "receive_into, torch's default threads" if method.endswith(README) else "",
+            "paired": paired}
 
 
 def _kind(method: str) -> str:
     from weightsync.tools.bench.methods import method_table
-    return method_table()[method].kind
+    return method_table()[base_method(method)].kind
 
 
 def _skip(w: Workload, method: str, receivers: int, why: str, status: str = "skipped") -> dict:
@@ -334,13 +348,16 @@ def _run_pool(cfg: BenchConfig, receivers: int, works: list[Workload], ray_opts:
                     pool.workload = None
                     pool.command(("workload", w), cfg.timeout * 2)
                     pool.workload = w
-                pair = PAIRS.get(method) if cfg.paired and PAIRS.get(method) in cfg.methods \
+                base = base_method(method)
+                pair = PAIRS.get(base) if cfg.paired and PAIRS.get(base) in cfg.methods \
                     else None
                 opts = {"warm": cfg.warm, "bucket_size": cfg.bucket_size, "pair": pair,
                         "into": cfg.consume == "into", "changed": cfg.changed,
                         **ray_opts}
+                if base != method:    # the README's consumer: receive_into, default threads
+                    opts.update(into=True, threads=0)
                 try:
-                    res = pool.command(("run", method, opts), cfg.timeout * (cfg.warm + 3))
+                    res = pool.command(("run", base, opts), cfg.timeout * (cfg.warm + 3))
                     results.append(_summarize(w, method, receivers, res, cfg.bucket_size,
                                               pair))
                 except MethodFailed as exc:

@@ -144,7 +144,23 @@ def _timed(ctx: Ctx, method, version: int, changed: float = 0.0) -> tuple[float,
     return t0, time.perf_counter()
 
 
+_DEFAULT_THREADS = 0    # torch's own thread count in this process, before the bench's
+
+
 def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
+    """:func:`_run_method_now` with ``opts["threads"]`` torch threads (0: torch's default)
+    for this run only, when given."""
+    if opts.get("threads") is None:
+        return _run_method_now(ctx, name, opts)
+    before = torch.get_num_threads()
+    torch.set_num_threads(opts["threads"] or _DEFAULT_THREADS or before)
+    try:
+        return _run_method_now(ctx, name, opts)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_method_now(ctx: Ctx, name: str, opts: dict) -> dict:
     """Set up ``name``, run one cold and ``warm`` warm steps, verify, tear down.
 
     With ``opts["pair"]`` (a limit's name) that limit runs right before every step of the
@@ -182,7 +198,8 @@ def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
         method.teardown()
         if paired is not None:
             paired.teardown()
-    return {"rank": ctx.rank, "times": times, "setup_s": setup_s, "rss_base": base,
+    return {"rank": ctx.rank, "threads": torch.get_num_threads(), "times": times,
+            "setup_s": setup_s, "rss_base": base,
             "rss_peak": peak, "ok": ok, "participates": method.participates(), "info": info,
             "paired_times": paired_times,
             "paired_participates": paired.participates() if paired is not None else None}
@@ -191,6 +208,8 @@ def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
 def worker_main(conn, rank: int, receivers: int, timeout: float, threads: int) -> None:
     """Process entry point: serve the parent's commands until ``quit``."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    global _DEFAULT_THREADS
+    _DEFAULT_THREADS = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
     ctx = Ctx(conn, rank, receivers, timeout)
