@@ -181,7 +181,7 @@ def _fmt(v: Optional[float], spec: str) -> str:
 
 def format_table(doc: dict) -> str:
     lines = []
-    header = (f"{'method':<16} {'kind':<10} {'cold s':>8} {'warm s':>8} {'GB/s':>6} "
+    header = (f"{'method':<18} {'kind':<10} {'cold s':>8} {'warm s':>8} {'GB/s':>6} "
               f"{'x memcpy':>8} {'+RSS MiB':>9}  note")
     for w, d, r in _cases(doc["results"]):
         rows = [x for x in doc["results"] if (x["workload"], x["dtype"], x["receivers"]) == (w, d, r)]
@@ -195,7 +195,7 @@ def format_table(doc: dict) -> str:
             if x["status"] == "ok" and not x["ok"]:
                 note = "WRONG BYTES " + note
             note = _per_tensor(x) + note
-            lines.append(f"{x['method']:<16} {x['kind']:<10} {_fmt(x['cold_s'], '8.3f')} "
+            lines.append(f"{x['method']:<18} {x['kind']:<10} {_fmt(x['cold_s'], '8.3f')} "
                          f"{_fmt(x['warm_median_s'], '8.3f')} {_fmt(x['gbps'], '6.2f')} "
                          f"{_fmt(rel, '8.2f')} {_fmt(None if extra is None else extra / 2**20, '9.0f')}"
                          f"  {note}")
@@ -211,11 +211,11 @@ def _per_tensor(x: dict) -> str:
 
 
 def format_goals(doc: dict) -> str:
-    lines = [f"{'goal':<22} {'case':<44} {'ratio':>7} {'target':>8}  met"]
+    lines = [f"{'goal':<26} {'case':<44} {'ratio':>7} {'target':>8}  met"]
     for g in doc["goals"]:
         sign = ">=" if g["higher_is_better"] else "<="
         met = {True: "yes", False: "NO", None: "-"}[g["met"]]
-        lines.append(f"{g['goal']:<22} {g['case']:<44} {_fmt(g['ratio'], '7.2f')} "
+        lines.append(f"{g['goal']:<26} {g['case']:<44} {_fmt(g['ratio'], '7.2f')} "
                      f"{sign}{g['target']:>6g}  {met}  {g['detail']}".rstrip())
     return "\n".join(lines)
 
