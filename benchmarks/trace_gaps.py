@@ -14,10 +14,14 @@ import sys
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
-def gpu_events(path: str) -> list[dict]:
+def load(path: str) -> list[dict]:
+    """Every event of one trace (each file is read once)."""
     with open(path) as f:
         data = json.load(f)
-    evs = data["traceEvents"] if isinstance(data, dict) else data
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def gpu_events(evs: list[dict]) -> list[dict]:
     return sorted((e for e in evs if e.get("cat") in GPU_CATS and "dur" in e),
                   key=lambda e: e["ts"])
 
@@ -33,8 +37,8 @@ def busy(events: list[dict]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def report(path: str, t0: float) -> None:
-    evs = gpu_events(path)
+def report(path: str, evs: list[dict], t0: float) -> None:
+    """``evs``: the trace's GPU events."""
     if not evs:
         print(f"{path}: no GPU events")
         return
@@ -60,15 +64,12 @@ def report(path: str, t0: float) -> None:
         print(f"  {sum(d) / 1e3:8.2f} ms  x{len(d):4d}  {n}")
 
 
-def sync_window(paths: list[str]) -> None:
+def sync_window(traces: dict[str, list[dict]]) -> None:
     """With ``--timeline`` too, the engine's steps are marked in the traces (``ws_*``): the
     sync from the trainer's ``send_weights`` to its return, against the receiver's GPU
     copies (device-to-device) in it."""
     marks, copies = [], []
-    for p in paths:
-        with open(p) as f:
-            data = json.load(f)
-        evs = data["traceEvents"] if isinstance(data, dict) else data
+    for p, evs in traces.items():
         role = "T" if "trainer" in p else "R"
         marks += [(e["ts"], e["ts"] + e.get("dur", 0), role + " " + e["name"][3:])
                   for e in evs if str(e.get("name", "")).startswith("ws_")]
@@ -98,13 +99,10 @@ def is_copy(e: dict) -> bool:
         (e.get("cat") == "kernel" and name.startswith("memcpy"))
 
 
-def copies_window(path: str) -> None:
-    """The process's device-to-device copies: from the first to the last, how much of
-    that window they kept the GPU busy, and the gaps between them."""
-    with open(path) as f:
-        data = json.load(f)
-    evs = data["traceEvents"] if isinstance(data, dict) else data
-    cp = sorted((e for e in evs if is_copy(e) and "dur" in e), key=lambda e: e["ts"])
+def copies_window(path: str, evs: list[dict]) -> None:
+    """The process's device-to-device copies (``evs``: its GPU events): from the first to
+    the last, how much of that window they kept the GPU busy, and the gaps between them."""
+    cp = [e for e in evs if is_copy(e)]
     if not cp:
         return
     a, b = cp[0]["ts"], cp[-1]["ts"] + cp[-1]["dur"]
@@ -116,17 +114,17 @@ def copies_window(path: str) -> None:
 
 
 def main() -> None:
-    paths = sys.argv[1:]
-    firsts = [gpu_events(p) for p in paths]
-    if not any(firsts):
-        print("no GPU events in", ", ".join(paths))
+    traces = {p: load(p) for p in sys.argv[1:]}
+    gpu = {p: gpu_events(evs) for p, evs in traces.items()}
+    if not any(gpu.values()):
+        print("no GPU events in", ", ".join(traces))
         return
-    t0 = min(e[0]["ts"] for e in firsts if e)   # one clock when both traces use it
-    for p in paths:
-        report(p, t0)
-    for p in paths:
-        copies_window(p)
-    sync_window(paths)
+    t0 = min(e[0]["ts"] for e in gpu.values() if e)   # one clock when both traces use it
+    for p, evs in gpu.items():
+        report(p, evs, t0)
+    for p, evs in gpu.items():
+        copies_window(p, evs)
+    sync_window(traces)
 
 
 if __name__ == "__main__":

@@ -80,40 +80,37 @@ def _speed_ratio(x: dict, limit: Optional[dict], name: str) -> tuple[Optional[fl
     return None, ""
 
 
+#: speed goals: (id, method, its limit, target ratio, one receiver only, text); the
+#: ``@readme`` rows are the same syncs consumed as the README shows (torch's default threads)
+_SPEED_GOALS = (
+    ("shm_vs_memcpy", "shm", "memcpy", 0.8, True,
+     "shm warm >= 0.8 x memcpy (bytes/s), 1 receiver"),
+    ("collective_vs_gloo", "collective", "gloo-flat", 0.9, False,
+     "collective >= 0.9 x raw gloo broadcast"),
+    ("shm_vs_memcpy_readme", "shm@readme", "memcpy", 0.8, True,
+     "shm >= 0.8 x memcpy, README's consumer"),
+    ("collective_vs_gloo_readme", "collective@readme", "gloo-flat", 0.9, False,
+     "collective >= 0.9 x raw gloo, README's consumer"),
+)
+
+
 def compute_goals(results: list[dict], bucket: int) -> list[dict]:
     goals = []
     for w, d, r in _cases(results):
         case = f"{w} {d} R={r}"
-        shm, mc = _find(results, "shm", w, d, r), _find(results, "memcpy", w, d, r)
-        if r == 1 and shm:
-            ratio, how = _speed_ratio(shm, mc, "memcpy")
+        for gid, method, limit, target, single, text in _SPEED_GOALS:
+            x = _find(results, method, w, d, r)
+            if not x or (single and r != 1):
+                continue
+            # a README row's limit ran paired under its threads: no other row stands for it
+            lim = None if method.endswith("@readme") else _find(results, limit, w, d, r)
+            ratio, how = _speed_ratio(x, lim, limit)
             if ratio is not None:
-                goals.append(_goal("shm_vs_memcpy", "shm warm >= 0.8 x memcpy (bytes/s), "
-                                   "1 receiver", case, ratio, 0.8, True, how))
-        shm1 = _find(results, "shm", w, d, 1)
+                goals.append(_goal(gid, text, case, ratio, target, True, how))
+        shm, shm1 = _find(results, "shm", w, d, r), _find(results, "shm", w, d, 1)
         if r == 4 and shm and shm1:
             goals.append(_goal("shm_scaling", "shm time grows <= 1.5x from 1 to 4 receivers",
                                case, shm["warm_median_s"] / shm1["warm_median_s"], 1.5, False))
-        col, flat = _find(results, "collective", w, d, r), _find(results, "gloo-flat", w, d, r)
-        if col:
-            ratio, how = _speed_ratio(col, flat, "gloo-flat")
-            if ratio is not None:
-                goals.append(_goal("collective_vs_gloo", "collective >= 0.9 x raw gloo "
-                                   "broadcast", case, ratio, 0.9, True, how))
-        # the same two, consumed as the README shows (receive_into, torch's default
-        # threads); their limits ran paired under the same threads
-        x = _find(results, "shm@readme", w, d, r)
-        if r == 1 and x:
-            ratio, how = _speed_ratio(x, None, "memcpy")
-            if ratio is not None:
-                goals.append(_goal("shm_vs_memcpy_readme", "shm >= 0.8 x memcpy, README's "
-                                   "consumer", case, ratio, 0.8, True, how))
-        x = _find(results, "collective@readme", w, d, r)
-        if x:
-            ratio, how = _speed_ratio(x, None, "gloo-flat")
-            if ratio is not None:
-                goals.append(_goal("collective_vs_gloo_readme", "collective >= 0.9 x raw gloo, "
-                                   "README's consumer", case, ratio, 0.9, True, how))
         nx, raw = _find(results, "nixl", w, d, r), _find(results, "nixl-raw", w, d, r)
         if nx:
             ratio, how = _speed_ratio(nx, raw, "nixl-raw")

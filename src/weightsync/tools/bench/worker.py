@@ -144,7 +144,7 @@ def _timed(ctx: Ctx, method, version: int, changed: float = 0.0) -> tuple[float,
     return t0, time.perf_counter()
 
 
-_DEFAULT_THREADS = 0    # torch's own thread count in this process, before the bench's
+_DEFAULT_THREADS = torch.get_num_threads()   # torch's own count, before the bench sets one
 
 
 def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
@@ -153,7 +153,7 @@ def _run_method(ctx: Ctx, name: str, opts: dict) -> dict:
     if opts.get("threads") is None:
         return _run_method_now(ctx, name, opts)
     before = torch.get_num_threads()
-    torch.set_num_threads(opts["threads"] or _DEFAULT_THREADS or before)
+    torch.set_num_threads(opts["threads"] or _DEFAULT_THREADS)
     try:
         return _run_method_now(ctx, name, opts)
     finally:
@@ -208,8 +208,6 @@ def _run_method_now(ctx: Ctx, name: str, opts: dict) -> dict:
 def worker_main(conn, rank: int, receivers: int, timeout: float, threads: int) -> None:
     """Process entry point: serve the parent's commands until ``quit``."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    global _DEFAULT_THREADS
-    _DEFAULT_THREADS = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
     ctx = Ctx(conn, rank, receivers, timeout)

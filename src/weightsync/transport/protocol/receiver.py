@@ -394,20 +394,16 @@ class ReceiverMixin:
         return (buf.data_ptr(), buf.numel())
 
     def _rx_copy_runner(self) -> Any:
-        """Hook: a callable that issues a program's copies, given a function returning
-        its pairs (default: one copy each, now)."""
-        def run(pairs: Any) -> None:
-            for dst, src in pairs():
-                copy_into(dst, src)
-        return run
+        """Hook of backends that set ``_rx_programs``: a callable that issues a program's
+        copies, given a function returning its ``(destination, source)`` pairs."""
+        raise NotImplementedError
 
-    def _rx_drop_programs(self, stream: Optional[int] = None, *, min_index: int = 0) -> None:
-        """Forget the programs of ``stream`` (None: all) for buckets from ``min_index`` on,
-        e.g. when the memory they read changed."""
+    def _rx_drop_programs(self, stream: int, *, min_index: int = 0) -> None:
+        """Forget the programs of ``stream`` for buckets from ``min_index`` on, e.g. when
+        the memory they read changed."""
         progs = self.__dict__.get("_rx_progs")
         if progs:
-            for key in [k for k in progs
-                        if (stream is None or k[0] == stream) and k[1] >= min_index]:
+            for key in [k for k in progs if k[0] == stream and k[1] >= min_index]:
                 del progs[key]
 
     def _layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
