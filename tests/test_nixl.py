@@ -1000,6 +1000,64 @@ def test_a_receiver_keeping_slices_offers_no_join():
         trainer.finalize()
 
 
+def _shard_case(device):
+    """Three tensors a TP-2 worker (rank 1) keeps as one box each, its own shards of them
+    (contiguous, of the box's shape; one column shard given as a transposed view), and
+    what the trainer yields at a step."""
+    from weightsync.core.xferplan import Keep
+    keep = Keep(boxes={"col": (((40, 80), (0, 24)),),        # rows: one read
+                       "row": (((0, 32), (12, 24)),),        # a column block: strided reads
+                       "tview": (((0, 16), (5, 10)),)})
+    shards = {"col": torch.zeros(40, 24, device=device),
+              "row": torch.zeros(32, 12, dtype=torch.bfloat16, device=device),
+              "tview": torch.zeros(5, 16, device=device).t(),  # box shape, not contiguous
+              "whole": torch.zeros(7, device=device)}
+
+    def tensors(step):
+        g = torch.Generator().manual_seed(step)
+        return [("col", torch.randn(80, 24, generator=g).to(device)),
+                ("row", torch.randn(32, 24, generator=g).to(torch.bfloat16).to(device)),
+                ("tview", torch.randn(16, 10, generator=g).to(device)),
+                ("whole", torch.randn(7, generator=g).to(device))]
+    return keep, shards, tensors
+
+
+def _check_shards_land(device):
+    keep, shards, tensors = _shard_case(device)
+    ptrs = {n: t.data_ptr() for n, t in shards.items()}
+    trainer, recv = _pair_here(device)
+    try:
+        recv.keep_slices(lambda layout: keep)
+        for step in range(3):
+            sent = dict(tensors(step))
+            got = _sync_here(trainer, recv, step, into=shards, tensors=list(sent.items()),
+                             clone=False)
+            for n, w in sent.items():
+                box = keep.boxes.get(n, (tuple((0, d) for d in w.shape),))[0]
+                want = w[tuple(slice(a, b) for a, b in box)]
+                assert got[n] is shards[n], n          # the worker's own tensor, yielded
+                assert torch.equal(shards[n], want), (step, n)
+            assert {n: t.data_ptr() for n, t in shards.items()} == ptrs
+            plan = recv._pull_plan
+            # col, row and whole land straight in the shards; tview (not contiguous)
+            # goes through the landing buffer, which holds only its box
+            assert plan.direct == 3, plan.direct
+            assert plan.landing.numel() == 512, plan.landing.numel()   # 320 B, aligned
+            assert plan.plan.total_bytes == sum(t.numel() * t.element_size()
+                                                for t in shards.values())
+        assert recv._pull_plan is plan                 # replayed, not recompiled
+    finally:
+        recv.finalize()
+        trainer.finalize()
+
+
+@pytest.mark.timeout(150)
+def test_tensor_parallel_shards_land_straight_in_the_workers_own_tensors():
+    """receive_into with a worker's own shards (tensors of the kept box's shape): the box's
+    bytes land in them, no full-shape tensor, the plan read only the boxes and replays."""
+    _check_shards_land("cpu")
+
+
 def test_join_topology_refuses_offers_that_do_not_fit():
     cls = CheckpointEngineRegistry.get("nixl")
     offer = {"rank": 0, "version": 3, "lease": "x", "lease_s": 5.0, "source": "{}"}
@@ -1085,3 +1143,10 @@ def test_vram_slices_land_exactly_and_a_vram_receiver_serves_a_joiner():
     finally:
         recv.finalize()
         trainer.finalize()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vram_tensor_parallel_shards_land_straight_in_the_workers_own_tensors():
+    _check_shards_land("cuda")

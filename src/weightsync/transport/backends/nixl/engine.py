@@ -169,7 +169,9 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         engine's thread, during a receive) and returns a
         :class:`~weightsync.core.xferplan.Keep`; a tensor kept in part is then yielded in
         its full shape with only its kept boxes holding the version's bytes (see
-        :func:`~weightsync.transport.tensors.partial_boxes`). ``None``: every tensor whole."""
+        :func:`~weightsync.transport.tensors.partial_boxes`), except where ``receive_into``
+        is given a tensor of its one box's shape (a tensor-parallel worker's own shard):
+        the box lands in that tensor, which is yielded. ``None``: every tensor whole."""
         if fn is not None and not callable(fn):
             raise ValueError(f"keep_slices takes a callable or None, got {type(fn).__name__}")
         if self.config.role != "rollout":
@@ -308,8 +310,10 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
     async def receive_into(self, params: Mapping[str, torch.Tensor], version: Any = None
                            ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Pull straight into ``params`` where a tensor there has the same shape, dtype and
-        device and is contiguous (registered once; no copy at all); others land in the
-        landing buffer and are copied into ``params[name]`` if present."""
+        device and is contiguous (registered once; no copy at all), or, for a tensor kept
+        as one box (:meth:`keep_slices`), the shape of that box (a tensor-parallel
+        worker's own shard); others land in the landing buffer and are copied into
+        ``params[name]`` if present."""
         if not isinstance(params, Mapping):
             raise ValueError(f"params must be a mapping of name -> tensor, got {type(params).__name__}")
         async for item in self._receive(version, params):
@@ -436,13 +440,14 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
     def _ensure_plan(self, into: Optional[Mapping[str, torch.Tensor]]) -> PullPlan:
         sources = [self._sources[s] for s in range(self._world)]
         device = torch.device(self.config.device)
-        key = plan_key(sources, into, device)
+        keep = self._keep_for(sources)
+        key = plan_key(sources, into, device, keep)
         if key == self._plan_key and self._pull_plan is not None:
             return self._pull_plan
         self._drop_reads()
         start = time.perf_counter()
         self._pull_plan = PullPlan(self._agent, f"rollout rank {self._rank}", sources, into,
-                                   device, self.config.bucket_size, self._keep_for(sources),
+                                   device, self.config.bucket_size, keep,
                                    peers=self._peers, spread=max(self._rank, 0))
         self._plan_key, self.last_plan = key, self._pull_plan.plan
         plan = self._pull_plan.plan

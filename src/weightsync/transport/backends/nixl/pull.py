@@ -7,10 +7,14 @@ tensor (``receive_into`` with a contiguous tensor of the same shape, dtype and d
 registered with NIXL, no copy left) or in one registered landing buffer the receiver owns
 (views of it are yielded, valid until the next sync). Of a tensor the receiver keeps only
 some boxes of (a :class:`~weightsync.core.xferplan.Keep`: a tensor-parallel worker), only
-those boxes are read, into the landing buffer, then placed into a tensor of the full shape
+those boxes are read. A tensor kept as one box whose ``into[name]`` is a contiguous tensor
+of that box's shape, dtype and device (the worker's own shard of a parameter) gets the
+box's bytes straight in it, registered like a whole tensor: no landing, no copy. Other
+boxes go into the landing buffer and are then placed into a tensor of the full shape
 (``into[name]`` if given, else a fresh one marked with
 :func:`~weightsync.transport.tensors.mark_partial`) whose other elements are left as they
-were (undefined in a fresh one). The reads come from
+were (undefined in a fresh one), or copied into ``into[name]`` when that has the shape of
+its one box. The reads come from
 :func:`~weightsync.core.xferplan.compile_plan`, pieces of at most ``max_read`` bytes so
 that trainer ranks holding the same bytes share the serving; one
 :class:`~weightsync.transport.backends.nixl.agent.Reads` per staging block of each trainer
@@ -52,6 +56,28 @@ def _direct(into: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple,
     return None
 
 
+def _whole(shape: tuple) -> tuple:
+    return (tuple((0, d) for d in shape),)
+
+
+def _direct_box(into: Optional[Mapping[str, torch.Tensor]], name: str, boxes: tuple,
+                dtype: str, device: torch.device) -> Optional[torch.Tensor]:
+    """The caller's tensor for a tensor kept as one box, if that box's bytes can land in
+    it as they are (contiguous, of the box's shape, dtype and device)."""
+    if len(boxes) != 1:
+        return None
+    return _direct(into, name, tuple(b - a for a, b in boxes[0]), dtype, device)
+
+
+def _own(into: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple, dtype: str,
+         device: torch.device, keep: Optional[Keep]) -> Optional[torch.Tensor]:
+    """Where ``name`` lands straight in the caller's memory (whole or its one kept box)."""
+    boxes = _whole(shape) if keep is None else keep.of(name, shape)
+    if boxes == _whole(shape):
+        return _direct(into, name, shape, dtype, device)
+    return _direct_box(into, name, boxes, dtype, device)
+
+
 def union_of(sources: list) -> list[tuple[str, tuple, str]]:
     """Every tensor some trainer rank serves, in the order the ranks list them."""
     seen, out = set(), []
@@ -74,10 +100,13 @@ def _align(n: int) -> int:
 
 
 def plan_key(sources: list, into: Optional[Mapping[str, torch.Tensor]],
-             device: torch.device) -> tuple:
-    """What a compiled pull depends on: the trainers' layouts and the caller's tensors."""
+             device: torch.device, keep: Optional[Keep] = None) -> tuple:
+    """What a compiled pull depends on: the trainers' layouts and the caller's tensors that
+    bytes land in straight (for ``keep``: whole, or of a kept box's shape)."""
+    if into is None:
+        return tuple(s.digest for s in sources), ()
     direct = tuple((n, t.data_ptr()) for n, s, d in union_of(sources)
-                   if (t := _direct(into, n, s, d, device)) is not None)
+                   if (t := _own(into, n, s, d, device, keep)) is not None)
     return tuple(s.digest for s in sources), direct
 
 
@@ -98,8 +127,17 @@ class PullPlan:
         for name, shape, dtype in union_of(sources):
             size = dtype_from_name(dtype).itemsize
             nbytes = math.prod(shape) * size
-            boxes = (tuple((0, d) for d in shape),) if keep is None else keep.of(name, shape)
-            if boxes != (tuple((0, d) for d in shape),):
+            boxes = _whole(shape) if keep is None else keep.of(name, shape)
+            if boxes != _whole(shape) and (own := _direct_box(into, name, boxes, dtype,
+                                                                 device)) is not None:
+                dest = f"p{own.data_ptr():x}"        # the worker's own shard
+                buffers[dest] = own
+                wants.append(Want(name=name, dtype=dtype, box=boxes[0], dest=dest, offset=0))
+                self.views.append((name, tuple(own.shape), dtype, dest, 0,
+                                   own.numel() * size, None))
+                self.partial += 1
+                continue
+            if boxes != _whole(shape):
                 parts = []
                 for box in boxes:
                     n = math.prod(b - a for a, b in box) * size
@@ -169,13 +207,22 @@ class PullPlan:
     def tensors(self, into: Optional[Mapping[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of what landed: the caller's own tensor where the bytes went
         there; else a view of the landing buffer, copied into ``into[name]`` if given; a
-        tensor kept in part: its boxes placed into ``into[name]`` or a fresh tensor."""
+        tensor kept in part: its boxes placed into ``into[name]`` or a fresh tensor (its
+        one box copied into ``into[name]`` when that has the box's shape)."""
         out = []
         for name, shape, dtype, dest, at, nbytes, parts in self.views:
             if dest != _LANDING:
                 out.append((name, self._buffers[dest]))
                 continue
             target = None if into is None else into.get(name)
+            if (target is not None and parts is not None and len(parts) == 1
+                    and tuple(target.shape) == tuple(b - a for a, b in parts[0][0])
+                    and tuple(target.shape) != tuple(shape)):
+                box, at, n = parts[0]               # the worker's shard, not contiguous
+                target.copy_(self.landing[at:at + n].view(dtype_from_name(dtype))
+                             .view(target.shape))
+                out.append((name, target))
+                continue
             if target is not None and tuple(target.shape) != tuple(shape):
                 raise ValueError(f"receive_into: {name} has shape {tuple(shape)}, "
                                  f"params[{name!r}] has {tuple(target.shape)}")
