@@ -137,7 +137,10 @@ async def task_bench(eng, role, rank, dev, task):
         t0 = time.perf_counter()
         if role == "trainer":
             await eng.send_weights(params.items(), version=step)
-        else:
+        elif task.get("consume") == "into":     # straight into the parameters
+            async for _ in eng.receive_into(params, version=step):
+                pass
+        else:                                   # the README's loop
             async for name, t in eng.receive_weights(version=step):
                 params[name].copy_(t)
         _sync(dev)
@@ -273,11 +276,11 @@ def launch(task: dict, ngpu: int, timeout: float = 600, *, trainers: int = 1,
                 p.kill()
 
 
-def summarize_bench(res: list, bucket: int) -> dict:
+def summarize_bench(res: list, bucket: int, consume: str = "copy") -> dict:
     t, r = res[0]["result"], res[1]["result"]
     warm = statistics.median([max(a, b) for a, b in zip(t["warm_s"], r["warm_s"])])
     raw = statistics.median([max(a, b) for a, b in zip(t["raw_s"], r["raw_s"])])
-    return {"bucket_MiB": bucket >> 20, "GB": t["bytes"] / 1e9, "cold_s": max(t["cold_s"], r["cold_s"]),
+    return {"bucket_MiB": bucket >> 20, "consume": consume, "GB": t["bytes"] / 1e9, "cold_s": max(t["cold_s"], r["cold_s"]),
             "warm_s": warm, "raw_s": raw, "warm_GBps": t["bytes"] / warm / 1e9,
             "raw_GBps": t["bytes"] / raw / 1e9, "ratio_vs_raw": raw / warm,
             "exact": r["exact"],
@@ -309,12 +312,14 @@ def run_conformance(args, ngpu: int) -> list:
 
 def run_bench(args, ngpu: int, port: int) -> list:
     bench = []
-    for mib in [int(x) for x in args.buckets.split(",") if x]:
+    cases = [(int(m), c) for m in args.buckets.split(",") if m for c in args.consume.split(",")]
+    for mib, consume in cases:
         port += 1
-        task = {"kind": "bench", "name": f"b{mib}", "bucket": mib << 20, "gb": args.gb,
-                "warm": args.warm, "raw_port": port, "cpu": args.cpu}
+        task = {"kind": "bench", "name": f"b{mib}{consume}", "bucket": mib << 20, "gb": args.gb,
+                "warm": args.warm, "raw_port": port, "cpu": args.cpu, "consume": consume}
         res = launch(task, min(ngpu, 2))
-        row = summarize_bench(res, mib << 20) if all("result" in x for x in res) else {"error": res}
+        row = summarize_bench(res, mib << 20, consume) if all("result" in x for x in res) \
+            else {"error": res}
         bench.append(row)
         print("bench", json.dumps(row, default=str)[:2000], flush=True)
     return bench
@@ -345,6 +350,9 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=16.0)
     ap.add_argument("--buckets", default="512,1024,2048", help="bucket sweep, 1 -> 1 ('' none)")
     ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--consume", default="copy",
+                    help="comma list: copy (receive_weights + copy_, the README's loop), "
+                         "into (receive_into the parameters)")
     ap.add_argument("--cpu", type=int, default=0,
                     help="dry run of the script on gloo/CPU with this many processes")
     ap.add_argument("--cases", default="plain,cast_bf16,version_mismatch,two_senders",

@@ -77,13 +77,14 @@ def raw_main(role: str, nbytes: int, warm: int, conn, dev: int = 0) -> None:
     agent = NixlAgent(f"raw-{role}")
     buf = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
     agent.register(buf)
-    conn.send((agent.name, agent.metadata(), buf.data_ptr()))
-    name, meta, addr = conn.recv()
+    conn.send((agent.name, agent.metadata(), buf.data_ptr(), dev))
+    name, meta, addr, peer_dev = conn.recv()
     times = []
     if role == "rollout":
         agent.add_remote(name, meta, peer="trainer")
         reads = agent.reads(name, [(buf.data_ptr(), nbytes)], [(addr, nbytes)], mem="VRAM",
-                            remote_mem="VRAM", peer="trainer")
+                            remote_mem="VRAM", device=dev, remote_device=peer_dev,
+                            peer="trainer")
         for step in range(1 + warm):
             t0 = time.perf_counter()
             reads.post(version=step)

@@ -187,3 +187,8 @@ def nixl_shape_disagrees_on_rank_1(engine, role, rank):
                 yield name, t
         return await orig(items(), version)
     engine.send_weights = wrapped
+
+
+def kill_rollout_0(engine, role, rank):
+    if role == "rollout" and rank == 0:
+        _kill_receiver(engine, rank)

@@ -99,6 +99,9 @@ class GroupSpec:
     hook: Optional[str] = None          # "module:function" called as f(engine, role, rank)
                                         # in each worker before init (fault injection)
     device: str = "cpu"                 # where trainers create their tensors ("cuda": GPU)
+    gpus: Optional[tuple[int, ...]] = None  # the CUDA device of each worker, trainers
+                                        # first (torch.cuda.set_device before the engine
+                                        # is made); None: every worker on the current one
     hold: bool = False                  # workers stay up after their run until every
                                         # worker reported (as long-lived workers do)
     straggler_s: Optional[float] = None  # once some worker reported its result, the rest
@@ -111,6 +114,14 @@ class GroupSpec:
             raise ValueError(f"pattern must be 'full' or 'disjoint', got {self.pattern!r}")
         if self.straggler_s is not None and not self.straggler_s > 0:
             raise ValueError(f"straggler_s must be > 0 or None, got {self.straggler_s!r}")
+        if self.gpus is not None:
+            gpus = tuple(self.gpus)
+            if len(gpus) != self.trainers + self.receivers or not all(
+                    type(g) is int and g >= 0 for g in gpus):
+                raise ValueError(f"gpus must hold one device index >= 0 per worker "
+                                 f"({self.trainers + self.receivers}, trainers first), "
+                                 f"got {self.gpus!r}")
+            self.gpus = gpus
 
 
 def _trainer_items(spec: GroupSpec, step: int, rank: int):
@@ -157,6 +168,8 @@ async def _run_role(engine, spec: GroupSpec, role: str, rank: int) -> dict[str, 
 
 def _worker(spec: GroupSpec, role: str, rank: int, conn) -> None:
     try:
+        if spec.gpus is not None:
+            torch.cuda.set_device(spec.gpus[rank if role == "trainer" else spec.trainers + rank])
         engine = CheckpointEngineRegistry.new(spec.backend, role=role, **spec.engine_kwargs)
         if spec.hook:
             module, _, func = spec.hook.partition(":")

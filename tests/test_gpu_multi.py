@@ -1,0 +1,70 @@
+"""Every GPU backend across two GPUs: the trainer on GPU 0, rollout ranks on GPU 1.
+
+Conformance (every dtype incl. fp8, 0-d, empty, non-contiguous, bigger than a bucket,
+many tiny; three syncs; every name once, bit-exact) and one fault per backend: a rollout
+process killed in the middle of a sync makes the others fail with an error naming it
+within a few timeouts, never a hang. ``collective`` runs on NCCL, which takes one GPU per
+rank, so its groups are 1 -> 1 on two GPUs (the fault: the only receiver dies); the others
+run 1 -> 2 with both receivers on GPU 1. Skipped with fewer than two GPUs
+(``benchmarks/run_multi_gpu.sh`` runs it on the device)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from syncchecks import assert_clean
+from weightsync.testing import GroupSpec, run_group
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs two GPUs"),
+]
+
+BUCKET = 1 << 20
+TIMEOUT = 15     # the engines' timeout (NCCL's first collective takes seconds to connect)
+BACKENDS = ["collective", "cuda_ipc", "nixl"]
+
+
+def _spec(backend: str, **kw) -> GroupSpec:
+    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
+        pytest.skip("nixl is not installed")
+    receivers = 1 if backend == "collective" else 2
+    engine_kwargs = {"bucket_size": BUCKET, "timeout": TIMEOUT, "device": "cuda",
+                     **kw.pop("engine_kwargs", {})}
+    kw.setdefault("steps", 3)
+    kw.setdefault("timeout", 240)
+    return GroupSpec(backend=backend, receivers=receivers, device="cuda", tiny=200,
+                     gpus=(0,) + (1,) * receivers, engine_kwargs=engine_kwargs, **kw)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_dtype_across_gpus_three_syncs(backend):
+    spec = _spec(backend)
+    assert_clean(run_group(spec), spec)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["collective", "cuda_ipc"])
+def test_cast_to_bf16_across_gpus(backend):
+    spec = _spec(backend, steps=2, engine_kwargs={"dtype": torch.bfloat16})
+    assert_clean(run_group(spec), spec)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollout_killed_mid_sync_across_gpus(backend):
+    hook = "faults:kill_rollout_0" if backend == "collective" else "faults:kill_rollout_1"
+    results = run_group(_spec(backend, hook=hook))
+    trainer, rollouts = results[0], results[1:]
+    dead = rollouts[0] if backend == "collective" else rollouts[1]
+    assert dead == {"died": 17}, dead
+    assert len(trainer["steps"]) == 1 and trainer["errors"], trainer
+    assert "rollout rank" in trainer["errors"][0], trainer
+    assert trainer["failed_after_s"] < 3 * TIMEOUT, trainer
+    if backend != "collective":           # the surviving receiver is told, not left waiting
+        r0 = rollouts[0]
+        assert len(r0["steps"]) == 1 and r0["errors"], r0
+        assert r0["failed_after_s"] < 3 * TIMEOUT, r0
