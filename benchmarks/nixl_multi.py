@@ -276,7 +276,9 @@ def summary(res: list, trainers: int) -> dict:
     """Per step the slowest worker; cold = first step, warm = median of the others."""
     workers = res[trainers:]
     steps = [max(w["times"][i] for w in workers) for i in range(len(workers[0]["times"]))]
-    return {"cold_s": steps[0], "warm_s": statistics.median(steps[1:]),
+    return {"cold_s": steps[0], "warm_s": statistics.median(steps[1:]), "steps_s": steps,
+            "trainer_steps_s": [max(t["times"][i] for t in res[:trainers])
+                                for i in range(len(steps))] if trainers else [],
             "workers": [w["check"] for w in workers]}
 
 

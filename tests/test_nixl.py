@@ -1051,6 +1051,16 @@ def _check_shards_land(device):
         trainer.finalize()
 
 
+def test_a_cuda_device_without_index_is_the_current_one(monkeypatch):
+    """device="cuda" must compare equal to the tensors made on the current device (else
+    nothing lands straight in the caller's VRAM tensors; found on two H200s)."""
+    from weightsync.transport.tensors import resolve_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
 @pytest.mark.timeout(150)
 def test_tensor_parallel_shards_land_straight_in_the_workers_own_tensors():
     """receive_into with a worker's own shards (tensors of the kept box's shape): the box's

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
 __all__ = ["ReplayedLasting", "view_record", "same_view", "aiter_items", "checksum", "CASTABLE", "wire_dtype", "as_bytes", "plain_cpu",
-           "mark_partial", "partial_boxes", "mark_stable", "is_stable", "LastingStorage"]
+           "resolve_device", "mark_partial", "partial_boxes", "mark_stable", "is_stable", "LastingStorage"]
 
 #: Floating dtypes that the optional ``dtype`` cast applies to (fp8 is left alone).
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -52,6 +52,16 @@ def wire_dtype(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
     if cast is not None and tensor.dtype in CASTABLE:
         return cast
     return tensor.dtype
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``device`` with its index made explicit: ``"cuda"`` is the current CUDA device, so
+    it compares equal to the device of the tensors made there (``torch.device("cuda") !=
+    torch.device("cuda:0")``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def plain_cpu(t: torch.Tensor) -> bool:

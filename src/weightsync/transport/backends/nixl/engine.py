@@ -71,7 +71,7 @@ from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.control.links import Link, LinkHub
 from weightsync.transport.protocol.receiver import patience
 from weightsync.transport.registry import CheckpointEngineRegistry
-from weightsync.transport.tensors import aiter_items, wire_dtype
+from weightsync.transport.tensors import aiter_items, resolve_device, wire_dtype
 
 __all__ = ["NixlEngine"]
 
@@ -126,6 +126,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         # sources are (trainer ranks, or a healthy replica's worker)
         self._joined: Optional[dict[int, tuple[Any, float]]] = None
         self._peers: dict[int, str] = {}
+        self._device = torch.device(self.config.device)    # resolved at init (receivers)
 
     # -- set-up ---------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -439,7 +440,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
 
     def _ensure_plan(self, into: Optional[Mapping[str, torch.Tensor]]) -> PullPlan:
         sources = [self._sources[s] for s in range(self._world)]
-        device = torch.device(self.config.device)
+        device = self._device
         keep = self._keep_for(sources)
         key = plan_key(sources, into, device, keep)
         if key == self._plan_key and self._pull_plan is not None:
@@ -509,7 +510,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 raise WeightSyncError(f"{who} keeps some tensors only in part (tensor "
                                       f"parallel): it holds no whole copy to offer {joiner}",
                                       peer=who, phase="join", version=self._served_version)
-            stream, mem = 0, mem_type(torch.device(self.config.device))
+            stream, mem = 0, mem_type(self._device)
             regions, held = layout
             digest = layout_digest(held, regions)
         lease = lease or secrets.token_hex(8)
@@ -596,6 +597,9 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 for j in range(rollout_world_size)]
 
     def init_process_group(self, **kwargs: Any) -> None:
+        # "cuda" as the device this process is on now, so the caller's tensors there
+        # compare equal to it (they land straight in them) and reads name its index
+        self._device = resolve_device(self.config.device)
         if "join" not in kwargs:
             return super().init_process_group(**kwargs)
         self._init_joiner(**kwargs)
