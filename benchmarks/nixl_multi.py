@@ -131,7 +131,8 @@ def nixl_worker(role: str, rank: int, cfg: dict, conn) -> None:
 
             def body(step):
                 asyncio.run(eng.send_weights(items, step))
-            times, ok = _steps(conn, dev, 1 + cfg["warm"], body), None
+            times = _steps(conn, dev, 1 + cfg["warm"], body)
+            ok = {"cut_tensors": len(eng._arena._cuts), "wants_from": sorted(eng._wants)}
         else:
             eng.keep_slices(lambda layout: keep_of(spec, rank, tp))
             params = {n: torch.empty(tuple(b - a for a, b in box_of(s, d, rank, tp)),
@@ -279,7 +280,8 @@ def summary(res: list, trainers: int) -> dict:
     return {"cold_s": steps[0], "warm_s": statistics.median(steps[1:]), "steps_s": steps,
             "trainer_steps_s": [max(t["times"][i] for t in res[:trainers])
                                 for i in range(len(steps))] if trainers else [],
-            "workers": [w["check"] for w in workers]}
+            "workers": [w["check"] for w in workers],
+            "trainers": [t["check"] for t in res[:trainers]]}
 
 
 def free_port() -> int:

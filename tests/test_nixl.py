@@ -10,7 +10,8 @@ import torch
 
 from weightsync import CheckpointEngineRegistry
 from weightsync.core.errors import AuthenticationError, WeightSyncError, WireError
-from weightsync.core.wire import PulledMsg, PullMsg, SourceMsg, StagedMsg, decode, encode
+from weightsync.core.wire import (PulledMsg, PullMsg, SourceMsg, StagedMsg, WantsMsg, decode,
+                                  encode)
 from weightsync.testing import GroupSpec, run_group
 from syncchecks import assert_clean
 
@@ -38,8 +39,16 @@ def test_messages_round_trip_and_reject_bad_fields():
     for msg in (PullMsg(version=3, seq=2, stream=1, digest="d"),
                 PullMsg(version=3, seq=2, stream=1, digest="d", staged=False),
                 StagedMsg(seq=2, stream=1, blocks=("b0", "own")),
-                PulledMsg(seq=2, stream=1, rank=0, nbytes=10, plan="p")):
+                PulledMsg(seq=2, stream=1, rank=0, nbytes=10, plan="p"),
+                WantsMsg(rank=1, wants=(("o", (((0, 4), (3, 6)),)),
+                                        ("d", (((0, 2), (0, 3)), ((2, 4), (0, 3)))))),
+                WantsMsg(rank=0)):
         assert decode(encode(msg)) == msg
+    wants = json.loads(encode(WantsMsg(rank=1, wants=(("o", (((0, 4), (3, 6)),)),))))
+    for bad in ([["o", []]], [["o", [[[0, 4], [6, 3]]]]], [["o", [[[0, 4]], [[0, 1], [0, 1]]]]],
+                [["", [[[0, 1]]]]], [["o", [[[0, -1]]]]], [["o"]], "o"):
+        with pytest.raises(WireError):
+            decode(json.dumps({**wants, "wants": bad}))
     staged = json.loads(encode(StagedMsg(seq=2, stream=1, blocks=("b0",))))
     for bad in ([1], "b0", [""], ["x" * 300]):
         with pytest.raises(WireError):
@@ -381,7 +390,10 @@ def test_tensor_parallel_shards_are_served_as_they_are():
         assert t["gathered"] == [], t["gathered"]
         held = t["steps"][0]["tensor_bytes"]
         assert 0.45 * total < held < 0.55 * total + 2 * model["bias"].numel(), (held, total)
-        assert t["steps"][1]["layout_sent"] is False
+        # the receivers keep column halves of "q" (held here as dim-0 rows): told so in the
+        # first sync, each rank stages its rows of "q" column half by column half from
+        # the second, a new layout once
+        assert t["steps"][1]["layout_sent"] is True
     for rank, r in enumerate(results[2:]):
         assert r["bad"] == [], r
         keep = _slice_keep(rank)
@@ -998,6 +1010,113 @@ def test_a_receiver_keeping_slices_offers_no_join():
     finally:
         recv.finalize()
         trainer.finalize()
+
+
+def _group_here(receivers, device="cpu"):
+    """A trainer and ``receivers`` receiver engines of one nixl group, in this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.transport.base import worker_kwargs
+    cls = CheckpointEngineRegistry.get("nixl")
+    trainer = cls(role="trainer", bucket_size=BUCKET, timeout=20, device=device)
+    recvs = [cls(role="rollout", bucket_size=BUCKET, timeout=20, device=device)
+             for _ in range(receivers)]
+    tk, rk = cls.build_topology(1, receivers, [e.prepare() for e in [trainer, *recvs]])
+    with ThreadPoolExecutor(1 + receivers) as pool:
+        jobs = [pool.submit(trainer.init_process_group, **worker_kwargs(tk, 0))]
+        jobs += [pool.submit(r.init_process_group, **worker_kwargs(rk, j))
+                 for j, r in enumerate(recvs)]
+        for j in jobs:
+            j.result(60)
+    return trainer, recvs
+
+
+def _sync_group(trainer, recvs, version, sent, into):
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def take(recv, dest):
+        return {n: t.clone() async for n, t in recv.receive_into(dest, version)}
+    with ThreadPoolExecutor(len(recvs)) as pool:
+        got = [pool.submit(asyncio.run, take(r, d)) for r, d in zip(recvs, into)]
+        stats = asyncio.run(trainer.send_weights(list(sent.items()), version))
+        return stats, [g.result(60) for g in got]
+
+
+def _tp_cut_case(ranks=2):
+    """Column-split "w" (a row-parallel weight: one run per row of each box), row-split "c"
+    (one run already), "n" whole, as two TP workers keep them."""
+    from weightsync.core.xferplan import Keep
+
+    def keep(rank):
+        return Keep(boxes={"w": (((0, 64), (48 * rank, 48 * rank + 48)),),
+                           "c": (((40 * rank, 40 * rank + 40), (0, 24)),)})
+
+    def tensors(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(64, 96, generator=g).to(torch.bfloat16),
+                "c": torch.randn(80, 24, generator=g), "n": torch.randn(7, generator=g)}
+    return keep, tensors
+
+
+@pytest.mark.timeout(150)
+def test_boxes_every_receiver_keeps_are_staged_box_by_box_one_read_each():
+    """Two TP receivers keep column halves of a weight (64 runs of a row each to read):
+    they tell the trainer, which from the next sync stages that weight half by half (a new
+    layout, once), so each receiver reads its half in one piece; bytes exact throughout,
+    the receivers' own shards replayed, the keep callable run once."""
+    keep, tensors = _tp_cut_case()
+    trainer, recvs = _group_here(2)
+    calls = [0, 0]
+    try:
+        for j, r in enumerate(recvs):
+            r.keep_slices(lambda layout, j=j: calls.__setitem__(j, calls[j] + 1) or keep(j))
+        into = [{"w": torch.zeros(64, 48, dtype=torch.bfloat16), "c": torch.zeros(40, 24),
+                 "n": torch.zeros(7)} for _ in recvs]
+        reads, layout_sent = [], []
+        for step in range(4):
+            sent = tensors(step)
+            stats, got = _sync_group(trainer, recvs, step, sent, into)
+            layout_sent.append(stats["layout_sent"])
+            reads.append([len(r.last_plan.reads) for r in recvs])
+            for j, g in enumerate(got):
+                for n, w in sent.items():
+                    box = keep(j).of(n, w.shape)[0]
+                    assert torch.equal(g[n], w[tuple(slice(a, b) for a, b in box)]), (step, j, n)
+        assert reads[0] == [64 + 1 + 1] * 2, reads        # a read per row of w's half
+        assert reads[1:] == [[3, 3]] * 3, reads            # w, c, n: one read each
+        assert layout_sent == [True, True, False, False], layout_sent
+        held = [e for e in trainer._arena.held() if e[0] == "w"]
+        assert [e[7] for e in held] == [[[0, 64], [0, 48]], [[0, 64], [48, 96]]], held
+        assert calls == [1, 1], calls
+        # a receiver that keeps w whole again: the trainer stops cutting it
+        recvs[1].keep_slices(None)
+        into[1] = {}
+        for step in (4, 5):
+            stats, got = _sync_group(trainer, recvs, step, tensors(step), into)
+            assert torch.equal(got[1]["w"], tensors(step)["w"])
+        assert [e[7:] for e in trainer._arena.held() if e[0] == "w"] == [()]
+    finally:
+        for e in (*recvs, trainer):
+            e.finalize()
+
+
+def test_cut_pieces_only_for_a_partition_with_a_strided_box():
+    from weightsync.transport.backends.nixl.layout import cut_pieces
+    t = torch.arange(24.).reshape(4, 6)
+    halves = (((0, 4), (0, 3)), ((0, 4), (3, 6)))
+    pieces = cut_pieces(t, 0, 24, (4, 6), None, halves)
+    assert [p for p, _ in pieces] == list(halves)
+    assert torch.equal(pieces[1][1], t[:, 3:])
+    # rows 2..4 held (an FSDP2 shard): each half meets them
+    rows = cut_pieces(t[2:], 12, 24, (4, 6), None, halves)
+    assert [p for p, _ in rows] == [((2, 4), (0, 3)), ((2, 4), (3, 6))]
+    assert torch.equal(rows[1][1], t[2:, 3:])
+    assert cut_pieces(t, 0, 24, (4, 6), None, (((0, 2), (0, 6)), ((2, 4), (0, 6)))) is None
+    assert cut_pieces(t, 0, 24, (4, 6), None, halves[:1]) is None            # no cover
+    assert cut_pieces(t, 0, 24, (4, 6), None, (((0, 4), (0, 4)), ((0, 4), (2, 6)))) is None
+    assert cut_pieces(t[1:3], 6, 18, (4, 6), None, halves) is not None
+    assert cut_pieces(t, 3, 9, (4, 6), None, halves) is None    # not whole rows
 
 
 def _shard_case(device):

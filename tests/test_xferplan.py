@@ -612,3 +612,28 @@ def test_read_totals_equal_each_receivers_own_compile():
     assert len({tuple(sorted(t)) for t in got}) > 1          # receivers read different ranks
     with pytest.raises(ValueError, match="one entry per destination"):
         read_totals(sources, dests, spread=[0])
+
+
+def test_a_box_two_ranks_stage_alike_is_one_read_not_one_per_row():
+    """Two ranks each hold a (64, 96) weight staged column half by column half (as nixl
+    trainers do once every receiver keeps such halves). A receiver wanting one half reads
+    it in one piece from one rank, not row by row alternating between the ranks (which no
+    read could coalesce); two halves compiled together go one to each rank; a read limit
+    still cuts a half into pieces spread over both."""
+    shape, isz = (64, 96), 2
+    halves = (((0, 64), (0, 48)), ((0, 64), (48, 96)))
+    size = 64 * 48 * isz
+    srcs = [SourceLayout(rank=r, held=tuple(
+        HeldBox(name="w", shape=shape, dtype="bfloat16", box=b, region="b0", offset=i * size)
+        for i, b in enumerate(halves))) for r in (0, 1)]
+
+    def want(worker, b):
+        return DestLayout(worker=worker, wants=(Want(name="w", dtype="bfloat16", box=b,
+                                                     dest="d", offset=0),))
+    one = compile_plan(srcs, [want("r1", halves[1])])
+    assert [(r.src_offset, r.nbytes) for r in one.reads] == [(size, size)], one.reads
+    both = compile_plan(srcs, [want("r0", halves[0]), want("r1", halves[1])])
+    assert sorted(r.src_rank for r in both.reads) == [0, 1], both.reads
+    cut = compile_plan(srcs, [want("r1", halves[1])], max_read_bytes=size // 4)
+    assert len(cut.reads) == 4 and {r.src_rank for r in cut.reads} == {0, 1}, cut.reads
+    assert sum(r.nbytes for r in cut.reads) == size

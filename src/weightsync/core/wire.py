@@ -31,6 +31,7 @@ __all__ = [
     "PullMsg",
     "StagedMsg",
     "PulledMsg",
+    "WantsMsg",
     "encode",
     "decode",
 ]
@@ -205,11 +206,24 @@ class PulledMsg(Message):
     plan: str
 
 
+@dataclass(frozen=True)
+class WantsMsg(Message):
+    """Receiver ``rank`` keeps only some boxes of these tensors (a tensor-parallel worker):
+    ``wants`` holds ``[name, [box, ...]]``, a box a ``[start, stop]`` per dim of the full
+    tensor. Sent to every trainer rank when it changes (empty: every tensor whole again),
+    so they may stage such a tensor box by box and each box is one read."""
+
+    kind: ClassVar[str] = "wants"
+    rank: int
+    wants: tuple[tuple[str, tuple[tuple[tuple[int, int], ...], ...]], ...] = ()
+
+
 _KINDS: dict[str, type[Message]] = {
     c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg, SourceMsg,
-                        PullMsg, StagedMsg, PulledMsg)}
+                        PullMsg, StagedMsg, PulledMsg, WantsMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
-             "segments": (), "handles": (), "origin": None, "staged": True, "blocks": ()}
+             "segments": (), "handles": (), "origin": None, "staged": True, "blocks": (),
+             "wants": ()}
 _ERROR_NAMES = {
     "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
     "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
@@ -223,6 +237,8 @@ def encode(msg: Message) -> bytes:
         value = getattr(msg, f.name)
         if f.name == "entries" and value is not None:
             value = [e.to_list() for e in value]
+        elif f.name == "wants":
+            value = [[n, [[list(p) for p in box] for box in boxes]] for n, boxes in value]
         elif isinstance(value, tuple):
             value = list(value)
         body[f.name] = value
@@ -320,6 +336,30 @@ def _held(v: Any) -> tuple:
     return tuple(out)
 
 
+def _wants(v: Any) -> tuple:
+    if type(v) is not list or len(v) > 1 << 20:
+        _fail("wants must be a list of at most 2**20 entries")
+    out = []
+    for item in v:
+        if type(item) is not list or len(item) != 2 or type(item[1]) is not list \
+                or not 0 < len(item[1]) <= 4096:
+            _fail("a wants entry must be [name, [box, ...]] with 1 to 4096 boxes")
+        name = _str(item[0], "tensor name")
+        if not name:
+            _fail("a wants entry names no tensor")
+        boxes = []
+        for box in item[1]:
+            if type(box) is not list or len(box) > _MAX_DIMS or not all(
+                    type(p) is list and len(p) == 2 for p in box):
+                _fail(f"a box of {name!r} must hold a [start, stop] pair per dim")
+            pairs = tuple((_int(a, "box start"), _int(b, "box stop")) for a, b in box)
+            if any(a > b for a, b in pairs) or len({len(pairs)} | {len(b) for b in boxes}) > 1:
+                _fail(f"the boxes of {name!r} run backwards or differ in rank")
+            boxes.append(pairs)
+        out.append((name, tuple(boxes)))
+    return tuple(out)
+
+
 def _check_field(cls: type[Message], name: str, v: Any) -> Any:
     if name == "version":
         return _version(v)
@@ -362,6 +402,8 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         return _regions(v)
     if name == "held":
         return _held(v)
+    if name == "wants":
+        return _wants(v)
     if name == "names":
         if v is None:
             return None

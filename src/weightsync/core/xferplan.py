@@ -264,12 +264,46 @@ def _split(c: dict, limit: int) -> dict:
     return out
 
 
+def _blocks(c: dict, m: Any, hstart: Any, nh: Any, h_rank: Any, h_reg: Any, h_base: Any,
+            limit: int | None) -> Any:
+    """Block ids (ascending) of the pieces ``m`` (sorted by destination): a block is a run
+    of pieces consecutive at the destination that every one of their holders (the same
+    ranks) holds consecutively too, so one holder serves a block as one read; cut where it
+    would pass ``limit`` bytes (reads stay spread over holders at that size)."""
+    if len(m) < 2:
+        return np.arange(len(m), dtype=_I64)
+    a, b = m[:-1], m[1:]
+    ga, gb = c["gid"][a], c["gid"][b]
+    dnb = c["nb"] // c["sisz"] * c["disz"]
+    join = (c["wid"][a] == c["wid"][b]) & (c["did"][a] == c["did"][b]) & \
+        (c["cid"][a] == c["cid"][b]) & (c["doff"][a] + dnb[a] == c["doff"][b]) & \
+        (nh[ga] == nh[gb])
+    ka = nh[ga]
+    for j in range(int(ka.max())):
+        at = np.minimum(j, ka - 1)
+        ha, hb = hstart[ga] + at, hstart[gb] + at
+        join &= (h_rank[ha] == h_rank[hb]) & (h_reg[ha] == h_reg[hb]) & \
+            (h_base[ha] + c["src"][a] + c["nb"][a] == h_base[hb] + c["src"][b])
+    new = np.concatenate(([True], ~join))
+    if limit is not None:
+        nb = c["nb"][m]
+        cum = np.cumsum(nb)
+        first = np.maximum.accumulate(np.where(new, np.arange(len(m)), 0))
+        before = cum - nb - (cum[first] - nb[first])       # bytes before it in its block
+        sub = before // limit
+        new |= np.concatenate(([True], sub[1:] != sub[:-1]))
+    return np.cumsum(new) - 1
+
+
 def _assign(c: dict, reg: _Holders, balance: bool, spread: int = 0,
-            prior: Mapping[int, int] | None = None) -> tuple[dict, list[str]]:
-    """Pick a holder per piece: forced ones first, then greedy least-loaded, largest first;
-    of equally loaded holders, the first in rank order from a position set by ``spread``:
-    its base-``k`` digit sum mod ``k`` for ``k`` holders, so receivers ``spread = i`` with
-    ``i`` in steps of a replica size that ``k`` divides still cover every position."""
+            prior: Mapping[int, int] | None = None,
+            limit: int | None = None) -> tuple[dict, list[str]]:
+    """Pick a holder per piece: forced ones first, then greedy least-loaded, largest first,
+    a block of pieces at a time (:func:`_blocks`: what one holder would serve as one read,
+    e.g. the rows of a box the holders stage contiguously); of equally loaded holders, the
+    first in rank order from a position set by ``spread``: its base-``k`` digit sum mod
+    ``k`` for ``k`` holders, so receivers ``spread = i`` with ``i`` in steps of a replica
+    size that ``k`` divides still cover every position."""
     hstart, nh, h_rank, h_reg, h_base = reg.arrays()
     hidx = hstart[c["gid"]] if len(c["gid"]) else np.empty(0, _I64)
     multi = np.flatnonzero(nh[c["gid"]] > 1) if balance and len(c["gid"]) \
@@ -281,24 +315,32 @@ def _assign(c: dict, reg: _Holders, balance: bool, spread: int = 0,
     for rank, n in (prior or {}).items():
         if rank < len(loads):
             loads[rank] += int(n)
-    keys = [c[k][multi] for k in ("doff", "did", "wid")] + [-c["nb"][multi]]
-    order = multi[np.lexsort(keys)]  # largest first; ties by destination (deterministic)
-    ranks, starts, counts, chosen = h_rank.tolist(), hstart.tolist(), nh.tolist(), []
+    m = multi[np.lexsort((c["doff"][multi], c["did"][multi], c["wid"][multi]))]
+    blk = _blocks(c, m, hstart, nh, h_rank, h_reg, h_base, limit)
+    nblk = int(blk[-1]) + 1 if len(m) else 0
+    bnb = np.bincount(blk, weights=c["nb"][m], minlength=nblk).astype(_I64)
+    head = m[np.flatnonzero(np.concatenate(([True], blk[1:] != blk[:-1])))] if len(m) \
+        else np.empty(0, _I64)
+    keys = [c[k][head] for k in ("doff", "did", "wid")] + [-bnb]
+    order = np.lexsort(keys)  # largest first; ties by destination (deterministic)
+    ranks, starts, counts = h_rank.tolist(), hstart.tolist(), nh.tolist()
+    pos = np.zeros(nblk, _I64)
     turn: dict[int, int] = {}
-    for g, n in zip(c["gid"][order].tolist(), c["nb"][order].tolist()):
+    for bi, g, n in zip(order.tolist(), c["gid"][head][order].tolist(), bnb[order].tolist()):
         first, k = starts[g], counts[g]
         if k not in turn:
             x, turn[k] = spread, 0
             while x:
                 turn[k], x = turn[k] + x % k, x // k
-        best = first + turn[k] % k
+        best = turn[k] % k
         for j in range(1, k):                 # holders sorted by rank, from that position
-            h = first + (turn[k] + j) % k
-            if loads[ranks[h]] < loads[ranks[best]]:
-                best = h
-        loads[ranks[best]] += n
-        chosen.append(best)
-    hidx[order] = np.array(chosen, _I64)
+            p = (turn[k] + j) % k
+            if loads[ranks[first + p]] < loads[ranks[first + best]]:
+                best = p
+        loads[ranks[first + best]] += n
+        pos[bi] = best
+    if len(m):
+        hidx[m] = hstart[c["gid"][m]] + pos[blk]
     regions = [name for name, _ in sorted(reg.regions.items(), key=lambda kv: kv[1])]
     return dict(c, rank=h_rank[hidx], reg=h_reg[hidx], src=c["src"] + h_base[hidx]), regions
 
@@ -343,7 +385,7 @@ def _columns(src: _Sources, dests: Sequence[DestLayout], max_read_bytes: int | N
     _fail(problems)
     if max_read_bytes is not None:
         cols = _split(cols, max_read_bytes)
-    cols, regions = _assign(cols, holders, balance, spread, prior)
+    cols, regions = _assign(cols, holders, balance, spread, prior, max_read_bytes)
     cols = _coalesce(cols)
     if max_read_bytes is not None:
         cols = _split(cols, max_read_bytes)

@@ -59,12 +59,12 @@ import torch
 
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
-from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, decode,
-                                  encode)
+from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, WantsMsg,
+                                  decode, encode)
 from weightsync.core.xferplan import Keep, TransferPlan
 from weightsync.transport.backends.nixl.agent import (NixlAgent, mem_type, require_nixl,
                                                     ucx_transports, wait_all)
-from weightsync.transport.backends.nixl.layout import Arena, layout_digest
+from weightsync.transport.backends.nixl.layout import Arena, contiguous_box, layout_digest
 from weightsync.transport.backends.nixl.pull import OWN, PullPlan, plan_key, union_of
 from weightsync.transport.base import CheckpointEngine
 from weightsync.transport.control.group import StoreGroupMixin
@@ -110,7 +110,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._pull_plan: Optional[PullPlan] = None
         self._plan_key: Optional[tuple] = None
         self._keep_fn: Optional[Callable[[list], Keep]] = None
-        self._keep: Optional[tuple[tuple, Keep]] = None     # (trainer layouts, what is kept)
+        # (trainer layouts, the tensors they serve, what is kept of them)
+        self._keep: Optional[tuple[tuple, tuple, Keep]] = None
         self.last_plan: Optional[TransferPlan] = None
         self.restarts = 0           # receiver: pipelined pulls begun again on a new layout
         # the version the memory this engine serves joiners from holds (a trainer: its
@@ -127,6 +128,10 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._joined: Optional[dict[int, tuple[Any, float]]] = None
         self._peers: dict[int, str] = {}
         self._device = torch.device(self.config.device)    # resolved at init (receivers)
+        # trainer: what each receiver keeps in part, by rank ({name: boxes}); receiver:
+        # what it last told the trainers of that
+        self._wants: dict[int, dict[str, tuple]] = {}
+        self._wants_sent: tuple = ()
 
     # -- set-up ---------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -182,16 +187,23 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._plan_key = None
 
     def _keep_for(self, sources: list) -> Optional[Keep]:
+        """What this receiver keeps; the callable runs again only when the tensors served
+        (names, shapes, dtypes) change, not when only where they live does."""
         if self._keep_fn is None:
             return None
         digests = tuple(s.digest for s in sources)
-        if self._keep is None or self._keep[0] != digests:
-            keep = self._keep_fn(union_of(sources))
+        if self._keep is not None and self._keep[0] == digests:
+            return self._keep[2]
+        union = tuple(union_of(sources))
+        if self._keep is None or self._keep[1] != union:
+            keep = self._keep_fn(list(union))
             if not isinstance(keep, Keep):
                 raise TypeError(f"keep_slices: the callable returned {type(keep).__name__}, "
                                 "not a Keep")
-            self._keep = (digests, keep)
-        return self._keep[1]
+        else:
+            keep = self._keep[2]
+        self._keep = (digests, union, keep)
+        return keep
 
     def _receiver_boxes(self) -> list[str]:
         return [f"r{r}" for r in range(self._num_receivers)]
@@ -209,9 +221,10 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             if self._leases:                  # a joiner still reads the last version
                 await loop.run_in_executor(pool, self._wait_leases, version)
             self._served = False              # the arena is about to be written
+            recut = self._arena.set_cuts(self._cuts())     # the layout changes with it
             # warm: receivers start reading each staging block as soon as it is written
             pipelined = self._pipeline and self._published is not None and \
-                self._published == self._arena.digest
+                self._published == self._arena.digest and not recut
             self._arena.begin(pipelined)
             if pipelined:
                 self._hub_push(PullMsg(version=wire_version(version), seq=seq,
@@ -245,6 +258,15 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 "stage_seconds": staged_s,
                 "held_bytes": self._arena.nbytes, "tensor_bytes": self._arena.tensor_bytes,
                 "served": served, "backend": self.backend_name}
+
+    def _cuts(self) -> dict[str, tuple]:
+        """Tensors every receiver keeps only in part, with the boxes they keep: the arena
+        stages those box by box (each receiver's box is then one read, not one per row)."""
+        if self._num_receivers == 0 or len(self._wants) < self._num_receivers:
+            return {}
+        wants = list(self._wants.values())
+        names = set(wants[0]).intersection(*wants[1:])
+        return {n: tuple({b for w in wants for b in w[n]}) for n in names}
 
     def _hub_push(self, msg: Any) -> None:
         self._hub.push_many(self._receiver_boxes(), msg)
@@ -299,6 +321,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                 version=version)
             if isinstance(msg, ErrorMsg) and msg.seq >= seq:
                 raise_remote(msg, phase="send")
+            if isinstance(msg, WantsMsg) and 0 <= msg.rank < self._num_receivers:
+                self._wants[msg.rank] = dict(msg.wants)     # staged so from the next sync
             if isinstance(msg, PulledMsg) and msg.seq == seq:
                 served[msg.rank] = msg.nbytes
         return served
@@ -451,6 +475,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                    device, self.config.bucket_size, keep,
                                    peers=self._peers, spread=max(self._rank, 0))
         self._plan_key, self.last_plan = key, self._pull_plan.plan
+        self._tell_wants(sources, keep)
         plan = self._pull_plan.plan
         logger.info("weightsync nixl: rollout rank %d compiled a plan in %.3f s: %d reads, "
                     "%d bytes from %d trainer ranks, %d tensors straight into the caller's, "
@@ -458,6 +483,21 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                     plan.total_bytes, self._world, self._pull_plan.direct,
                     self._pull_plan.partial)
         return self._pull_plan
+
+    def _tell_wants(self, sources: list, keep: Optional[Keep]) -> None:
+        """Tell every trainer rank the boxes this receiver keeps of the tensors where some
+        box it keeps is not contiguous (a row-parallel weight's columns), when that changed:
+        staged box by box from then on, each is one read instead of one per row."""
+        if self._joined is not None:
+            return
+        wants = ()
+        if keep is not None:
+            wants = tuple((n, boxes) for n, shape, _ in union_of(sources)
+                          if (boxes := keep.of(n, shape)) and
+                          any(not contiguous_box(shape, b) for b in boxes))
+        if wants != self._wants_sent:
+            self._links_push(WantsMsg(rank=self._rank, wants=wants))
+            self._wants_sent = wants
 
     def _drop_reads(self) -> None:
         if getattr(self, "_pull_plan", None) is not None:

@@ -42,7 +42,7 @@ from weightsync.transport.fastcopy import memmove_at
 from weightsync.transport.tensors import LastingStorage, is_stable, plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
 
-__all__ = ["Arena", "held_part", "held_of", "layout_digest", "local_box"]
+__all__ = ["Arena", "contiguous_box", "cut_pieces", "held_part", "held_of", "layout_digest", "local_box"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 256
@@ -100,6 +100,57 @@ def _flat_range(shape: tuple[int, ...], box: tuple) -> Optional[tuple[int, int]]
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     start = sum(a * st for (a, _), st in zip(box, strides))
     return start, start + math.prod(b - a for a, b in box)
+
+
+def contiguous_box(shape: tuple, box: tuple) -> bool:
+    """Whether ``box`` of a tensor of ``shape`` is one run of its row-major bytes."""
+    return _flat_range(tuple(shape), tuple(box)) is not None
+
+
+def _held_box(start: int, stop: int, shape: tuple, box: Optional[tuple]) -> Optional[tuple]:
+    """What a rank holds of a tensor as a box of it (a range of whole dim-0 rows is one),
+    or None when the range is not one."""
+    if box is not None:
+        return tuple(box)
+    if not shape:
+        return None
+    row = math.prod(shape[1:])
+    if row == 0 or start % row or stop % row:
+        return None
+    return ((start // row, stop // row),) + tuple((0, d) for d in shape[1:])
+
+
+def cut_pieces(local: torch.Tensor, start: int, stop: int, shape: tuple,
+               box: Optional[tuple], cut: tuple) -> Optional[list[tuple[tuple, torch.Tensor]]]:
+    """``(box, view of local)`` per box of ``cut`` (what the receivers keep of the tensor)
+    that meets what this rank holds, or None when the tensor is served as it is: the boxes
+    of ``cut`` must be disjoint, cover the whole tensor, and one of them at least must not
+    be contiguous in it (else reading it is one read anyway)."""
+    if not shape or not cut or any(len(c) != len(shape) for c in cut):
+        return None
+    if any(not 0 <= a <= b <= n for c in cut for (a, b), n in zip(c, shape)):
+        return None
+    if all(_flat_range(shape, c) is not None for c in cut):
+        return None
+    vol = lambda c: math.prod(b - a for a, b in c)  # noqa: E731
+    if sum(vol(c) for c in cut) != math.prod(shape):
+        return None
+    for i, c in enumerate(cut):               # disjoint (with the volumes: a partition)
+        for d in cut[i + 1:]:
+            if all(max(a, x) < min(b, y) for (a, b), (x, y) in zip(c, d)):
+                return None
+    held = _held_box(start, stop, shape, box)
+    if held is None:
+        return None
+    extents = tuple(b - a for a, b in held)
+    view = local if tuple(local.shape) == extents else local.reshape(extents)
+    out = []
+    for c in cut:
+        piece = tuple((max(a, x), min(b, y)) for (a, b), (x, y) in zip(c, held))
+        if all(a < b for a, b in piece):
+            out.append((piece, view[tuple(slice(a - h, b - h)
+                                          for (a, b), (h, _) in zip(piece, held))]))
+    return out
 
 
 def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...],
@@ -174,6 +225,18 @@ class Arena:
         self._pipelined = False
         self._last_of: dict[str, int] = {}
         self._deferred: list[tuple[torch.Tensor, Any]] = []
+        self._cuts: dict[str, tuple] = {}
+
+    def set_cuts(self, cuts: dict[str, tuple]) -> bool:
+        """Stage each tensor named in ``cuts`` box by box (``cuts[name]``: the boxes every
+        receiver keeps of it, see :func:`cut_pieces`), each box contiguous, so a receiver
+        reads its box in one piece; such a tensor is always staged, never served from its
+        own storage. True when this changes what the arena did."""
+        cuts = {n: tuple(sorted(set(b))) for n, b in cuts.items()}
+        if cuts == self._cuts:
+            return False
+        self._cuts = cuts
+        return True
 
     @property
     def mem(self) -> str:
@@ -206,6 +269,14 @@ class Arena:
             raise ValueError(f"nixl: {name} is on {local.device}, earlier tensors on "
                              f"{self._device}; one trainer rank serves from one device")
         wire = dtype_name(dtype)
+        cut = self._cuts.get(name)
+        pieces = None if cut is None else cut_pieces(local, start, stop, shape, box, cut)
+        if pieces is not None:                  # box by box, each box contiguous
+            done: list[str] = []
+            for piece, view in pieces:
+                n = math.prod(b - a for a, b in piece)
+                done += self._stage((name, shape, wire, 0, n), (piece,), view, dtype)
+            return done
         i = len(self._entries)
         key = (name, shape, wire, start, stop)
         tail = () if box is None else (tuple(box),)        # a box entry's 8th field
@@ -215,6 +286,13 @@ class Arena:
             self.changed = self.changed or i >= len(self._prev) or \
                 self._prev[i] != key + (region, 0) + tail
             return []
+        return self._stage(key, tail, local, dtype)
+
+    def _stage(self, key: tuple, tail: tuple, local: torch.Tensor,
+               dtype: torch.dtype) -> list[str]:
+        """Copy ``local`` (the entry ``key`` + ``tail`` describes) into the staging blocks,
+        at its place of the last sync's layout while that still holds."""
+        i = len(self._entries)
         nbytes = local.numel() * dtype.itemsize
         if not self.changed and i < len(self._prev) and tuple(self._prev[i][:5]) == key \
                 and tuple(self._prev[i][7:]) == tail and self._prev[i][5] in self._blocks:
