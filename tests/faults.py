@@ -192,3 +192,31 @@ def nixl_shape_disagrees_on_rank_1(engine, role, rank):
 def kill_rollout_0(engine, role, rank):
     if role == "rollout" and rank == 0:
         _kill_receiver(engine, rank)
+
+
+def slow_trainer_gpu(engine, role, rank):
+    """A GPU trainer whose stream is busy (a long kernel every 50 tensors): its bucket
+    copies, so its broadcasts, run late; a receiver that reads a slot before the broadcast
+    into it completed then reads stale bytes."""
+    if role != "trainer":
+        return
+    orig = engine.send_weights
+
+    async def wrapped(named_tensors, version=None):
+        def items():
+            for i, item in enumerate(named_tensors):
+                if i % 50 == 0:
+                    torch.cuda._sleep(50_000_000)
+                yield item
+        return await orig(items(), version)
+
+    engine.send_weights = wrapped
+
+
+def collective_reads_unordered(engine, role, rank):
+    """Mutant of ``collective``'s stream-ordered receive: the consumer's stream does not
+    wait for the broadcast before reading the slot (with ``slow_trainer_gpu``)."""
+    slow_trainer_gpu(engine, role, rank)
+    if role == "rollout":
+        from weightsync.transport.backends.collective import CollectiveEngine
+        engine._layout = lambda stream, msg: super(CollectiveEngine, engine)._layout(stream, msg)

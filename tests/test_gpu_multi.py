@@ -72,3 +72,14 @@ def test_rollout_killed_mid_sync_across_gpus(backend):
         r0 = rollouts[0]
         assert len(r0["steps"]) == done and r0["errors"], r0
         assert r0["failed_after_s"] < 3 * TIMEOUT, r0
+
+
+@pytest.mark.timeout(300)
+def test_collective_consumer_reads_a_slot_only_after_its_broadcast():
+    """NCCL receivers post the next broadcast without waiting on the host; the consumer's
+    stream waits for each one instead. With the trainer's broadcasts running late, the
+    bytes are exact; the mutant without that wait reads stale slots (the test can fail)."""
+    spec = _spec("collective", hook="faults:slow_trainer_gpu", steps=2)
+    assert_clean(run_group(spec), spec)
+    mutant = run_group(_spec("collective", hook="faults:collective_reads_unordered", steps=2))
+    assert any(step["bad"] for step in mutant[1]["steps"]), mutant[1]

@@ -16,10 +16,14 @@ CUDA (NCCL), reviewed for streams: slot buffers are allocated once, in
 nothing registers or exports them, so no special allocator is needed). A trainer launches
 each broadcast behind the stream that was current when ``send_weights`` was called (where
 its bucket copies were queued), and refills a slot only once the broadcast that last read
-it completed. A receiver posts a broadcast into a slot behind an event recorded on its
-consumer's stream (the one current while it iterates) when the consumer released the slot,
-and hands out views only once the broadcast completed (polled, bounded by ``timeout``;
-``Work.wait`` on NCCL only orders the calling thread's stream, not the consumer's). NCCL's own timeout is set longer
+it completed. A receiver posts a broadcast into a slot on a side stream, behind an event
+recorded on its consumer's stream (the one current while it iterates) when the consumer
+released the slot; the side stream waits for the broadcast (``Work.wait`` on NCCL orders
+the calling thread's current stream, not the host), and the consumer's stream waits on an
+event recorded there before it reads the slot. So the host posts the next broadcast at
+once instead of waiting for this one; it checks completions as later buckets come and
+waits for the last ones, bounded by ``timeout``, at the end of the sync (with a checksum,
+computed on the host, it waits for each bucket instead). NCCL's own timeout is set longer
 than ``timeout`` so that a dead peer becomes ``SyncTimeout`` here (the group is then
 aborted) rather than NCCL's watchdog tearing the process down.
 
@@ -124,6 +128,12 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._stores: list[Any] = []
         self._cuda = torch.device(self.config.device).type == "cuda"
         self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
+        # CUDA receivers: broadcasts posted on a side stream per trainer rank, the event
+        # the consumer's stream waits on before it reads each slot, the broadcasts whose
+        # completion the host has not seen yet
+        self._rx_side: dict[int, Any] = {}
+        self._rx_ready: dict[tuple[int, int], Any] = {}
+        self._rx_inflight: dict[int, list[tuple[Any, BucketMsg]]] = {}
         # CPU: tensors at least this big are broadcast as they are (0: never)
         self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", 16 << 20)
         self._direct_window = direct_window("WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")
@@ -310,6 +320,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
     def _abort_receive(self, state: Any, exc: BaseException) -> None:
         super()._abort_receive(state, exc)
         self._abort_groups()
+        self._rx_ready, self._rx_inflight = {}, {}
 
     def _check_usable(self, version: Any) -> None:
         if self._aborted:   # its broadcasts would wait out the timeout: fail now
@@ -349,11 +360,44 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         free.clear()
         buf = self._rx_bufs[stream][msg.slot]
         released = self._released.pop((stream, msg.slot), None)
+        if self._cuda and msg.checksum is None:
+            # stream-ordered: the broadcast goes on a side stream behind the consumer's
+            # reads of the slot, the consumer's stream waits for it (``_layout``) and the
+            # host moves on to the next bucket at once; completion is checked as later
+            # buckets come and waited for, bounded, at the end (``_rx_settle``)
+            side = self._rx_side.get(stream)
+            if side is None:
+                side = self._rx_side[stream] = torch.cuda.Stream(device=buf.device)
+            with torch.cuda.stream(side):
+                if released is not None:
+                    side.wait_event(released)
+                work = self._groups[stream].broadcast(buf[: msg.nbytes], 0)
+                work.wait()            # NCCL: the side stream waits, the host does not
+            ready = torch.cuda.Event()
+            ready.record(side)
+            self._rx_ready[(stream, msg.slot)] = ready
+            inflight = self._rx_inflight.setdefault(stream, [])
+            inflight.append((work, msg))
+            while inflight and inflight[0][0].is_completed():
+                done, m = inflight.pop(0)
+                self._wait_work(done, m.version, stream=stream, seq=m.seq)  # its error
+            return buf
         if released is not None:  # NCCL writes only after the consumer's reads of the slot
             torch.cuda.current_stream(buf.device).wait_event(released)
         self._wait_work(self._groups[stream].broadcast(buf[: msg.nbytes], 0), msg.version,
                         stream=stream, seq=msg.seq)
         return buf
+
+    def _layout(self, stream: int, msg: BucketMsg) -> Any:
+        entries = super()._layout(stream, msg)
+        ready = self._rx_ready.pop((stream, msg.slot), None)
+        if ready is not None:      # the consumer iterates on this thread: its stream reads
+            torch.cuda.current_stream(torch.device(self.config.device)).wait_event(ready)
+        return entries
+
+    def _rx_settle(self, stream: int, msg: Any) -> None:
+        for work, m in self._rx_inflight.pop(stream, []):
+            self._wait_work(work, m.version, stream=stream, seq=m.seq)
 
     # -- direct tensors (DirectTensors; CPU): broadcast from the trainer's tensor into the
     # receiver's own, no packing or unpacking copy; the header goes first, so every rank
@@ -402,6 +446,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
                 except Exception:  # teardown goes on: the group is dropped either way
                     logger.warning("shutdown of a process group failed", exc_info=True)
         self._groups, self._works, self._free, self._released = {}, {}, {}, {}
+        self._rx_side, self._rx_ready, self._rx_inflight = {}, {}, {}
         if self._hub is not None:
             self._hub.close()
         for link in self._links.values():

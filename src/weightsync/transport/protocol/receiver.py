@@ -242,11 +242,18 @@ class ReceiverMixin:
                         continue
                     state.q.put(("bucket", stream, msg, self._rx_fetch(stream, msg)))
                     continue
+                if isinstance(msg, DoneMsg):
+                    self._rx_settle(stream, msg)
                 state.q.put(("msg", stream, msg, None))
                 if isinstance(msg, (DoneMsg, ErrorMsg)):
                     return
         except BaseException as exc:  # handed to the consumer, which raises it
             state.q.put(("exc", stream, exc, None))
+
+    def _rx_settle(self, stream: int, msg: DoneMsg) -> None:
+        """Hook (pump thread, at the end of ``stream``'s sync): wait, bounded, for what
+        :meth:`_rx_fetch` left in flight on the device (a backend whose fetch does not
+        wait on the host); raises a failure of it."""
 
     def _rx_direct_pump(self, stream: int, msg: BucketMsg, state: _RecvState,
                         inbox: Any) -> torch.Tensor:
