@@ -129,10 +129,13 @@ def nixl_worker(role: str, rank: int, cfg: dict, conn) -> None:
                 t = full_tensor(n, s, dev)
                 items.append((n, shard0(t, rank, m) if cfg["shards"] else t))
 
+            stats = []
+
             def body(step):
-                asyncio.run(eng.send_weights(items, step))
+                st = asyncio.run(eng.send_weights(items, step))
+                stats.append([st["layout_sent"], st["pipelined"], round(st["stage_seconds"], 5)])
             times = _steps(conn, dev, 1 + cfg["warm"], body)
-            ok = {"cut_tensors": len(eng._arena._cuts), "wants_from": sorted(eng._wants)}
+            ok = {"held_bytes": eng._arena.nbytes, "steps": stats}
         else:
             eng.keep_slices(lambda layout: keep_of(spec, rank, tp))
             params = {n: torch.empty(tuple(b - a for a, b in box_of(s, d, rank, tp)),
@@ -157,7 +160,8 @@ def nixl_worker(role: str, rank: int, cfg: dict, conn) -> None:
 
 def raw_worker(role: str, rank: int, cfg: dict, conn) -> None:
     """Raw NIXL: each worker READs its kept bytes, an equal share from every trainer rank
-    (one flat registered region each), all workers at once."""
+    (one flat registered region each, in ``cfg['pieces']`` descriptors), all workers at
+    once."""
     try:
         from weightsync.transport.backends.nixl.agent import NixlAgent, wait_all
         dev = cfg["devs"][0 if role == "trainer" else 1]
@@ -165,6 +169,7 @@ def raw_worker(role: str, rank: int, cfg: dict, conn) -> None:
             torch.cuda.set_device(torch.device(dev))
         m = cfg["trainers"]
         share = -(-max(kept_bytes(cfg["spec"], r, cfg["tp"]) for r in range(cfg["tp"])) // m)
+        piece = -(-share // cfg.get("pieces", 1))
         mem = "VRAM" if dev.startswith("cuda") else "DRAM"
         index = torch.device(dev).index or 0
         agent = NixlAgent(f"raw-{role}-{rank}")
@@ -177,8 +182,11 @@ def raw_worker(role: str, rank: int, cfg: dict, conn) -> None:
             reads = []
             for i, (name, meta, addr, pdev) in enumerate(peers):
                 agent.add_remote(name, meta, peer=f"trainer rank {i}")
-                reads.append(agent.reads(name, [(buf.data_ptr() + i * share, share)],
-                                         [(addr, share)], mem=mem, remote_mem=mem,
+                at = range(0, share, piece)
+                reads.append(agent.reads(name, [(buf.data_ptr() + i * share + o,
+                                                 min(piece, share - o)) for o in at],
+                                         [(addr + o, min(piece, share - o)) for o in at],
+                                         mem=mem, remote_mem=mem,
                                          device=index, remote_device=pdev,
                                          peer=f"trainer rank {i}"))
 
@@ -300,6 +308,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="scaled-down shapes (a dry run)")
     ap.add_argument("--no-nccl", action="store_true")
+    ap.add_argument("--raw-pieces", type=int, default=64,
+                    help="also a raw READ of the same bytes in this many descriptors")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     for name in ("trainers", "tp", "warm"):
@@ -320,6 +330,10 @@ def main() -> None:
     raw = run(raw_worker, cfg, args.trainers, args.tp)
     res["raw_read"] = summary(raw, args.trainers)
     res["nixl_vs_raw_read"] = res["raw_read"]["warm_s"] / res["nixl"]["warm_s"]
+    if args.raw_pieces > 1:      # the same bytes in as many descriptors as a plan may have
+        res["raw_read_pieces"] = dict(summary(run(raw_worker, dict(cfg, pieces=args.raw_pieces),
+                                                  args.trainers, args.tp), args.trainers),
+                                      pieces=args.raw_pieces)
     if not args.no_nccl:
         for key, nbytes in (("nccl_broadcast_model", total),
                             ("nccl_broadcast_slice", max(res["kept_bytes"]))):
