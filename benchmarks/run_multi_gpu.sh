@@ -6,7 +6,8 @@
 #                   broadcast (benchmarks/nixl_multi.py; one JSON line per case)
 #   collective.txt  collective on NCCL, 1 -> 1: conformance cases, then 16 GB bf16 with
 #                   receive_into and with the README's loop beside a raw NCCL broadcast
-#                   (benchmarks/multi_gpu.py; multi_gpu.json holds the same)
+#                   (benchmarks/multi_gpu.py; multi_gpu.json holds the same); the bench
+#                   again under WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS=1 in rx_stream_waits/
 #   gpu_tests.txt   tests/test_gpu_multi.py (every GPU backend across GPUs, a rollout
 #                   killed mid-sync) and the VRAM tests of tests/test_nixl.py
 # NIXL: carry .wheels-device (nixl + nixl-cu13 wheels); without it the nixl steps skip.
@@ -41,6 +42,12 @@ if [ -z "${SKIP_COLLECTIVE:-}" ]; then
     --consume into,copy --warm 5 --cases plain,cast_bf16,version_mismatch 2>&1 \
     | tee "$OUT/collective.txt" | grep -v "^plain\|^cast" | cut -c1-600
   echo "collective exit ${PIPESTATUS[0]}"
+  # the same bench with the receivers' stream-ordered waits (off by default until measured)
+  mkdir -p "$OUT/rx_stream_waits"
+  WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS=1 timeout "${COLL_TIMEOUT:-200}" $PY benchmarks/multi_gpu.py \
+    --out "$OUT/rx_stream_waits" --gb 16 --buckets 1024 --consume into,copy --warm 5 --cases "" \
+    2>&1 | tee "$OUT/rx_stream_waits/collective.txt" | cut -c1-600
+  echo "collective (rx stream waits) exit ${PIPESTATUS[0]}"
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider -rfE -m gpu \

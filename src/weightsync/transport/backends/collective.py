@@ -16,14 +16,16 @@ CUDA (NCCL), reviewed for streams: slot buffers are allocated once, in
 nothing registers or exports them, so no special allocator is needed). A trainer launches
 each broadcast behind the stream that was current when ``send_weights`` was called (where
 its bucket copies were queued), and refills a slot only once the broadcast that last read
-it completed. A receiver posts a broadcast into a slot on a side stream, behind an event
-recorded on its consumer's stream (the one current while it iterates) when the consumer
-released the slot; the side stream waits for the broadcast (``Work.wait`` on NCCL orders
-the calling thread's current stream, not the host), and the consumer's stream waits on an
-event recorded there before it reads the slot. So the host posts the next broadcast at
-once instead of waiting for this one; it checks completions as later buckets come and
-waits for the last ones, bounded by ``timeout``, at the end of the sync (with a checksum,
-computed on the host, it waits for each bucket instead). NCCL's own timeout is set longer
+it completed. A receiver posts a broadcast into a slot behind an event recorded on its
+consumer's stream (the one current while it iterates) when the consumer released the slot,
+and hands out views only once the broadcast completed (polled, bounded by ``timeout``;
+``Work.wait`` on NCCL only orders the calling thread's stream, not the consumer's). With
+``WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS=1`` (read at construction; off by default until
+measured on GPUs here) it posts the broadcast on a side stream that waits for it instead,
+and the consumer's stream waits on an event recorded there before it reads the slot: the
+host posts the next broadcast at once; it checks completions as later buckets come and
+waits for the last ones, bounded, at the end of the sync (with a checksum, computed on the
+host, it waits for each bucket). NCCL's own timeout is set longer
 than ``timeout`` so that a dead peer becomes ``SyncTimeout`` here (the group is then
 aborted) rather than NCCL's watchdog tearing the process down.
 
@@ -53,6 +55,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from weightsync.core.config import env_value, parse_bool
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError, WireError
 from weightsync.core.wire import AckMsg, BucketMsg, ErrorMsg
 from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
@@ -131,6 +134,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         # CUDA receivers: broadcasts posted on a side stream per trainer rank, the event
         # the consumer's stream waits on before it reads each slot, the broadcasts whose
         # completion the host has not seen yet
+        # receivers (CUDA): the consumer's stream, not the host, waits for each broadcast
+        self._rx_stream_waits = env_value("COLLECTIVE_RX_STREAM_WAITS", parse_bool, False)
         self._rx_side: dict[int, Any] = {}
         self._rx_ready: dict[tuple[int, int], Any] = {}
         self._rx_inflight: dict[int, list[tuple[Any, BucketMsg]]] = {}
@@ -360,7 +365,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         free.clear()
         buf = self._rx_bufs[stream][msg.slot]
         released = self._released.pop((stream, msg.slot), None)
-        if self._cuda and msg.checksum is None:
+        if self._cuda and self._rx_stream_waits and msg.checksum is None:
             # stream-ordered: the broadcast goes on a side stream behind the consumer's
             # reads of the slot, the consumer's stream waits for it (``_layout``) and the
             # host moves on to the next bucket at once; completion is checked as later
