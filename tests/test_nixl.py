@@ -41,11 +41,11 @@ def test_messages_round_trip_and_reject_bad_fields():
                 StagedMsg(seq=2, stream=1, blocks=("b0", "own")),
                 PulledMsg(seq=2, stream=1, rank=0, nbytes=10, plan="p"),
                 WantsMsg(rank=1, wants=(("o", (((0, 4), (3, 6)),)),
-                                        ("d", (((0, 2), (0, 3)), ((2, 4), (0, 3)))))),
+                                        ("d", (((0, 2), (0, 3)), ((2, 4), (0, 3)))), ("e", ()))),
                 WantsMsg(rank=0)):
         assert decode(encode(msg)) == msg
     wants = json.loads(encode(WantsMsg(rank=1, wants=(("o", (((0, 4), (3, 6)),)),))))
-    for bad in ([["o", []]], [["o", [[[0, 4], [6, 3]]]]], [["o", [[[0, 4]], [[0, 1], [0, 1]]]]],
+    for bad in ([["o", [[[0, 4], [6, 3]]]]], [["o", [[[0, 4]], [[0, 1], [0, 1]]]]],
                 [["", [[[0, 1]]]]], [["o", [[[0, -1]]]]], [["o"]], "o"):
         with pytest.raises(WireError):
             decode(json.dumps({**wants, "wants": bad}))

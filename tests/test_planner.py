@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from weightsync.core.plan import itemsize
-from weightsync.core.xferplan import (DestLayout, HeldBox, HeldRange, SourceLayout,
-                                      TransferPlan, Want, compile_plan)
+from weightsync.core.xferplan import (DestLayout, HeldBox, SourceLayout, TransferPlan, Want,
+                                      compile_plan)
 from weightsync.tools.cli import main
 from weightsync.tools.planner import (PlannerError, Scenario, load_links, load_model,
                                       model_from_tensors, plan, predict)
 from weightsync.tools.planner import compiled as compiled_mod
 from weightsync.tools.planner import bucketed as bucketed_mod
-from weightsync.tools.planner.compiled import held_rows, pull_stats, rank_boxes
+from weightsync.tools.planner.compiled import pull_stats, rank_boxes, staged_boxes
 from weightsync.tools.planner.rules import planned_tensors
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,17 +202,21 @@ def test_contention_on_a_shared_nic():
 
 
 def test_row_parallel_reads_and_latency():
-    """Row-parallel split: one READ per row; per-read software and latency are added."""
+    """Row-parallel split: the trainers stage the workers' column halves box by box (as
+    the nixl trainer does once the workers said what they keep), so each worker reads one
+    piece per trainer rank; per-read software and latency are added, and the staging copy
+    is counted even where the rank would serve the rest from its own storage."""
     links = tiny_links(nic={"GBps": 1.0, "latency_us": 7})
     links["software"].update(read_us=1, control_us=3)
     sc = Scenario(model=_one_tensor("x.o_proj.weight", (64, 128)), links=load_links(links),
                   trainer_gpus=2, replicas=1, tp=2, strategies=("p2p",), pipelined=False)
     r = predict(sc).results["p2p"]
-    assert r.dest_reads == [64, 64]                # 64 rows of 64 columns each
+    assert r.dest_reads == [2, 2]                  # its 32 rows x 64 columns from each rank
     pull = r.phases[1]
     wire = 2 * 32 * 64 * 2 / 1e9                   # 2 ranks x 32 rows x 64 cols x 2 B
-    assert pull.limit_seconds == pytest.approx(max(wire, 64e-6))
+    assert pull.limit_seconds == pytest.approx(max(wire, 2e-6))
     assert pull.latency == pytest.approx(10e-6)
+
 
 
 def test_pipelined_staging_overlaps_the_pull_and_shares_its_resources():
@@ -302,12 +306,14 @@ def _whole_model_pairs(pts, world, workers):
     sources = []
     for r in range(world):
         held = []
-        for pt in pts:
-            a, b = held_rows(pt.shape[0], world, r)
-            per = math.prod(pt.shape[1:])
-            if b > a:
-                held.append(HeldRange(name=pt.name, shape=pt.shape, dtype=pt.src_dtype,
-                                      start=a * per, stop=b * per, region=pt.name, offset=0))
+        for pt in pts:       # FSDP2 rows, cut into the workers' boxes where the arena does
+            off = 0
+            for box in staged_boxes(pt, r, world):
+                n = math.prod(b - a for a, b in box)
+                if n:
+                    held.append(HeldBox(name=pt.name, shape=pt.shape, dtype=pt.src_dtype,
+                                        box=box, region=pt.name, offset=off))
+                    off += n * itemsize(pt.src_dtype)
         sources.append(SourceLayout(rank=r, held=tuple(held)))
     dests = [_dest_layout(pts, g, f"g{g}") for g in range(workers)]
     whole = compile_plan(sources, dests)
@@ -342,7 +348,7 @@ def _whole_model_boxes(pts, world, workers, shard, replicas=1):
         held = []
         for pt in pts:
             off = 0
-            for box in rank_boxes(pt, r, world, shard):
+            for box in staged_boxes(pt, r, world, shard):   # cut where the arena cuts
                 held.append(HeldBox(name=pt.name, shape=pt.shape, dtype=pt.src_dtype, box=box,
                                     region=pt.name, offset=off))
                 off += math.prod(b - a for a, b in box) * itemsize(pt.src_dtype)

@@ -208,9 +208,9 @@ class PulledMsg(Message):
 
 @dataclass(frozen=True)
 class WantsMsg(Message):
-    """Receiver ``rank`` keeps only some boxes of these tensors (a tensor-parallel worker):
-    ``wants`` holds ``[name, [box, ...]]``, a box a ``[start, stop]`` per dim of the full
-    tensor. Sent to every trainer rank when it changes (empty: every tensor whole again),
+    """Receiver ``rank`` keeps only some boxes of these tensors (a tensor-parallel worker;
+    none: ``[]``): ``wants`` holds ``[name, [box, ...]]``, a box a ``[start, stop]`` per dim
+    of the full tensor. Sent to every trainer rank when it changes (empty: every tensor whole again),
     so they may stage such a tensor box by box and each box is one read."""
 
     kind: ClassVar[str] = "wants"
@@ -342,8 +342,8 @@ def _wants(v: Any) -> tuple:
     out = []
     for item in v:
         if type(item) is not list or len(item) != 2 or type(item[1]) is not list \
-                or not 0 < len(item[1]) <= 4096:
-            _fail("a wants entry must be [name, [box, ...]] with 1 to 4096 boxes")
+                or len(item[1]) > 4096:
+            _fail("a wants entry must be [name, [box, ...]] with at most 4096 boxes")
         name = _str(item[0], "tensor name")
         if not name:
             _fail("a wants entry names no tensor")

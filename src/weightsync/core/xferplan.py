@@ -26,7 +26,7 @@ from weightsync.core.xfertypes import (PLAN_FORMAT, DestLayout, HeldBox, HeldRan
                                        SourceLayout, TransferPlan, Want, _I64, _int)
 
 __all__ = ["HeldRange", "HeldBox", "SourceLayout", "Want", "DestLayout", "Keep", "Read", "TransferPlan",
-           "compile_plan", "read_totals", "PLAN_FORMAT"]
+           "compile_plan", "read_totals", "box_is_run", "cut_boxes", "PLAN_FORMAT"]
 
 @dataclass
 class _Tensor:
@@ -396,6 +396,46 @@ def _check_args(max_read_bytes: int | None, spread: int) -> None:
     _int(spread, "spread", 0)
     if max_read_bytes is not None:
         _int(max_read_bytes, "max_read_bytes", 1)
+
+
+def box_is_run(shape: Sequence[int], box: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``box`` of a tensor of ``shape`` is one run of its row-major elements (dims
+    before its first partial one of extent 1, dims after it full)."""
+    shape, box = tuple(shape), tuple(box)
+    j = next((d for d, (a, b) in enumerate(box) if (a, b) != (0, shape[d])), len(shape))
+    if j < len(shape) and any(b - a != 1 for a, b in box[:j]):
+        return False
+    return all((a, b) == (0, shape[d]) for d, (a, b) in enumerate(box) if d > j)
+
+
+def cut_boxes(shape: Sequence[int], held: Sequence[tuple[int, int]],
+              cut: Sequence) -> tuple | None:
+    """How a source that holds box ``held`` of a tensor stages it when its receivers keep
+    the boxes ``cut`` of it (a tensor-parallel split): one piece per box of ``cut`` that
+    meets ``held`` (the intersection), each stored contiguously, so a receiver reads its
+    box as one run per source. None (stage it as it is) unless the boxes of ``cut`` are
+    disjoint, cover the tensor, and one of them at least is not one run already. The
+    ``nixl`` trainer's arena and the planner both stage by this."""
+    shape, held = tuple(int(d) for d in shape), tuple(held)
+    cut = tuple(tuple(c) for c in cut)
+    if not shape or not cut or any(len(c) != len(shape) for c in (*cut, held)):
+        return None
+    if any(not 0 <= a <= b <= n for c in (*cut, held) for (a, b), n in zip(c, shape)):
+        return None
+    if all(box_is_run(shape, c) for c in cut):
+        return None
+    if sum(math.prod(b - a for a, b in c) for c in cut) != math.prod(shape):
+        return None
+    for i, c in enumerate(cut):               # disjoint (with the volumes: a partition)
+        for d in cut[i + 1:]:
+            if all(max(a, x) < min(b, y) for (a, b), (x, y) in zip(c, d)):
+                return None
+    out = []
+    for c in cut:
+        piece = tuple((max(a, x), min(b, y)) for (a, b), (x, y) in zip(c, held))
+        if all(a < b for a, b in piece):
+            out.append(piece)
+    return tuple(out)
 
 
 def compile_plan(sources: Sequence[SourceLayout], dests: Sequence[DestLayout], *,

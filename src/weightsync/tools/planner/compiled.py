@@ -29,7 +29,10 @@ compiles it in pieces and multiplies, exactly, as follows:
    splits*, are compiled at size 1
    and the reads and bytes multiplied by their size (e.g. dim 1 of an expert tensor
    ``[E, H, I]`` whose dim 2 is TP-split: each index of it is one more run of the same
-   length from the same rank, never coalesced with its neighbour).
+   length from the same rank, never coalesced with its neighbour). Where the trainers
+   stage a tensor box by box for its workers (:func:`staged_boxes`, as the ``nixl``
+   arena does), a worker's piece is one run whatever those dims: bytes are multiplied,
+   reads only cut by the read limit.
 
 ``tests/test_planner.py`` checks that this equals one compile of a small model whole.
 """
@@ -45,11 +48,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from weightsync.core.plan import itemsize
-from weightsync.core.xferplan import (DestLayout, HeldBox, SourceLayout, Want, compile_plan,
-                                      read_totals)
+from weightsync.core.xferplan import (DestLayout, HeldBox, SourceLayout, Want, box_is_run,
+                                      compile_plan, cut_boxes, read_totals)
 from weightsync.tools.planner.rules import PlannedTensor
 
-__all__ = ["PullStats", "ClassStat", "pull_stats", "held_rows", "reduce_dims", "rank_boxes"]
+__all__ = ["PullStats", "ClassStat", "pull_stats", "held_rows", "reduce_dims", "rank_boxes",
+           "staged_boxes"]
 
 
 @dataclass
@@ -113,6 +117,25 @@ def rank_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") ->
     return tuple(out)
 
 
+def staged_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") -> tuple:
+    """What trainer ``rank`` serves ``pt`` as: its :func:`rank_boxes`, each cut into the
+    boxes the workers keep (:func:`~weightsync.core.xferplan.cut_boxes`, as the ``nixl``
+    trainer stages it) when every worker keeps none of it or a box of it that is not one
+    run (a row-parallel weight's columns): each worker's box is then one read per rank."""
+    boxes = rank_boxes(pt, rank, world, shard)
+    if not pt.shape or not all(w == () or any(not box_is_run(pt.shape, b) for b in w)
+                               for w in pt.boxes):
+        return boxes
+    cut = tuple(sorted({b for w in pt.boxes for b in w}))
+    out = []
+    for held in boxes:
+        pieces = cut_boxes(pt.shape, held, cut)
+        if pieces is None:
+            return boxes
+        out.extend(pieces)
+    return tuple(out)
+
+
 def reduce_dims(shape: tuple[int, ...], boxes: Sequence,
                 held: Sequence = ()) -> tuple[tuple[int, ...], int]:
     """Dims (>= 1) that every box covers fully and that lie before its last partial dim,
@@ -151,7 +174,7 @@ def _sources(pt: PlannedTensor, proto: tuple[int, ...], world: int,
     out = []
     for r in range(world):
         held, off = [], 0
-        for box in rank_boxes(pt, r, world, shard) if proto else (((0, 1),) if r == 0 else ()):
+        for box in staged_boxes(pt, r, world, shard) if proto else (((0, 1),) if r == 0 else ()):
             rbox = _reduced_box(box, pt.shape, proto) if proto else ()
             n = math.prod(b - a for a, b in rbox)
             if n:
@@ -237,9 +260,15 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
     for members in order:
         t0 = time.perf_counter()
         pt = members[0]
-        trainer = [b for r in range(world) for b in rank_boxes(pt, r, world, shard)]
+        staged = [staged_boxes(pt, r, world, shard) for r in range(world)]
+        cut = any(b != rank_boxes(pt, r, world, shard) for r, b in enumerate(staged))
+        trainer = [b for boxes in staged for b in boxes]
         proto, factor = reduce_dims(pt.shape, pt.boxes, trainer)
         mult = len(members) * factor
+        # staged box by box, a worker's piece is one run whatever the collapsed dims
+        # (rule 3 multiplies runs for row-major storage): reads are not multiplied by
+        # them, only cut by the read limit at their full size
+        read_mult = len(members) if cut else mult
         compiled, digest = _compile_class(pt, world, max_read_bytes, shard, replicas, expand,
                                           pb, mult, trainer, proto)
         n_reads = n_bytes = 0.0
@@ -249,10 +278,12 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
             ranks = np.fromiter(by_rank, np.int64)
             nb = np.array([by_rank[r][0] for r in ranks], np.float64)
             nr = np.array([by_rank[r][1] for r in ranks], np.float64)
+            if cut and factor > 1 and max_read_bytes:
+                nr = nr * np.ceil(nb * factor / np.maximum(nr, 1) / max_read_bytes)
             for c in targets:
                 pb[ranks, c] += nb * mult
-                pr[ranks, c] += nr * mult
-            n_reads += nr.sum() * len(targets) * mult
+                pr[ranks, c] += nr * read_mult
+            n_reads += nr.sum() * len(targets) * read_mult
             n_bytes += nb.sum() * len(targets) * mult
         if expand:       # per replica, as the class figures always were
             n_reads, n_bytes = n_reads / replicas, n_bytes / replicas

@@ -486,14 +486,17 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
 
     def _tell_wants(self, sources: list, keep: Optional[Keep]) -> None:
         """Tell every trainer rank the boxes this receiver keeps of the tensors where some
-        box it keeps is not contiguous (a row-parallel weight's columns), when that changed:
-        staged box by box from then on, each is one read instead of one per row."""
+        box it keeps is not contiguous (a row-parallel weight's columns) or that it keeps
+        none of, when that changed: where every receiver says so and their boxes partition
+        the tensor, trainers stage it box by box, each then one read instead of one per row
+        (:func:`~weightsync.core.xferplan.cut_boxes`)."""
         if self._joined is not None:
             return
         wants = ()
         if keep is not None:
+            # a tensor kept not at all is listed too (an expert another worker keeps)
             wants = tuple((n, boxes) for n, shape, _ in union_of(sources)
-                          if (boxes := keep.of(n, shape)) and
+                          if not (boxes := keep.of(n, shape)) or
                           any(not contiguous_box(shape, b) for b in boxes))
         if wants != self._wants_sent:
             self._links_push(WantsMsg(rank=self._rank, wants=wants))

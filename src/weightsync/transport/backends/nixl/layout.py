@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from weightsync.core.plan import dtype_name
-from weightsync.core.xferplan import HeldBox, HeldRange
+from weightsync.core.xferplan import HeldBox, HeldRange, box_is_run, cut_boxes
 from weightsync.transport.fastcopy import memmove_at
 from weightsync.transport.tensors import LastingStorage, is_stable, plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
@@ -104,7 +104,7 @@ def _flat_range(shape: tuple[int, ...], box: tuple) -> Optional[tuple[int, int]]
 
 def contiguous_box(shape: tuple, box: tuple) -> bool:
     """Whether ``box`` of a tensor of ``shape`` is one run of its row-major bytes."""
-    return _flat_range(tuple(shape), tuple(box)) is not None
+    return box_is_run(shape, box)
 
 
 def _held_box(start: int, stop: int, shape: tuple, box: Optional[tuple]) -> Optional[tuple]:
@@ -122,35 +122,17 @@ def _held_box(start: int, stop: int, shape: tuple, box: Optional[tuple]) -> Opti
 
 def cut_pieces(local: torch.Tensor, start: int, stop: int, shape: tuple,
                box: Optional[tuple], cut: tuple) -> Optional[list[tuple[tuple, torch.Tensor]]]:
-    """``(box, view of local)`` per box of ``cut`` (what the receivers keep of the tensor)
-    that meets what this rank holds, or None when the tensor is served as it is: the boxes
-    of ``cut`` must be disjoint, cover the whole tensor, and one of them at least must not
-    be contiguous in it (else reading it is one read anyway)."""
-    if not shape or not cut or any(len(c) != len(shape) for c in cut):
-        return None
-    if any(not 0 <= a <= b <= n for c in cut for (a, b), n in zip(c, shape)):
-        return None
-    if all(_flat_range(shape, c) is not None for c in cut):
-        return None
-    vol = lambda c: math.prod(b - a for a, b in c)  # noqa: E731
-    if sum(vol(c) for c in cut) != math.prod(shape):
-        return None
-    for i, c in enumerate(cut):               # disjoint (with the volumes: a partition)
-        for d in cut[i + 1:]:
-            if all(max(a, x) < min(b, y) for (a, b), (x, y) in zip(c, d)):
-                return None
+    """``(box, view of local)`` per piece :func:`~weightsync.core.xferplan.cut_boxes`
+    stages of what this rank holds (``cut``: the boxes the receivers keep of the tensor),
+    or None when the tensor is served as it is."""
     held = _held_box(start, stop, shape, box)
-    if held is None:
+    pieces = None if held is None else cut_boxes(shape, held, cut)
+    if pieces is None:
         return None
     extents = tuple(b - a for a, b in held)
     view = local if tuple(local.shape) == extents else local.reshape(extents)
-    out = []
-    for c in cut:
-        piece = tuple((max(a, x), min(b, y)) for (a, b), (x, y) in zip(c, held))
-        if all(a < b for a, b in piece):
-            out.append((piece, view[tuple(slice(a - h, b - h)
-                                          for (a, b), (h, _) in zip(piece, held))]))
-    return out
+    return [(piece, view[tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(piece, held))])
+            for piece in pieces]
 
 
 def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...],
