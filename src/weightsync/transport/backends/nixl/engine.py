@@ -57,6 +57,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Optional
 
 import torch
 
+from weightsync.core.config import env_value, parse_bool
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, WantsMsg,
@@ -132,6 +133,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         # what it last told the trainers of that
         self._wants: dict[int, dict[str, tuple]] = {}
         self._wants_sent: tuple = ()
+        self._cut = env_value("NIXL_CUT", parse_bool, True)   # receivers: tell wants
 
     # -- set-up ---------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -490,7 +492,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         none of, when that changed: where every receiver says so and their boxes partition
         the tensor, trainers stage it box by box, each then one read instead of one per row
         (:func:`~weightsync.core.xferplan.cut_boxes`)."""
-        if self._joined is not None:
+        if self._joined is not None or not self._cut:
             return
         wants = ()
         if keep is not None:
