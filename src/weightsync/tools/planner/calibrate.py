@@ -8,8 +8,9 @@ workloads, :mod:`weightsync.tools.bench.workloads`, on the ``cpu-2core`` preset)
 ``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the ``p2p`` strategy as the backend ran
 then), ``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``cuda_ipc``
 bucket ring, one H200: the ``ring`` strategy, colocated), ``multi-gpu-h200x2-2026-11-29``
-and ``multi-gpu-h200x4-2026-11-29`` (``collective`` on NCCL: 1 -> 1, 1 -> 2, 2 senders ->
-2; the ``broadcast`` strategy, packed on one node). GPU model shapes are taken from the
+and ``multi-gpu-h200x4-2026-11-29`` and ``multi-gpu-h200x2-2026-12-04`` (``collective`` on
+NCCL: 1 -> 1, 1 -> 2, 2 senders -> 2; the ``broadcast`` strategy, packed on one node), and
+that 12-04 run's ``nixl`` 1 -> 1 across two GPUs (the ``p2p`` strategy). GPU model shapes are taken from the
 benchmark scripts themselves (``benchmarks/gpu_bench.py``, ``benchmarks/multi_gpu.py``,
 loaded by path).
 
@@ -310,15 +311,19 @@ def _nccl_cases(root: str) -> list[dict]:
     model = model_from_tensors("llama70b-shaped-16gb", spec)
     rows = []
     runs = [("multi-gpu-h200x2-2026-11-29", "bench.json", "2 x H200"),
-            ("multi-gpu-h200x4-2026-11-29", "multi_gpu.json", "4 x H200")]
+            ("multi-gpu-h200x4-2026-11-29", "multi_gpu.json", "4 x H200"),
+            ("multi-gpu-h200x2-2026-12-04", "multi_gpu.json", "2 x H200 (12-04)")]
     for folder, name, label in runs:
+        if not os.path.exists(os.path.join(root, folder, name)):
+            continue
         doc = _json(root, folder, name)
         for b in doc["bench"]:
             def scenario(links: Links, b=b) -> Scenario:
                 return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
                                 placement="packed", bucket_size=b["bucket_MiB"] << 20,
                                 strategies=("broadcast",))
-            rows += _rows(f"{label} collective 1 -> 1, {b['bucket_MiB']} MiB", "broadcast",
+            how = f", {b['consume']}" if "consume" in b else ""
+            rows += _rows(f"{label} collective 1 -> 1, {b['bucket_MiB']} MiB{how}", "broadcast",
                           scenario, b["warm_s"], f"{folder}/{name} bench warm_s",
                           "h200-8gpu-400g", *_nccl_limit(b))
         for s in doc.get("senders", []):
@@ -374,7 +379,43 @@ def _nixl_cases(root: str) -> list[dict]:
     return rows
 
 
-GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "h200": _h200_cases, "nccl": _nccl_cases}
+def _nixl_gpu_cases(root: str) -> list[dict]:
+    """``nixl`` across two H200s, 1 -> 1 whole (``benchmarks/nixl_multi.py``), with NVLink's
+    efficiency set from the raw NIXL READ of the same bytes the run timed beside it. The
+    TP-2 rows of that run are not modelled: they ran before trainers staged TP-split
+    tensors box by box, which the planner models now (one READ per row then)."""
+    path = os.path.join(root, "multi-gpu-h200x2-2026-12-04", "nixl_multi.txt")
+    if not os.path.exists(path):
+        return []
+    mod = _script("nixl_multi")
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            rec = json.loads(line)
+            if not rec["case"].startswith("1 trainer ranks (full) -> 1 workers"):
+                continue
+            spec = mod.model_spec(rec["model_bytes"], mod.LLAMA8B)
+            model = model_from_tensors("llama8b-shaped", [(n, s) for n, s, _ in spec])
+            line_rate = load_links("h200-8gpu-400g").link("intra").GBps
+            raw = rec["raw_read"]["warm_s"]
+            sets = {"links.intra.efficiency": rec["model_bytes"] / raw / 1e9 / line_rate}
+            where = {"links.intra.efficiency": f"raw NIXL READ {rec['model_bytes'] / raw / 1e9:.0f}"
+                                               " GB/s, same case"}
+
+            def scenario(links: Links) -> Scenario:
+                return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
+                                placement="packed", strategies=("p2p",), pipelined=True,
+                                serve="auto")
+            rows += _rows("2 x H200 nixl 1 -> 1 across GPUs (12-04)", "p2p", scenario,
+                          rec["nixl"]["warm_s"], "multi-gpu-h200x2-2026-12-04/nixl_multi.txt",
+                          "h200-8gpu-400g", sets, where)
+    return rows
+
+
+GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "h200": _h200_cases, "nccl": _nccl_cases,
+          "nixl-gpu": _nixl_gpu_cases}
 
 
 def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) -> dict:
