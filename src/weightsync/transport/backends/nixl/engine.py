@@ -645,6 +645,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         # "cuda" as the device this process is on now, so the caller's tensors there
         # compare equal to it (they land straight in them) and reads name its index
         self._device = resolve_device(self.config.device)
+        # a new group: trainers hear the receivers' boxes anew, receivers tell them anew
+        self._wants, self._wants_sent = {}, ()
         if "join" not in kwargs:
             return super().init_process_group(**kwargs)
         self._init_joiner(**kwargs)
