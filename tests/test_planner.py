@@ -462,9 +462,9 @@ def test_kimi_k2_plans_fast_and_near_the_bound():
 # ------------------------------------------------------------------ calibration
 
 def test_calibration_rows_and_sender_bytes_exact():
-    """The recorded NCCL runs (benchmarks/results: 11-29 x2 and x4, 12-04 x2): each within +-25 %, and the two-sender
-    run's bytes per sender exactly as the backend's owner_of split them; every row's error
-    is predicted / measured - 1."""
+    """The recorded NCCL runs (benchmarks/results: 11-29 on 2 and 4 GPUs, 12-04 on 2):
+    each within +-25 %, and the two-sender run's bytes per sender exactly as the backend's
+    owner_of split them; every row's error is predicted / measured - 1."""
     from weightsync.tools.planner import calibrate
     doc = calibrate.run(groups=("nccl", "h200"))
     nccl = [r for r in doc["rows"] if "collective" in r["case"]]
