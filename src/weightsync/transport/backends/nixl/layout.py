@@ -22,7 +22,10 @@ from the first sync when the export marked it as a view of a parameter
 more and is yielded under one name from the same storage two syncs in a row, that storage
 alive in between (parameters and FSDP2 local shards are; temporaries such as casts or
 merged LoRA weights are not, even when allocated where the last sync's was freed, nor is
-a buffer refilled for several names: those stay staged). Used by
+a buffer refilled for several names: those stay staged). A tensor named in
+:meth:`Arena.set_cuts` (every receiver keeps it as a partition with a strided box: a
+row-parallel weight's column blocks) is staged box by box instead, each piece contiguous
+(:func:`cut_pieces`), so each receiver's box is one read. Used by
 :mod:`weightsync.transport.backends.nixl.engine` on trainer ranks.
 """
 
