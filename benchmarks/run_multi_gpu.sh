@@ -2,8 +2,9 @@
 # One device call on a machine of 2+ GPUs (issue: multi-GPU runs). Everything lands in $OUT:
 #   env.txt         GPUs, links (nvidia-smi topo -m), torch/NCCL/NIXL versions
 #   nixl_multi.txt  nixl across GPUs: 1 -> 1 whole, 2 -> 2 TP-2 slices (full and Shard(0)
-#                   trainers), each beside a raw NIXL READ of the same bytes and a raw NCCL
-#                   broadcast (benchmarks/nixl_multi.py; one JSON line per case)
+#                   trainers; full also with box-by-box staging off), each beside a raw
+#                   NIXL READ of the same bytes and a raw NCCL broadcast
+#                   (benchmarks/nixl_multi.py; one JSON line per case)
 #   collective.txt  collective on NCCL, 1 -> 1: conformance cases, then 16 GB bf16 with
 #                   receive_into and with the README's loop beside a raw NCCL broadcast
 #                   (benchmarks/multi_gpu.py; multi_gpu.json holds the same); the bench
@@ -29,11 +30,14 @@ fi
   $PY -c 'import nixl; print("nixl ok")'; } > "$OUT/env.txt" 2>&1
 tail -8 "$OUT/env.txt"
 if [ -z "${SKIP_NIXL:-}" ] && $PY -c 'import nixl' 2>/dev/null; then
-  for args in "--trainers 1 --tp 1" "--trainers 2 --tp 2" "--trainers 2 --tp 2 --shards"; do
-    echo "== nixl_multi $args" | tee -a "$OUT/nixl_multi.txt"
-    timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_multi.py --gib "${NIXL_GIB:-4}" \
-      --warm 5 --devices 0,1 --out /tmp/nixl_multi $args 2>&1 | grep -v "NIXL INFO" \
-      | tee -a "$OUT/nixl_multi.txt" | tail -3
+  # the TP cases twice: box-by-box staging on (default) and off (WEIGHTSYNC_NIXL_CUT=0)
+  for args in "1 --trainers 1 --tp 1" "1 --trainers 2 --tp 2" "0 --trainers 2 --tp 2" \
+              "1 --trainers 2 --tp 2 --shards"; do
+    cut=${args%% *}; args=${args#* }
+    echo "== nixl_multi $args (WEIGHTSYNC_NIXL_CUT=$cut)" | tee -a "$OUT/nixl_multi.txt"
+    WEIGHTSYNC_NIXL_CUT=$cut timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_multi.py \
+      --gib "${NIXL_GIB:-4}" --warm 5 --devices 0,1 --out /tmp/nixl_multi $args 2>&1 \
+      | grep -v "NIXL INFO" | tee -a "$OUT/nixl_multi.txt" | tail -3
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/nixl_multi.txt"
   done
 fi
