@@ -131,10 +131,9 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._stores: list[Any] = []
         self._cuda = torch.device(self.config.device).type == "cuda"
         self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
-        # CUDA receivers: broadcasts posted on a side stream per trainer rank, the event
-        # the consumer's stream waits on before it reads each slot, the broadcasts whose
-        # completion the host has not seen yet
-        # receivers (CUDA): the consumer's stream, not the host, waits for each broadcast
+        # CUDA receivers with stream waits: a side stream per trainer rank that posts the
+        # broadcasts, the event the consumer's stream waits on before it reads each slot,
+        # the broadcasts whose completion the host has not seen yet
         self._rx_stream_waits = env_value("COLLECTIVE_RX_STREAM_WAITS", parse_bool, False)
         self._rx_side: dict[int, Any] = {}
         self._rx_ready: dict[tuple[int, int], Any] = {}
@@ -366,32 +365,36 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         buf = self._rx_bufs[stream][msg.slot]
         released = self._released.pop((stream, msg.slot), None)
         if self._cuda and self._rx_stream_waits and msg.checksum is None:
-            # stream-ordered: the broadcast goes on a side stream behind the consumer's
-            # reads of the slot, the consumer's stream waits for it (``_layout``) and the
-            # host moves on to the next bucket at once; completion is checked as later
-            # buckets come and waited for, bounded, at the end (``_rx_settle``)
-            side = self._rx_side.get(stream)
-            if side is None:
-                side = self._rx_side[stream] = torch.cuda.Stream(device=buf.device)
-            with torch.cuda.stream(side):
-                if released is not None:
-                    side.wait_event(released)
-                work = self._groups[stream].broadcast(buf[: msg.nbytes], 0)
-                work.wait()            # NCCL: the side stream waits, the host does not
-            ready = torch.cuda.Event()
-            ready.record(side)
-            self._rx_ready[(stream, msg.slot)] = ready
-            inflight = self._rx_inflight.setdefault(stream, [])
-            inflight.append((work, msg))
-            while inflight and inflight[0][0].is_completed():
-                done, m = inflight.pop(0)
-                self._wait_work(done, m.version, stream=stream, seq=m.seq)  # its error
+            self._rx_post_ordered(stream, msg, buf, released)
             return buf
         if released is not None:  # NCCL writes only after the consumer's reads of the slot
             torch.cuda.current_stream(buf.device).wait_event(released)
         self._wait_work(self._groups[stream].broadcast(buf[: msg.nbytes], 0), msg.version,
                         stream=stream, seq=msg.seq)
         return buf
+
+    def _rx_post_ordered(self, stream: int, msg: BucketMsg, buf: torch.Tensor,
+                         released: Any) -> None:
+        """Stream-ordered: the broadcast goes on a side stream behind the consumer's reads
+        of the slot, the consumer's stream waits for it (``_layout``) and the host moves on
+        to the next bucket at once; completion is checked as later buckets come and waited
+        for, bounded, at the end (``_rx_settle``)."""
+        side = self._rx_side.get(stream)
+        if side is None:
+            side = self._rx_side[stream] = torch.cuda.Stream(device=buf.device)
+        with torch.cuda.stream(side):
+            if released is not None:
+                side.wait_event(released)
+            work = self._groups[stream].broadcast(buf[: msg.nbytes], 0)
+            work.wait()            # NCCL: the side stream waits, the host does not
+        ready = torch.cuda.Event()
+        ready.record(side)
+        self._rx_ready[(stream, msg.slot)] = ready
+        inflight = self._rx_inflight.setdefault(stream, [])
+        inflight.append((work, msg))
+        while inflight and inflight[0][0].is_completed():
+            done, m = inflight.pop(0)
+            self._wait_work(done, m.version, stream=stream, seq=m.seq)  # raises its error
 
     def _layout(self, stream: int, msg: BucketMsg) -> Any:
         entries = super()._layout(stream, msg)

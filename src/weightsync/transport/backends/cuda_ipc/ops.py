@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from weightsync.core.errors import BackendUnavailable
+from weightsync.transport.tensors import resolve_device
 
 __all__ = ["IpcOps", "CudaIpcOps", "GraphedCopies", "storage_bytes", "parse_descriptor",
            "format_descriptor"]
@@ -169,7 +170,7 @@ class CudaIpcOps(IpcOps):
             raise BackendUnavailable("cuda_ipc needs CUDA, and torch.cuda.is_available() "
                                      "is False here")
         torch.cuda.init()
-        index = torch.cuda.current_device() if dev.index is None else dev.index
+        index = resolve_device(dev).index
         if not 0 <= index < torch.cuda.device_count():
             raise ValueError(f"device {device!r} does not exist here")
         self.device = torch.device("cuda", index)

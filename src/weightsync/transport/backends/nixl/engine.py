@@ -62,10 +62,10 @@ from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, W
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, WantsMsg,
                                   decode, encode)
-from weightsync.core.xferplan import Keep, TransferPlan
+from weightsync.core.xferplan import Keep, TransferPlan, box_is_run
 from weightsync.transport.backends.nixl.agent import (NixlAgent, mem_type, require_nixl,
                                                     ucx_transports, wait_all)
-from weightsync.transport.backends.nixl.layout import Arena, contiguous_box, layout_digest
+from weightsync.transport.backends.nixl.layout import Arena, layout_digest
 from weightsync.transport.backends.nixl.pull import OWN, PullPlan, plan_key, union_of
 from weightsync.transport.base import CheckpointEngine
 from weightsync.transport.control.group import StoreGroupMixin
@@ -132,6 +132,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         # trainer: what each receiver keeps in part, by rank ({name: boxes}); receiver:
         # what it last told the trainers of that
         self._wants: dict[int, dict[str, tuple]] = {}
+        self._wants_new = False         # trainer: boxes changed since the last sync
         self._wants_sent: tuple = ()
         self._cut = env_value("NIXL_CUT", parse_bool, True)   # receivers: tell wants
 
@@ -223,7 +224,10 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             if self._leases:                  # a joiner still reads the last version
                 await loop.run_in_executor(pool, self._wait_leases, version)
             self._served = False              # the arena is about to be written
-            recut = self._arena.set_cuts(self._cuts())     # the layout changes with it
+            recut = False
+            if self._wants_new:       # the layout changes with it
+                self._wants_new = False
+                recut = self._arena.set_cuts(self._cuts())
             # warm: receivers start reading each staging block as soon as it is written
             pipelined = self._pipeline and self._published is not None and \
                 self._published == self._arena.digest and not recut
@@ -325,6 +329,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 raise_remote(msg, phase="send")
             if isinstance(msg, WantsMsg) and 0 <= msg.rank < self._num_receivers:
                 self._wants[msg.rank] = dict(msg.wants)     # staged so from the next sync
+                self._wants_new = True
             if isinstance(msg, PulledMsg) and msg.seq == seq:
                 served[msg.rank] = msg.nbytes
         return served
@@ -499,7 +504,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             # a tensor kept not at all is listed too (an expert another worker keeps)
             wants = tuple((n, boxes) for n, shape, _ in union_of(sources)
                           if not (boxes := keep.of(n, shape)) or
-                          any(not contiguous_box(shape, b) for b in boxes))
+                          any(not box_is_run(shape, b) for b in boxes))
         if wants != self._wants_sent:
             self._links_push(WantsMsg(rank=self._rank, wants=wants))
             self._wants_sent = wants
@@ -647,6 +652,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._device = resolve_device(self.config.device)
         # a new group: trainers hear the receivers' boxes anew, receivers tell them anew
         self._wants, self._wants_sent = {}, ()
+        self._wants_new = True                    # trainers: drop any cuts of before
         if "join" not in kwargs:
             return super().init_process_group(**kwargs)
         self._init_joiner(**kwargs)

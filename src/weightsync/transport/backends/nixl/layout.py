@@ -45,7 +45,7 @@ from weightsync.transport.fastcopy import memmove_at
 from weightsync.transport.tensors import LastingStorage, is_stable, plain_cpu
 from weightsync.transport.backends.nixl.agent import NixlAgent, mem_type
 
-__all__ = ["Arena", "contiguous_box", "cut_pieces", "held_part", "held_of", "layout_digest", "local_box"]
+__all__ = ["Arena", "cut_pieces", "cut_plan", "held_part", "held_of", "layout_digest", "local_box"]
 
 logger = logging.getLogger(__name__)
 _ALIGN = 256
@@ -94,20 +94,12 @@ def local_box(t: torch.Tensor) -> Optional[tuple[tuple[int, int], ...]]:
 
 def _flat_range(shape: tuple[int, ...], box: tuple) -> Optional[tuple[int, int]]:
     """Elements ``[start, stop)`` of the flattened tensor the box is, if it is contiguous
-    there (dims before the first partial one of extent 1, dims after it full)."""
-    j = next((d for d, (a, b) in enumerate(box) if (a, b) != (0, shape[d])), len(shape))
-    if j < len(shape) and any(b - a != 1 for a, b in box[:j]):   # all full: contiguous
-        return None
-    if any((a, b) != (0, shape[d]) for d, (a, b) in enumerate(box) if d > j):
+    there (:func:`~weightsync.core.xferplan.box_is_run`)."""
+    if not box_is_run(shape, box):
         return None
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     start = sum(a * st for (a, _), st in zip(box, strides))
     return start, start + math.prod(b - a for a, b in box)
-
-
-def contiguous_box(shape: tuple, box: tuple) -> bool:
-    """Whether ``box`` of a tensor of ``shape`` is one run of its row-major bytes."""
-    return box_is_run(shape, box)
 
 
 def _held_box(start: int, stop: int, shape: tuple, box: Optional[tuple]) -> Optional[tuple]:
@@ -124,18 +116,26 @@ def _held_box(start: int, stop: int, shape: tuple, box: Optional[tuple]) -> Opti
 
 
 def cut_pieces(local: torch.Tensor, start: int, stop: int, shape: tuple,
-               box: Optional[tuple], cut: tuple) -> Optional[list[tuple[tuple, torch.Tensor]]]:
+               box: Optional[tuple], cut: tuple,
+               plan: Optional[tuple] = None) -> Optional[list[tuple[tuple, torch.Tensor]]]:
     """``(box, view of local)`` per piece :func:`~weightsync.core.xferplan.cut_boxes`
     stages of what this rank holds (``cut``: the boxes the receivers keep of the tensor),
-    or None when the tensor is served as it is."""
-    held = _held_box(start, stop, shape, box)
-    pieces = None if held is None else cut_boxes(shape, held, cut)
+    or None when the tensor is served as it is. ``plan``: :func:`cut_plan`'s result for
+    these arguments, computed before."""
+    held, pieces = cut_plan(start, stop, shape, box, cut) if plan is None else plan
     if pieces is None:
         return None
     extents = tuple(b - a for a, b in held)
     view = local if tuple(local.shape) == extents else local.reshape(extents)
     return [(piece, view[tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(piece, held))])
             for piece in pieces]
+
+
+def cut_plan(start: int, stop: int, shape: tuple, box: Optional[tuple],
+             cut: tuple) -> tuple[Optional[tuple], Optional[tuple]]:
+    """``(held box, pieces)`` for :func:`cut_pieces` (pieces None: not cut)."""
+    held = _held_box(start, stop, shape, box)
+    return held, None if held is None else cut_boxes(shape, held, cut)
 
 
 def held_part(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...],
@@ -211,6 +211,8 @@ class Arena:
         self._last_of: dict[str, int] = {}
         self._deferred: list[tuple[torch.Tensor, Any]] = []
         self._cuts: dict[str, tuple] = {}
+        # (name, shape, start, stop, box) -> cut_plan's result: checked once, not per sync
+        self._cut_plans: dict[tuple, tuple] = {}
 
     def set_cuts(self, cuts: dict[str, tuple]) -> bool:
         """Stage each tensor named in ``cuts`` box by box (``cuts[name]``: the boxes every
@@ -220,7 +222,7 @@ class Arena:
         cuts = {n: tuple(sorted(set(b))) for n, b in cuts.items()}
         if cuts == self._cuts:
             return False
-        self._cuts = cuts
+        self._cuts, self._cut_plans = cuts, {}
         return True
 
     @property
@@ -255,7 +257,13 @@ class Arena:
                              f"{self._device}; one trainer rank serves from one device")
         wire = dtype_name(dtype)
         cut = self._cuts.get(name)
-        pieces = None if cut is None else cut_pieces(local, start, stop, shape, box, cut)
+        pieces = None
+        if cut is not None:
+            key = (name, shape, start, stop, box)
+            plan = self._cut_plans.get(key)
+            if plan is None:
+                plan = self._cut_plans[key] = cut_plan(start, stop, shape, box, cut)
+            pieces = cut_pieces(local, start, stop, shape, box, cut, plan)
         if pieces is not None:                  # box by box, each box contiguous
             done: list[str] = []
             for piece, view in pieces:

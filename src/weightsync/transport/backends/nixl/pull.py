@@ -71,9 +71,10 @@ def _direct_box(into: Optional[Mapping[str, torch.Tensor]], name: str, boxes: tu
 
 def _own(into: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple, dtype: str,
          device: torch.device, keep: Optional[Keep]) -> Optional[torch.Tensor]:
-    """Where ``name`` lands straight in the caller's memory (whole or its one kept box)."""
-    boxes = _whole(shape) if keep is None else keep.of(name, shape)
-    if boxes == _whole(shape):
+    """Where ``name`` lands straight in the caller's memory (whole or its one kept box;
+    a box listed as the whole tensor has the tensor's shape, so it is the same check)."""
+    boxes = None if keep is None else keep.boxes.get(name)
+    if boxes is None:
         return _direct(into, name, shape, dtype, device)
     return _direct_box(into, name, boxes, dtype, device)
 
@@ -218,7 +219,7 @@ class PullPlan:
             if (target is not None and parts is not None and len(parts) == 1
                     and tuple(target.shape) == tuple(b - a for a, b in parts[0][0])
                     and tuple(target.shape) != tuple(shape)):
-                box, at, n = parts[0]               # the worker's shard, not contiguous
+                _, at, n = parts[0]                 # the worker's shard, not contiguous
                 target.copy_(self.landing[at:at + n].view(dtype_from_name(dtype))
                              .view(target.shape))
                 out.append((name, target))
