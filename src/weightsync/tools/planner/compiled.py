@@ -53,7 +53,7 @@ from weightsync.core.xferplan import (DestLayout, HeldBox, SourceLayout, Want, b
 from weightsync.tools.planner.rules import PlannedTensor
 
 __all__ = ["PullStats", "ClassStat", "pull_stats", "held_rows", "reduce_dims", "rank_boxes",
-           "staged_boxes"]
+           "staged_boxes", "workers_cut"]
 
 
 @dataclass
@@ -117,16 +117,27 @@ def rank_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") ->
     return tuple(out)
 
 
-def staged_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") -> tuple:
-    """What trainer ``rank`` serves ``pt`` as: its :func:`rank_boxes`, each cut into the
-    boxes the workers keep (:func:`~weightsync.core.xferplan.cut_boxes`, as the ``nixl``
-    trainer stages it) when every worker keeps none of it or a box of it that is not one
-    run (a row-parallel weight's columns): each worker's box is then one read per rank."""
-    boxes = rank_boxes(pt, rank, world, shard)
+def workers_cut(pt: PlannedTensor) -> Optional[tuple]:
+    """The boxes the ``nixl`` trainers stage ``pt`` by, or None: every worker keeps none of
+    it or a box of it that is not one run (a row-parallel weight's columns; what its
+    receivers tell the trainers), and together those boxes partition it
+    (:func:`~weightsync.core.xferplan.cut_boxes`)."""
     if not pt.shape or not all(w == () or any(not box_is_run(pt.shape, b) for b in w)
                                for w in pt.boxes):
-        return boxes
+        return None
     cut = tuple(sorted({b for w in pt.boxes for b in w}))
+    whole = tuple((0, n) for n in pt.shape)
+    return cut if cut_boxes(pt.shape, whole, cut) is not None else None
+
+
+def staged_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") -> tuple:
+    """What trainer ``rank`` serves ``pt`` as: its :func:`rank_boxes`, each cut into the
+    boxes of :func:`workers_cut` when there are some (as the ``nixl`` trainer stages it):
+    each worker's box is then one read per rank."""
+    boxes = rank_boxes(pt, rank, world, shard)
+    cut = workers_cut(pt)
+    if cut is None:
+        return boxes
     out = []
     for held in boxes:
         pieces = cut_boxes(pt.shape, held, cut)
@@ -260,9 +271,8 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
     for members in order:
         t0 = time.perf_counter()
         pt = members[0]
-        staged = [staged_boxes(pt, r, world, shard) for r in range(world)]
-        cut = any(b != rank_boxes(pt, r, world, shard) for r, b in enumerate(staged))
-        trainer = [b for boxes in staged for b in boxes]
+        cut = workers_cut(pt) is not None
+        trainer = [b for r in range(world) for b in staged_boxes(pt, r, world, shard)]
         proto, factor = reduce_dims(pt.shape, pt.boxes, trainer)
         mult = len(members) * factor
         # staged box by box, a worker's piece is one run whatever the collapsed dims

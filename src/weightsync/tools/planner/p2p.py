@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from weightsync.core.plan import itemsize
-from weightsync.tools.planner.compiled import PullStats, rank_boxes, staged_boxes
+from weightsync.tools.planner.compiled import PullStats, rank_boxes, workers_cut
 from weightsync.tools.planner.linkmodel import Loads, StrategyResult
 from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
 from weightsync.tools.planner.scenario import Placement, Scenario
@@ -41,7 +41,7 @@ def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
     ``serve="auto"``: a tensor served in the model's own dtype is served from its own
     storage (an FSDP2 or TP shard, marked by the export), so only casts, FP8 and tensors
     staged box by box for the workers (:func:`~weightsync.tools.planner.compiled
-    .staged_boxes`) are staged."""
+    .workers_cut`) are staged."""
     served, moved, count = np.zeros(world), np.zeros(world), np.zeros(world)
     elems_of: dict[tuple, tuple] = {}
     for pt in pts:
@@ -50,7 +50,7 @@ def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
             elems_of[key] = (np.array([sum(math.prod(b - a for a, b in box)
                                            for box in rank_boxes(pt, r, world, shard))
                                        for r in range(world)], np.float64),
-                             staged_boxes(pt, 0, world, shard) != rank_boxes(pt, 0, world, shard))
+                             workers_cut(pt) is not None)
         elems, cut = elems_of[key]
         src = itemsize(model_dtype) if not pt.rule.endswith("_scale") else 0
         served += elems * itemsize(pt.src_dtype)
