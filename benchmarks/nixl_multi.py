@@ -141,9 +141,18 @@ def nixl_worker(role: str, rank: int, cfg: dict, conn) -> None:
             params = {n: torch.empty(tuple(b - a for a, b in box_of(s, d, rank, tp)),
                                      dtype=torch.bfloat16, device=dev) for n, s, d in spec}
 
+            boxes = {n: tuple(slice(a, b) for a, b in box_of(s, d, rank, tp))
+                     for n, s, d in spec}
+
             async def drain(step):
-                async for _ in eng.receive_into(params, step):
-                    pass
+                if cfg["consume"] == "into":
+                    async for _ in eng.receive_into(params, step):
+                        pass
+                    return
+                # the README's loop: each tensor in its full shape, only its kept box
+                # filled (partial_boxes); the worker copies that box into its shard
+                async for name, t in eng.receive_weights(step):
+                    params[name].copy_(t[boxes[name]])
             times = _steps(conn, dev, 1 + cfg["warm"], lambda step: asyncio.run(drain(step)))
             plan = eng.last_plan
             ok = {"exact": all(torch.equal(params[n], full_tensor(n, s, dev)[
@@ -307,6 +316,9 @@ def main() -> None:
     ap.add_argument("--devices", default="0,1", help="trainer GPU, workers' GPU, or 'cpu'")
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="scaled-down shapes (a dry run)")
+    ap.add_argument("--consume", choices=("into", "copy"), default="into",
+                    help="into: receive_into the workers' shards; copy: the README's "
+                         "receive_weights loop, copying each kept box into the shard")
     ap.add_argument("--no-nccl", action="store_true")
     ap.add_argument("--raw-pieces", type=int, default=64,
                     help="also a raw READ of the same bytes in this many descriptors")
@@ -320,9 +332,9 @@ def main() -> None:
     spec = model_spec(int(args.gib * (1 << 30)), SMALL if args.small else LLAMA8B)
     total = sum(math.prod(s) for _, s, _ in spec) * 2
     cfg = {"spec": spec, "tp": args.tp, "trainers": args.trainers, "shards": args.shards,
-           "devs": devs, "warm": args.warm}
+           "devs": devs, "warm": args.warm, "consume": args.consume}
     res = {"case": f"{args.trainers} trainer ranks ({'Shard(0)' if args.shards else 'full'}) "
-                   f"-> {args.tp} workers (TP {args.tp})", "devices": devs,
+                   f"-> {args.tp} workers (TP {args.tp}), {args.consume}", "devices": devs,
            "model_bytes": total, "tensors": len(spec),
            "kept_bytes": [kept_bytes(spec, r, args.tp) for r in range(args.tp)]}
     n = run(nixl_worker, cfg, args.trainers, args.tp)
@@ -343,7 +355,8 @@ def main() -> None:
     res["nixl_GBps_per_worker"] = max(res["kept_bytes"]) / res["nixl"]["warm_s"] / 1e9
     print(json.dumps(res, default=str), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    tag = f"nixl_multi_{args.trainers}to{args.tp}{'_shards' if args.shards else ''}.json"
+    tag = (f"nixl_multi_{args.trainers}to{args.tp}{'_shards' if args.shards else ''}"
+           f"_{args.consume}.json")
     with open(os.path.join(args.out, tag), "w") as f:
         json.dump(res, f, indent=1, default=str)
 

@@ -2,7 +2,8 @@
 # One device call on a machine of 2+ GPUs (issue: multi-GPU runs). Everything lands in $OUT:
 #   env.txt         GPUs, links (nvidia-smi topo -m), torch/NCCL/NIXL versions
 #   nixl_multi.txt  nixl across GPUs: 1 -> 1 whole, 2 -> 2 TP-2 slices (full and Shard(0)
-#                   trainers; full also with box-by-box staging off), each beside a raw
+#                   trainers; full also with box-by-box staging off and consumed as the
+#                   README's receive_weights loop), each beside a raw
 #                   NIXL READ of the same bytes and a raw NCCL broadcast
 #                   (benchmarks/nixl_multi.py; one JSON line per case)
 #   collective.txt  collective on NCCL, 1 -> 1: conformance cases, then 16 GB bf16 with
@@ -32,7 +33,7 @@ tail -8 "$OUT/env.txt"
 if [ -z "${SKIP_NIXL:-}" ] && $PY -c 'import nixl' 2>/dev/null; then
   # the TP cases twice: box-by-box staging on (default) and off (WEIGHTSYNC_NIXL_CUT=0)
   for args in "1 --trainers 1 --tp 1" "1 --trainers 2 --tp 2" "0 --trainers 2 --tp 2" \
-              "1 --trainers 2 --tp 2 --shards"; do
+              "1 --trainers 2 --tp 2 --shards" "1 --trainers 2 --tp 2 --consume copy"; do
     cut=${args%% *}; args=${args#* }
     echo "== nixl_multi $args (WEIGHTSYNC_NIXL_CUT=$cut)" | tee -a "$OUT/nixl_multi.txt"
     WEIGHTSYNC_NIXL_CUT=$cut timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_multi.py \
