@@ -75,6 +75,9 @@ class BucketMsg(Message):
     layout: str
     entries: Optional[tuple[TensorMeta, ...]] = None
     checksum: Optional[int] = None
+    #: a direct tensor whose storage the sender shared (torch shared memory): ``(fd, inode,
+    #: storage nbytes, byte offset)`` for receivers that map it (``transport.peermem``)
+    shared: Optional[tuple[int, int, int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,7 @@ _KINDS: dict[str, type[Message]] = {
                         PullMsg, StagedMsg, PulledMsg, WantsMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
              "segments": (), "handles": (), "origin": None, "staged": True, "blocks": (),
-             "wants": ()}
+             "wants": (), "shared": None}
 _ERROR_NAMES = {
     "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
     "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
@@ -368,6 +371,12 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         return _int(v, name)
     if name == "checksum":
         return None if v is None else _int(v, name)
+    if name == "shared":
+        if v is None:
+            return None
+        if type(v) is not list or len(v) != 4:
+            _fail("shared must be [fd, inode, storage nbytes, offset] or null")
+        return tuple(_int(x, "shared") for x in v)
     if name == "entries":
         if v is None:
             return None

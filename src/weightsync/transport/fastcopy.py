@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["copy_into", "memmove_at", "memmove_from", "can_memmove", "cma_read", "cma_available", "copy_threads"]
+__all__ = ["copy_into", "memmove_at", "memmove_from", "can_memmove", "cma_read", "cma_available",
+           "copy_threads", "split_memmove"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +142,29 @@ def cma_read(pid: int, remote_addr: int, dst: torch.Tensor, pool: Any = None,
         raise OSError(errno.ENOSYS, "process_vm_readv is not available")
     if not dst.is_contiguous() or dst.device.type != "cpu":
         raise ValueError("cma_read needs a contiguous CPU tensor")
-    total = dst.numel() * dst.element_size()
+    _split(lambda local, remote, n: _read_range(pid, remote, local, n), dst.data_ptr(),
+           remote_addr, dst.numel() * dst.element_size(), pool, parts)
+
+
+def split_memmove(dst_addr: int, src_addr: int, total: int, pool: Any = None,
+                  parts: int = 1) -> None:
+    """``memmove`` of ``total`` bytes from ``src_addr`` to ``dst_addr`` (the caller vouches
+    for both ranges), split like :func:`cma_read` when ``pool`` has threads."""
+    _split(ctypes.memmove, dst_addr, src_addr, total, pool, parts)
+
+
+def _split(fn: Any, dst: int, src: int, total: int, pool: Any, parts: int) -> None:
+    """``fn(dst, src, n)`` over ``total`` bytes, in ``parts`` page-aligned pieces on
+    ``pool``'s threads and this one when the copy is big enough (:data:`SPLIT_MIN`)."""
     if pool is None or parts < 2 or total < SPLIT_MIN:
-        _read_range(pid, remote_addr, dst.data_ptr(), total)
+        if total:
+            fn(dst, src, total)
         return
     step = ((total + parts - 1) // parts + 4095) // 4096 * 4096
-    futures = [pool.submit(_read_range, pid, remote_addr + off, dst.data_ptr() + off,
-                           min(step, total - off)) for off in range(step, total, step)]
+    futures = [pool.submit(fn, dst + off, src + off, min(step, total - off))
+               for off in range(step, total, step)]
     try:
-        _read_range(pid, remote_addr, dst.data_ptr(), min(step, total))
+        fn(dst, src, min(step, total))
     finally:
         for f in futures:
             f.result()

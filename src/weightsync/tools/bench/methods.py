@@ -166,6 +166,28 @@ class Shm(WeightSync):
     backend = "shm"
 
 
+class ShmShared(Shm):
+    """``shm`` with the trainer's tensors in torch's shared memory (the README's
+    ``model.share_memory()`` for CPU trainers): receivers copy them out of a mapping. The
+    bench's own tensors are put back for the methods after this one."""
+
+    def setup(self) -> None:
+        self._private = None
+        if self.ctx.is_trainer:
+            self._private = self.ctx.params
+            self.ctx.params = {n: t.clone().share_memory_() for n, t in self._private.items()}
+        super().setup()
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if self._private is not None:
+                for n, t in self.ctx.params.items():   # carry the last version back
+                    self._private[n].copy_(t)
+                self.ctx.params, self._private = self._private, None
+
+
 class ShmBuckets(WeightSync):
     """``shm`` with direct (cross-memory-attach) reads turned off: every byte goes
     through the shared-memory bucket ring (two copies, pipelined). For analysis."""
@@ -319,6 +341,7 @@ def method_table() -> dict[str, type[Method]]:
     if not _TABLE:
         from weightsync.tools.bench.baselines import BASELINES
         _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
+                       "shm-shared": ShmShared,
                        "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw,
                        "cma-raw": CmaRaw})
         _TABLE.update({f"delta+{b}": type(f"Delta_{b}", (Delta,), {"backend": f"delta+{b}"})

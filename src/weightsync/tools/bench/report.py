@@ -91,6 +91,10 @@ _SPEED_GOALS = (
      "shm >= 0.8 x memcpy, README's consumer"),
     ("collective_vs_gloo_readme", "collective@readme", "gloo-flat", 0.9, False,
      "collective >= 0.9 x raw gloo, README's consumer"),
+    ("shm_shared_vs_memcpy", "shm-shared", "memcpy", 0.8, True,
+     "shm, trainer's tensors shared (model.share_memory()) >= 0.8 x memcpy"),
+    ("shm_shared_vs_memcpy_readme", "shm-shared@readme", "memcpy", 0.8, True,
+     "shm, trainer's tensors shared, README's consumer >= 0.8 x memcpy"),
 )
 
 

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 #: row (one torch thread per process, as R + 1 processes share the cores)
 README = "@readme"
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
-                   "gloo-flat", "memcpy-parallel", "shm" + README, "collective" + README)
+                   "gloo-flat", "memcpy-parallel", "shm" + README, "collective" + README,
+                   "shm-shared", "shm-shared" + README)
 ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw", "cma-raw") + \
     tuple(f"delta+{b}" for b in DELTA_OVER)
 
@@ -116,6 +117,7 @@ def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
     return {
         "shm": 2 * bucket + receivers * big + 2 * cap,
         "shm-buckets": 2 * bucket + receivers * big + 2 * cap,
+        "shm-shared": n + 2 * bucket + receivers * big + 2 * cap,   # the trainer's shared copy
         "shm-direct": 2 * bucket + receivers * big + 2 * cap,
         "collective": (receivers + 1) * (2 * bucket + cap) + receivers * big,
         "ray": n + receivers * n + (receivers + 1) * 300 * MiB,
@@ -235,7 +237,7 @@ def _durations(results: list[dict], key: str, part: str) -> list[float]:
 
 
 #: goals compare these pairs step by step (the limit runs right before each step)
-PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "shm-direct": "memcpy",
+PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "shm-direct": "memcpy", "shm-shared": "memcpy",
          "collective": "gloo-flat", "nixl": "nixl-raw"}
 # (delta+* are not paired: a dense sync of the same tensors in between would overwrite the
 # receivers' bases, and every delta would go dense again: the codec checks each base)

@@ -24,6 +24,13 @@ one while the trainer asks its iterator for the next (``1``: wait for each); wit
 ``WEIGHTSYNC_SHM_DIRECT``: ``auto`` (default: only while every receiver has two cores, or
 there is one receiver), ``1`` always, ``0`` never.
 
+A CPU trainer whose tensors live in torch's shared memory (``model.share_memory()``, once)
+lets receivers map them: a direct tensor of such a storage is copied with ``memcpy`` out
+of the mapping (split over the receiver's copy threads) instead of read through the
+kernel, as fast as a local copy (:mod:`weightsync.transport.peermem`; mappings are kept
+between syncs, at most one sync's tensors). ``WEIGHTSYNC_SHM_SHARED=0`` turns that off;
+where a receiver may not open the trainer's descriptors it reads as before.
+
 GPU trainers: CUDA tensors are copied device-to-host into the ring. With
 ``WEIGHTSYNC_SHM_PIN`` ``auto`` (default: when the trainer process has CUDA initialized),
 ``1`` or ``0``, the trainer registers its segments as pinned host memory
@@ -43,6 +50,7 @@ protocol is :mod:`weightsync.transport.protocol`. Created by name through
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import secrets
@@ -58,8 +66,10 @@ from weightsync.core.wire import BucketMsg, HelloMsg
 from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
                                                  direct_window, wait_stream)
 from weightsync.transport.control.links import Link, LinkHub, unix_address
-from weightsync.transport.fastcopy import cma_available, cma_read, copy_threads, memmove_from
-from weightsync.core.config import env_value, parse_auto_bool
+from weightsync.transport.fastcopy import (cma_available, cma_read, copy_threads, memmove_from,
+                                           split_memmove)
+from weightsync.transport.peermem import PeerMaps, shared_ref
+from weightsync.core.config import env_value, parse_auto_bool, parse_bool
 from weightsync.core.plan import TensorMeta
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.protocol.receiver import ReceiverMixin
@@ -105,6 +115,8 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         self._pinned: list[int] = []          # data pointers registered with CUDA
         self._d2h: Any = None   # the stream of the open bucket's device-to-host copies
         self._split = False     # receiver: big bucket copies go over the copy threads
+        self._shared = env_value("SHM_SHARED", parse_bool, True)   # map shared storages
+        self._peer_maps = PeerMaps()
 
     def _init_sender(self) -> None:
         sweep_stale()
@@ -285,16 +297,38 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         return self._direct          # every receiver can read us (probed), no checksums
 
     def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
+        ref = shared_ref(tensor) if self._shared else None
+        if ref is not None:     # receivers may map it; the address stays for those who cannot
+            msg = dataclasses.replace(msg, shared=ref)
         self._hub.push_many(self._receiver_boxes(), msg, aux=tensor.data_ptr())
         self._await_direct(state, msg)
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
+        if msg.shared is not None and self._shared and self._rx_mapped(stream, msg, dest):
+            return
         try:
             cma_read(self._peer_pid[stream], aux, dest, self._copy_pool, self._copy_threads)
         except (OSError, KeyError) as exc:
             raise PeerFailed(f"could not read tensor {msg.entries[0].name!r} from the trainer "
                              f"({exc})", peer=f"trainer rank {stream}", phase="receive",
                              version=msg.version) from None
+
+    def _rx_mapped(self, stream: int, msg: BucketMsg, dest: torch.Tensor) -> bool:
+        """Copy a direct tensor out of the trainer's shared storage, mapped here; False
+        when it cannot be (the caller reads it through the kernel instead)."""
+        storage = self._peer_maps.view(self._peer_pid[stream], msg.shared)
+        offset, nbytes = msg.shared[3], msg.nbytes
+        if storage is None or offset + nbytes > storage.numel() or not dest.is_contiguous() \
+                or dest.numel() * dest.element_size() != nbytes:
+            return False
+        split_memmove(dest.data_ptr(), storage.data_ptr() + offset, nbytes,
+                      self._copy_pool, self._copy_threads)
+        return True
+
+    def _rx_finish_stream(self, state: Any, stream: int, msg: Any) -> None:
+        super()._rx_finish_stream(state, stream, msg)
+        if not state.remaining:      # the sync is complete: unmap what it did not use
+            self._peer_maps.end_sync()
 
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
@@ -311,6 +345,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         for link in self._links.values():
             link.close()
         self._hub, self._links, self._peer_pid, self._direct = None, {}, {}, False
+        self._peer_maps.close()
         self.__dict__.pop("_staging_pool", None)
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)

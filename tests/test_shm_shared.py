@@ -1,0 +1,170 @@
+"""shm: receivers copy a trainer's tensors that live in torch's shared memory straight out
+of a mapping (``model.share_memory()``), falling back to cross-memory reads otherwise."""
+
+import asyncio
+import multiprocessing as mp
+import os
+import traceback
+
+import pytest
+import torch
+
+from weightsync import CheckpointEngineRegistry
+from weightsync.core.wire import BucketMsg, decode, encode
+from weightsync.transport.base import worker_kwargs
+from weightsync.transport.peermem import PeerMaps, shared_ref
+
+pytestmark = pytest.mark.timeout(120)
+
+BUCKET = 1 << 20
+
+
+def _tensors(step: int, names: tuple) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    out = {}
+    for i, name in enumerate(names):
+        n = (3 << 18) + 4096 * i               # 3 MiB-ish fp32: direct at a 1 MiB threshold
+        out[name] = torch.randn(n, generator=g)
+    out["small"] = torch.randn(100, generator=g)  # through the ring
+    return out
+
+
+def _worker(role, conn, mode, steps):
+    """mode: "shared" (trainer tensors in shared memory, updated in place), "private",
+    "renew" (new shared tensors under new names every sync)."""
+    try:
+        eng = CheckpointEngineRegistry.new("shm", role=role, bucket_size=BUCKET, timeout=60)
+        conn.send(eng.prepare())
+        eng.init_process_group(**conn.recv())
+        loop = asyncio.new_event_loop()
+        out = []
+        held = None
+        for step in range(steps):
+            names = tuple(f"w{step if mode == 'renew' else 0}.{i}" for i in range(3))
+            want = _tensors(step, names)
+            if role == "trainer":
+                if mode == "renew" or held is None:
+                    held = {n: t.clone() for n, t in want.items()}
+                    if mode != "private":
+                        for t in held.values():
+                            t.share_memory_()
+                for n, t in want.items():
+                    held[n].copy_(t)           # in place, as an optimizer step does
+                loop.run_until_complete(eng.send_weights(held.items(), version=step))
+                continue
+            params = {n: torch.zeros_like(t) for n, t in want.items()}
+
+            async def rx():
+                async for _ in eng.receive_into(params, version=step):
+                    pass
+            loop.run_until_complete(rx())
+            bad = [n for n in want if not torch.equal(params[n], want[n])]
+            out.append({"bad": bad, "maps": len(eng._peer_maps)})
+        eng.finalize()
+        conn.send(out)
+    except BaseException:
+        conn.send(traceback.format_exc())
+
+
+def _run(mode, steps=3):
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for role in ("trainer", "rollout"):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(role, b, mode, steps), daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    try:
+        metas = [c.recv() for c in pipes]
+        cls = CheckpointEngineRegistry.get("shm")
+        tk, rk = cls.build_topology(1, 1, metas)
+        pipes[0].send(worker_kwargs(tk, 0))
+        pipes[1].send(worker_kwargs(rk, 0))
+        results = [c.recv() if c.poll(100) else "no answer" for c in pipes]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert results[0] == [], results[0]
+    assert isinstance(results[1], list), results[1]
+    return results[1]
+
+
+def _cma_ok():
+    from weightsync.transport.fastcopy import cma_available
+    t = torch.arange(16, dtype=torch.uint8)
+    return cma_available(os.getpid(), t.data_ptr(), t.numpy().tobytes())
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    if not _cma_ok():
+        pytest.skip("this kernel does not let processes read each other (no direct tensors)")
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", str(1 << 20))
+
+
+@pytest.mark.parametrize("env,maps", [("1", 3), ("0", 0)])
+def test_shared_trainer_tensors_are_copied_out_of_a_mapping(direct, monkeypatch, env, maps):
+    monkeypatch.setenv("WEIGHTSYNC_SHM_SHARED", env)
+    steps = _run("shared")
+    assert [s["bad"] for s in steps] == [[], [], []]
+    assert [s["maps"] for s in steps] == [maps] * 3    # mapped once, kept between syncs
+
+
+def test_private_trainer_tensors_are_read_as_before(direct):
+    steps = _run("private")
+    assert [s["bad"] for s in steps] == [[], [], []]
+    assert [s["maps"] for s in steps] == [0, 0, 0]
+
+
+def test_a_receiver_keeps_no_more_than_one_syncs_mappings(direct):
+    # the trainer frees its shared tensors and shares new ones every sync: the receiver
+    # must not keep the old files alive through its mappings
+    steps = _run("renew", steps=4)
+    assert [s["bad"] for s in steps] == [[]] * 4
+    assert [s["maps"] for s in steps] == [3] * 4
+
+
+def test_shared_ref_names_only_storages_shared_by_descriptor():
+    t = torch.arange(4096, dtype=torch.float32)
+    assert shared_ref(t) is None                       # private memory
+    t.share_memory_()
+    fd, inode, size, off = shared_ref(t[1024:2048])
+    assert (size, off) == (4096 * 4, 1024 * 4) and inode == os.fstat(fd).st_ino
+    assert shared_ref(t.view(64, 64).t()) is None      # not contiguous
+    maps = PeerMaps()
+    view = maps.view(os.getpid(), (fd, inode, size, off))
+    assert view is not None and torch.equal(view[off:off + 4096].view(torch.float32),
+                                            t[1024:2048])
+    t[1024] = -1.0                                     # the same memory, not a copy
+    assert view[off:off + 4].view(torch.float32).item() == -1.0
+    assert maps.view(os.getpid(), (fd, inode + 1, size, off)) is None   # fd reused: refused
+    assert maps.view(os.getpid(), (10 ** 6, inode, size, off)) is None  # no such fd
+    assert len(maps) == 1 and maps.end_sync() == 0 and maps.end_sync() == 1 and len(maps) == 0
+
+
+def test_shared_ref_does_not_move_a_storage_shared_another_way():
+    before = torch.multiprocessing.get_sharing_strategy()
+    t = torch.arange(1024, dtype=torch.float32)
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        t.share_memory_()
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+    ptr = t.data_ptr()
+    assert shared_ref(t) is None and t.data_ptr() == ptr
+
+
+def test_the_shared_field_round_trips_and_is_checked():
+    from weightsync.core.errors import WireError
+    msg = BucketMsg(version=1, seq=1, stream=0, index=5, slot=0, nbytes=8, layout="direct",
+                    shared=(5, 77, 4096, 128))
+    assert decode(encode(msg)) == msg
+    assert decode(encode(BucketMsg(version=1, seq=1, stream=0, index=5, slot=0, nbytes=8,
+                                   layout="x"))).shared is None
+    bad = encode(msg).replace(b"[5,77,4096,128]", b"[5,77,-1,128]")
+    with pytest.raises(WireError):
+        decode(bad)
