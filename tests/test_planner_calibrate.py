@@ -164,3 +164,55 @@ def test_run_links_rules():
         calibrate.run_links({**rec, "paired": None}, bad)
     with pytest.raises(PlannerError, match="unknown group"):
         calibrate.run(("gpu",))
+
+
+NIXL_REPEATS = (("cpu-nixl-2026-12-01", "bench_1g.json"),
+                ("cpu-nixl-2026-12-01", "bench_1g_run2.json"))
+
+
+def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp_path):
+    """The two 12-01 nixl runs (the same code and command, calibrate.REPEATS) measured the
+    same case 2.06 s and 7.28 s: more than (1 + GOAL) / (1 - GOAL) apart, so no one
+    prediction can be within the goal of both. They form one noisy group; both rows stay
+    counted, a miss among them is counted as a noisy miss and marked in the table. A run
+    outside REPEATS (the 12-02 pipelined one) is in no group. Brought within the band of
+    each other, the same two runs are a group that is not noisy."""
+    docs = [_recorded(*run) for run in NIXL_REPEATS]
+    root = tmp_path / "a"
+    for (folder, name), doc in zip(NIXL_REPEATS, docs):
+        _write(root, folder, name, doc)
+    _write(root, *NIXL_RUN, _recorded(*NIXL_RUN))
+    res = calibrate.run(("nixl",), results=str(root))
+    assert res["cases"] == 3 and len(res["repeats"]) == 1
+    (g,) = res["repeats"]
+    m1, m2 = (_rec(d, "nixl", 1)["warm_median_s"] for d in docs)
+    assert g["measured_s"] == [m1, m2]
+    assert g["spread"] == pytest.approx(m2 / m1) and g["spread"] > calibrate.REPEAT_BAND
+    assert calibrate.REPEAT_BAND == pytest.approx(1.25 / 0.75)
+    rows = [r for r in res["rows"] if r["repeat_of"] == g["group"]]
+    assert len(rows) == 2 and g["noisy"] and all(r["noisy"] for r in rows)
+    left = [r["measured_s"] / r["predicted_s"] for r in rows]
+    assert g["residual_spread"] == pytest.approx(max(left) / min(left))
+    assert g["noisy_given_links"] == (g["residual_spread"] > calibrate.REPEAT_BAND)
+    (other,) = [r for r in res["rows"] if r["repeat_of"] is None]
+    assert NIXL_RUN[0] in other["source"] and not other["noisy"]
+    misses = [r for r in res["rows"] if not r["within_goal"]]
+    assert res["misses"] == len(misses)
+    assert res["noisy_misses"] == sum(r in rows for r in misses)
+    text, md = calibrate.format_text(res), calibrate.format_markdown(res)
+    for r in misses:
+        marker = "**no** (noisy repeats)" if r["noisy"] else "**no** |"
+        assert f"| {r['error'] * 100:+.0f} % | {marker}" in text
+    assert f"{res['noisy_misses']} are in noisy groups of repeats (1 of 1 groups" in text
+    assert "| **yes** |" in md.partition("Repeats (")[2]
+
+    close = copy.deepcopy(docs[1])
+    _rec(close, "nixl", 1)["warm_median_s"] = 1.5 * m1
+    root = tmp_path / "b"
+    _write(root, *NIXL_REPEATS[0], docs[0])
+    _write(root, *NIXL_REPEATS[1], close)
+    res = calibrate.run(("nixl",), results=str(root))
+    (g,) = res["repeats"]
+    assert g["spread"] == pytest.approx(1.5) and not g["noisy"]
+    assert res["noisy_misses"] == 0 and not any(r["noisy"] for r in res["rows"])
+    assert "**no** (noisy repeats)" not in calibrate.format_text(res)

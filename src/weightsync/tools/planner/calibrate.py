@@ -26,6 +26,14 @@ counted. What a run does not record (``ring.direct_GBps`` before ``cma-raw`` exi
 ``software`` costs, latencies) comes from the preset, whose file says which of those are measured and which are
 assumed. The limits themselves are inputs, not calibration cases. Not modelled:
 ``cuda_ipc`` zero-copy, the verl-style baseline, Ray and the other baselines.
+
+Repeats (:data:`REPEATS`, :func:`repeat_groups`): a case measured in several runs that
+BENCHMARKS.md documents as the same code and the same command is a group of repeats. Where
+their measurements lie further apart than ``(1 + GOAL) / (1 - GOAL)`` (1.667 x for +-25 %),
+no one number is within the goal of all of them: the group is ``noisy``. Its rows stay in
+the count; the summary says how many misses are in noisy groups, and how far apart the
+repeats stay once each run's own limits are applied (``residual_spread``: measured /
+predicted), which tells box noise the limits caught from noise they did not.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from weightsync.tools.planner.predict import predict
 from weightsync.tools.planner.scenario import Scenario
 
 __all__ = ["run", "run_links", "format_text", "format_markdown", "results_dir", "GOAL",
-           "GROUPS", "RUN_LIMITS", "RunLimit"]
+           "GROUPS", "RUN_LIMITS", "RunLimit", "REPEATS", "repeat_groups"]
 
 GOAL = 0.25
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
@@ -166,6 +174,64 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
     return "; ".join(parts) + "; the rest preset"
 
 
+# ------------------------------------------------------------------ repeats
+
+#: Runs of the same code and the same command (``folder/file`` -> the name of their set):
+#: a case measured in more than one of a set is a group of repeats (:func:`repeat_groups`).
+#: Only runs BENCHMARKS.md documents as such:
+#: - ``cpu-calib-2026-12-04`` and ``-04b``: "two quiet-box runs of today's code ... the same
+#:   command" (12-04b adds the ``cma-raw`` limit; between the two only the bench, the planner
+#:   and nixl's plan compiler changed, none of ``shm`` / ``collective``);
+#: - ``cpu-nixl-2026-12-01`` runs 1 and 2: the same command; run 2 came after the cold fix
+#:   (no ``torch.distributed.tensor`` import on a cold sync), which warm syncs never ran.
+#: Runs of other days ran other code (the direct window of 12-03, the copy threads and
+#: pipelined nixl of later days), so they are not repeats of one another.
+REPEATS = {"cpu-calib-2026-12-04/bench.json": "CPU quiet-box runs of 12-04",
+           "cpu-calib-2026-12-04b/bench.json": "CPU quiet-box runs of 12-04",
+           "cpu-nixl-2026-12-01/bench_1g.json": "nixl runs of 12-01",
+           "cpu-nixl-2026-12-01/bench_1g_run2.json": "nixl runs of 12-01"}
+
+#: the most two measurements of one case may differ (max / min) for one prediction to be
+#: within GOAL of both: p / (1 + GOAL) <= m <= p / (1 - GOAL)
+REPEAT_BAND = (1 + GOAL) / (1 - GOAL)
+
+
+def _repeat_of(folder: str, name: str, case: str) -> Optional[str]:
+    """The group of repeats a case of run ``folder/name`` belongs to, or None."""
+    rset = REPEATS.get(f"{folder}/{name}")
+    return f"{case} [{rset}]" if rset else None
+
+
+def repeat_groups(rows: list[dict]) -> list[dict]:
+    """Groups of repeats among ``rows`` (those with a ``repeat_of``, two or more): each
+    with its rows' measurements, ``spread`` (max / min measured), ``noisy`` (spread over
+    :data:`REPEAT_BAND`: no one prediction is within GOAL of all), ``residual_spread``
+    (max / min of measured / predicted: what is left of the spread with each run's own
+    links), ``noisy_given_links`` (that over the band) and ``misses``. Sets ``noisy`` on
+    every row (False outside a noisy group)."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        r["noisy"] = False
+        if r.get("repeat_of"):
+            by[r["repeat_of"]].append(r)
+    out = []
+    for key, rs in by.items():
+        if len(rs) < 2:
+            continue
+        m = [r["measured_s"] for r in rs]
+        left = [r["measured_s"] / r["predicted_s"] for r in rs]
+        g = {"group": key, "cases": [r["case"] for r in rs], "measured_s": m,
+             "errors": [r["error"] for r in rs], "spread": max(m) / min(m),
+             "residual_spread": max(left) / min(left),
+             "misses": sum(not r["within_goal"] for r in rs)}
+        g["noisy"] = g["spread"] > REPEAT_BAND
+        g["noisy_given_links"] = g["residual_spread"] > REPEAT_BAND
+        for r in rs:
+            r["noisy"] = g["noisy"]
+        out.append(g)
+    return out
+
+
 # ------------------------------------------------------------------ rows
 
 def _row(case: str, strategy: str, sc: Scenario, measured: float, source: str,
@@ -184,9 +250,10 @@ def _row(case: str, strategy: str, sc: Scenario, measured: float, source: str,
 
 def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measured: float,
           source: str, preset: str, sets: Mapping[str, float], where: Mapping[str, str],
-          check: Optional[Callable] = None) -> list[dict]:
+          check: Optional[Callable] = None, repeat_of: Optional[str] = None) -> list[dict]:
     """One case: with the links its run recorded (counted) and with the preset alone (not
-    counted); only the preset's, counted, when the run recorded no limit."""
+    counted); only the preset's, counted, when the run recorded no limit. ``repeat_of``:
+    its group of repeats (:func:`_repeat_of`), if any."""
     rows = []
     if sets:
         row = _row(case, strategy, scenario(load_links(preset, sets)), measured, source, check)
@@ -196,6 +263,8 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     row.update(links="preset", counted=not sets,
                links_from=f"preset {preset}" + ("" if sets else " (the run recorded no limit)"))
     rows.append(row)
+    for row in rows:
+        row["repeat_of"] = repeat_of
     return rows
 
 
@@ -250,9 +319,10 @@ def _cpu_cases(root: str) -> list[dict]:
                                 src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
                                 strategies=(strategy,))
             sets, where = run_links(rec, limits[(rec["workload"], rec["dtype"])])
-            rows += _rows(f"CPU {rec['workload']} {rec['method']} R={rec['receivers']} "
-                          f"({label})", strategy, scenario, rec["warm_median_s"],
-                          f"{folder}/{name} warm_median_s", "cpu-2core", sets, where)
+            case = f"CPU {rec['workload']} {rec['method']} R={rec['receivers']}"
+            rows += _rows(f"{case} ({label})", strategy, scenario, rec["warm_median_s"],
+                          f"{folder}/{name} warm_median_s", "cpu-2core", sets, where,
+                          repeat_of=_repeat_of(folder, name, case))
     return rows
 
 
@@ -375,7 +445,9 @@ def _nixl_cases(root: str) -> list[dict]:
                             strategies=("p2p",), pipelined=pipelined, serve=serve)
         rows += _rows(f"CPU {rec['workload']} nixl R={rec['receivers']} ({folder[9:]}/"
                       f"{name}, {how})", "p2p", scenario, rec["warm_median_s"],
-                      f"{folder}/{name} warm_median_s", "cpu-2core", sets, where)
+                      f"{folder}/{name} warm_median_s", "cpu-2core", sets, where,
+                      repeat_of=_repeat_of(folder, name, f"CPU {rec['workload']} nixl "
+                                                         f"R={rec['receivers']} ({how})"))
     return rows
 
 
@@ -422,7 +494,10 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
     """Every case of ``groups``, predicted and compared (``error`` = predicted /
     measured - 1); ``results``: the folder of recorded runs (default: the checkout's
     ``benchmarks/results``). ``rows``: the calibration (each case with the links its run
-    recorded); ``preset_rows``: the same cases with the preset alone, not counted."""
+    recorded); ``preset_rows``: the same cases with the preset alone, not counted;
+    ``repeats``: :func:`repeat_groups` of the counted rows, ``noisy_misses`` the counted
+    misses in noisy groups (``noisy_misses_given_links``: in groups noisy by measured /
+    predicted)."""
     bad = [g for g in groups if g not in GROUPS]
     if bad:
         raise PlannerError("calibrate", f"unknown group(s) {', '.join(bad)}; "
@@ -432,13 +507,27 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
     for g in groups:
         for row in GROUPS[g](root):
             (rows if row.pop("counted") else preset).append(row)
-    return {"schema": "weightsync.plan.calibration/2", "goal": GOAL, "rows": rows,
+    repeats = repeat_groups(rows)
+    repeat_groups(preset)        # marks the preset rows alike (same measurements)
+    misses = [r for r in rows if not r["within_goal"]]
+    noisy = {g["group"] for g in repeats if g["noisy"]}
+    noisy_links = {g["group"] for g in repeats if g["noisy_given_links"]}
+    return {"schema": "weightsync.plan.calibration/3", "goal": GOAL, "rows": rows,
             "within_goal": sum(r["within_goal"] for r in rows), "cases": len(rows),
+            "misses": len(misses), "repeats": repeats, "repeat_band": REPEAT_BAND,
+            "noisy_misses": sum(r["repeat_of"] in noisy for r in misses),
+            "noisy_misses_given_links": sum(r["repeat_of"] in noisy_links for r in misses),
             "preset_rows": preset,
             "preset_within_goal": sum(r["within_goal"] for r in preset),
             "not_modelled": ["cuda_ipc zero-copy", "verl-style cuda_ipc baseline",
                              "ray, gloo-per-tensor, safetensors-shm baselines",
                              "nixl VRAM -> VRAM on one H200 (UCX takes a host path there)"]}
+
+
+def _within(r: dict) -> str:
+    if r["within_goal"]:
+        return "yes"
+    return "**no** (noisy repeats)" if r.get("noisy") else "**no**"
 
 
 def _lines(rows: list[dict], sep: str) -> list[str]:
@@ -449,8 +538,8 @@ def _lines(rows: list[dict], sep: str) -> list[str]:
             b = r["bytes_per_sender"]
             extra = f" (bytes per sender predicted {b['predicted']}, measured {b['measured']})"
         cells = [r["case"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
-                 f"{r['error'] * 100:+.0f} %", "yes" if r["within_goal"] else "**no**",
-                 r["limited_by"] + extra, r["links_from"]]
+                 f"{r['error'] * 100:+.0f} %", _within(r), r["limited_by"] + extra,
+                 r["links_from"]]
         out.append(sep.join(cells))
     return out
 
@@ -459,16 +548,53 @@ _PRESET_TITLE = ("preset vs this run's box (not counted: the same cases with the
                  "fixed rates instead of the limits their run recorded)")
 
 
+def _repeats_title(doc: dict) -> str:
+    return (f"repeats (the same case in runs of the same code and command; noisy: "
+            f"measurements more than {doc['repeat_band']:.3f} x apart, so no one prediction "
+            f"is within +-{doc['goal'] * 100:.0f} % of all; still counted)")
+
+
+def _repeat_lines(doc: dict, sep: str) -> list[str]:
+    out = []
+    for g in doc["repeats"]:
+        cells = [g["group"], ", ".join(f"{m * 1e3:.1f}" for m in g["measured_s"]),
+                 ", ".join(f"{e * 100:+.0f} %" for e in g["errors"]),
+                 f"{g['spread']:.3f} x", f"{g['residual_spread']:.3f} x",
+                 "**yes**" if g["noisy"] else "no", str(g["misses"])]
+        out.append(sep.join(cells))
+    return out
+
+
+_REPEAT_HEAD = ("group | measured ms | errors | spread (measured) | spread left with each "
+                "run's links (measured / predicted) | noisy | misses")
+
+
+def _noisy_summary(doc: dict) -> str:
+    """How many misses are in noisy groups of repeats, and in groups whose measured /
+    predicted ratios lie further apart than the band with each run's own links."""
+    band = f"{doc['repeat_band']:.3f} x"
+    n = sum(g["noisy"] for g in doc["repeats"])
+    k = sum(g["noisy_given_links"] for g in doc["repeats"])
+    return (f"of the {doc['misses']} misses, {doc['noisy_misses']} are in noisy groups of "
+            f"repeats ({n} of {len(doc['repeats'])} groups: measurements more than {band} "
+            f"apart) and {doc['noisy_misses_given_links']} in groups whose measured / "
+            f"predicted ratios lie more than {band} apart with each run's own links "
+            f"({k} groups)")
+
+
 def format_text(doc: dict) -> str:
     head = ("case | predicted ms | measured ms | error | within 25 % | predicted bottleneck | "
             "links")
     tail = (f"{doc['within_goal']} of {doc['cases']} cases within +-{doc['goal'] * 100:.0f} % "
-            f"(links from each run's own limits where it recorded them); preset alone: "
+            f"(links from each run's own limits where it recorded them); "
+            f"{_noisy_summary(doc)}; preset alone: "
             f"{doc['preset_within_goal']} of {len(doc['preset_rows'])}, not counted; "
             f"not modelled: {', '.join(doc['not_modelled'])}")
     preset = ["", _PRESET_TITLE + ":", head] + _lines(doc["preset_rows"], " | ") \
         if doc["preset_rows"] else []
-    return "\n".join([head] + _lines(doc["rows"], " | ") + preset + ["", tail])
+    repeats = ["", _repeats_title(doc) + ":", _REPEAT_HEAD] + _repeat_lines(doc, " | ") \
+        if doc["repeats"] else []
+    return "\n".join([head] + _lines(doc["rows"], " | ") + repeats + preset + ["", tail])
 
 
 def format_markdown(doc: dict) -> str:
@@ -477,7 +603,12 @@ def format_markdown(doc: dict) -> str:
     out = head + [f"| {line} |" for line in _lines(doc["rows"], " | ")]
     out += ["", f"{doc['within_goal']} of {doc['cases']} cases within "
                 f"+-{doc['goal'] * 100:.0f} % (links from each run's own limits where it "
-                f"recorded them)."]
+                f"recorded them); {_noisy_summary(doc)}."]
+    if doc["repeats"]:
+        title = _repeats_title(doc)
+        out += ["", f"**{title[0].upper() + title[1:]}**", "",
+                f"| {_REPEAT_HEAD} |", "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+        out += [f"| {line} |" for line in _repeat_lines(doc, " | ")]
     if doc["preset_rows"]:
         out += ["", f"**{_PRESET_TITLE[0].upper() + _PRESET_TITLE[1:]}**", ""] + head
         out += [f"| {line} |" for line in _lines(doc["preset_rows"], " | ")]
