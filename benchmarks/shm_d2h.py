@@ -8,13 +8,16 @@ Measures in one run, on a synthetic bf16 model of Llama-3-8B layer shapes
     with ``receive_into`` (the README's consumer, torch's default threads), warm median of
     ``--warm``, with the ring registered as pinned memory (``WEIGHTSYNC_SHM_PIN=1``) and
     without (``0``); every sync is checked (per-tensor sums);
+(b') the same with the receiver's tensors in torch's shared memory (``--consumers
+    shared``: ``model.share_memory()`` on the receiver), which the trainer then copies
+    device-to-host straight into (no ring, no landing copy);
 (c) where the time goes (``--consumers into,views``): the same syncs consumed with
     ``receive_weights`` and no copy (each tensor a view of the ring, dropped: what the
     trainer and the protocol cost alone, the receiver's landing copy left out), and the
     receiver host's own copy rate of the model's bytes (one ``copy_`` of a pageable buffer,
     torch's default threads): the limit of the landing copy.
 Usage: ``python benchmarks/shm_d2h.py --out DIR [--layers 8 --bucket-mb 512 --warm 5
---consumers into,views --pins 1,0]``.
+--consumers into,shared,views --pins 1,0]``.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ def worker(role, args, conn):
                 del host
             del flat
         conn.send(out)
+        params_shared = False
         while True:
             cmd = conn.recv()
             if cmd["op"] == "quit":
@@ -101,9 +105,14 @@ def worker(role, args, conn):
                     want = _sums(params)
                     conn.send({"ready": True})
                     start = time.perf_counter()
-                    asyncio.run(engine.send_weights(params.items(), version=step))
-                    conn.send({"ms": (time.perf_counter() - start) * 1e3, "sums": want})
+                    report = asyncio.run(engine.send_weights(params.items(), version=step))
+                    conn.send({"ms": (time.perf_counter() - start) * 1e3, "sums": want,
+                               "pushed": report.get("pushed")})
                 else:
+                    if cmd.get("consumer") == "shared" and not params_shared:
+                        for p in params.values():   # the receiver's model.share_memory()
+                            p.share_memory_()
+                        params_shared = True
                     conn.send({"ready": True})
                     views = cmd.get("consumer") == "views"
                     sums = {}
@@ -134,8 +143,10 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--scale", type=int, default=1, help="divide every dimension")
-    ap.add_argument("--consumers", default="into", help="into (receive_into), views "
-                    "(receive_weights, no copy); comma-separated")
+    ap.add_argument("--consumers", default="into,shared", help="into (receive_into), "
+                    "shared (receive_into of tensors the receiver put in shared memory: the "
+                    "trainer writes into them), views (receive_weights, no copy); "
+                    "comma-separated")
     ap.add_argument("--pins", default="1,0", help="WEIGHTSYNC_SHM_PIN values to run")
     args = vars(ap.parse_args())
     os.makedirs(args["out"], exist_ok=True)
@@ -178,14 +189,16 @@ def main():
             r = get("rollout")
             ms.append(t["ms"])
             rx_ms.append(r["ms"])
-            ok = ok and (t["sums"] == r["sums"] if consumer == "into" else
+            ok = ok and (t["sums"] == r["sums"] if consumer != "views" else
                          r["names"] == len(t["sums"]))
+            pushed = t.get("pushed")
         for r in conns:
             conns[r].send({"op": "close"})
             get(r)
         run = {"pin": pin, "consumer": consumer, "pinned_segments": pinned, "cold_ms": ms[0],
                "warm_ms": ms[1:], "median_ms": statistics.median(ms[1:]),
-               "receiver_median_ms": statistics.median(rx_ms[1:]), "all_ok": ok}
+               "receiver_median_ms": statistics.median(rx_ms[1:]), "all_ok": ok,
+               "pushed_tensors": pushed}
         res["runs"].append(run)
         print(json.dumps(run), flush=True)
     for r in conns:

@@ -168,3 +168,117 @@ def test_the_shared_field_round_trips_and_is_checked():
     bad = encode(msg).replace(b"[5,77,4096,128]", b"[5,77,-1,128]")
     with pytest.raises(WireError):
         decode(bad)
+
+
+# -- pushes: the trainer writes straight into receivers' shared tensors ----------------------
+
+def _push_worker(role, conn, rank, opts, steps):
+    try:
+        eng = CheckpointEngineRegistry.new("shm", role=role, bucket_size=BUCKET, timeout=60)
+        conn.send(eng.prepare())
+        eng.init_process_group(**conn.recv())
+        loop = asyncio.new_event_loop()
+        out = []
+        names = ("w.0", "w.1", "w.2")
+        params = None
+        for step in range(steps):
+            want = _tensors(step, names)
+            if role == "trainer":
+                report = loop.run_until_complete(eng.send_weights(want.items(), version=step))
+                out.append(report["pushed"])
+                continue
+            if params is None:
+                params = {n: torch.zeros_like(t) for n, t in want.items()}
+                share = opts["share"][rank]
+                for i, (n, t) in enumerate(params.items()):
+                    if share == "all" or (share == "half" and i % 2 == 0):
+                        t.share_memory_()
+            if step and opts.get("late"):
+                import time
+                time.sleep(opts["late"])        # the trainer sent this step meanwhile
+            before = [n for n in want if step and not torch.equal(params[n], _tensors(step - 1, names)[n])]
+
+            async def rx():
+                async for _ in eng.receive_into(params, version=step):
+                    pass
+            loop.run_until_complete(rx())
+            bad = [n for n in want if not torch.equal(params[n], want[n])]
+            out.append({"bad": bad, "changed_early": before})
+        eng.finalize()
+        conn.send(out)
+    except BaseException:
+        conn.send(traceback.format_exc())
+
+
+def _run_push(opts, receivers=1, steps=3):
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for i in range(receivers + 1):
+        a, b = ctx.Pipe()
+        role = "trainer" if i == 0 else "rollout"
+        p = ctx.Process(target=_push_worker, args=(role, b, i - 1, opts, steps), daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    try:
+        metas = [c.recv() for c in pipes]
+        tk, rk = CheckpointEngineRegistry.get("shm").build_topology(1, receivers, metas)
+        pipes[0].send(worker_kwargs(tk, 0))
+        for j in range(receivers):
+            pipes[j + 1].send(worker_kwargs(rk, j))
+        results = [c.recv() if c.poll(100) else "no answer" for c in pipes]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for r in results:
+        assert isinstance(r, list), r
+    return results[0], results[1:]
+
+
+def _exact(rx):
+    for steps in rx:
+        assert [s["bad"] for s in steps] == [[]] * len(steps)
+
+
+@pytest.mark.parametrize("env,pushed", [("1", 4), ("0", 0)])
+def test_the_trainer_writes_into_a_receivers_shared_tensors(monkeypatch, env, pushed):
+    if not _cma_ok():
+        pytest.skip("this kernel does not let processes open each other's descriptors")
+    monkeypatch.setenv("WEIGHTSYNC_SHM_PUSH", env)
+    tx, rx = _run_push({"share": ["all"]})
+    assert tx == [pushed] * 3          # every tensor, the small one too: no bucket at all
+    _exact(rx)
+
+
+def test_pushes_wait_for_the_receiver_to_begin_its_receive(monkeypatch):
+    # the receiver comes late to every sync after the first: the trainer must not write
+    # into its tensors (which a rollout engine may be generating with) before it asks
+    if not _cma_ok():
+        pytest.skip("this kernel does not let processes open each other's descriptors")
+    tx, rx = _run_push({"share": ["all"], "late": 1.0})
+    assert tx == [4, 4, 4]
+    _exact(rx)
+    assert [s["changed_early"] for s in rx[0]] == [[], [], []]
+
+
+def test_only_what_every_receiver_offers_is_pushed(monkeypatch):
+    if not _cma_ok():
+        pytest.skip("this kernel does not let processes open each other's descriptors")
+    tx, rx = _run_push({"share": ["half", "all"]}, receivers=2)
+    assert tx == [2, 2, 2]             # w.0 and w.2: receiver 0 shares every other tensor
+    _exact(rx)
+    tx, rx = _run_push({"share": ["none", "all"]}, receivers=2, steps=2)
+    assert tx == [0, 0]
+    _exact(rx)
+
+
+def test_a_land_message_is_checked():
+    from weightsync.core.errors import WireError
+    from weightsync.core.wire import LandMsg
+    msg = LandMsg(seq=3, rank=1, digest="d", landings=(("w", (4, 4), "float32", 5, 9, 64, 0),))
+    assert decode(encode(msg)) == msg
+    with pytest.raises(WireError):      # 64 bytes at offset 8 run past a 64-byte storage
+        decode(encode(LandMsg(seq=3, rank=1, digest="d",
+                              landings=(("w", (4, 4), "float32", 5, 9, 64, 8),))))

@@ -32,6 +32,8 @@ __all__ = [
     "StagedMsg",
     "PulledMsg",
     "WantsMsg",
+    "LandMsg",
+    "PUSHED_SLOT",
     "encode",
     "decode",
 ]
@@ -221,12 +223,32 @@ class WantsMsg(Message):
     wants: tuple[tuple[str, tuple[tuple[tuple[int, int], ...], ...]], ...] = ()
 
 
+@dataclass(frozen=True)
+class LandMsg(Message):
+    """Rollout rank ``rank`` receives sync ``seq`` now, and these of its own tensors live
+    in shared memory the trainer may write straight into during that sync: ``landings``
+    holds ``[name, shape, dtype, fd, inode, storage nbytes, byte offset]`` (``fd`` one of
+    the receiver's descriptors; ``transport.peermem``), or is ``None`` when they are those
+    of the receiver's last message (same ``digest``). Sent to every trainer rank at the
+    start of every receive, so a trainer never writes into memory in use by an engine."""
+
+    kind: ClassVar[str] = "land"
+    seq: int
+    rank: int
+    digest: str
+    landings: Optional[tuple[tuple[str, tuple[int, ...], str, int, int, int, int], ...]] = None
+
+
+#: ``BucketMsg.slot`` of tensors the trainer wrote straight into a receiver's memory
+#: (its ``LandMsg``): the message lists them, the bytes are already there
+PUSHED_SLOT = (1 << 20) + 1
+
 _KINDS: dict[str, type[Message]] = {
     c.kind: c for c in (BucketMsg, DoneMsg, ErrorMsg, NamesMsg, AckMsg, HelloMsg, SourceMsg,
-                        PullMsg, StagedMsg, PulledMsg, WantsMsg)}
+                        PullMsg, StagedMsg, PulledMsg, WantsMsg, LandMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
              "segments": (), "handles": (), "origin": None, "staged": True, "blocks": (),
-             "wants": (), "shared": None}
+             "wants": (), "shared": None, "landings": None}
 _ERROR_NAMES = {
     "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
     "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
@@ -363,6 +385,27 @@ def _wants(v: Any) -> tuple:
     return tuple(out)
 
 
+def _landings(v: Any) -> tuple:
+    if type(v) is not list or len(v) > 1 << 20:
+        _fail("landings must be a list of at most 2**20 entries")
+    out = []
+    for item in v:
+        if type(item) is not list or len(item) != 7:
+            _fail("a landing must be [name, shape, dtype, fd, inode, storage nbytes, offset]")
+        name, shape, dtype, *ref = item
+        _str(name, "tensor name")
+        if type(shape) is not list or len(shape) > _MAX_DIMS:
+            _fail(f"shape of {name!r} must be a list of at most {_MAX_DIMS} ints")
+        dims = tuple(_int(d, "shape dim") for d in shape)
+        if dtype not in DTYPES:
+            _fail(f"dtype {dtype!r} of {name!r} is not on the whitelist")
+        fd, inode, size, offset = (_int(x, "landing") for x in ref)
+        if offset + math.prod(dims) * _ITEMSIZE[dtype] > size:
+            _fail(f"the landing of {name!r} runs past its storage")
+        out.append((name, dims, dtype, fd, inode, size, offset))
+    return tuple(out)
+
+
 def _check_field(cls: type[Message], name: str, v: Any) -> Any:
     if name == "version":
         return _version(v)
@@ -413,6 +456,8 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         return _held(v)
     if name == "wants":
         return _wants(v)
+    if name == "landings":
+        return None if v is None else _landings(v)
     if name == "names":
         if v is None:
             return None

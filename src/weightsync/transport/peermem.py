@@ -24,7 +24,7 @@ import mmap
 import os
 import threading
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -65,9 +65,14 @@ class PeerMaps:
     :meth:`view` gives the mapped storage as bytes (``None`` if it cannot be opened: the
     caller falls back to another way of reading); :meth:`end_sync` drops what the sync
     did not use; :meth:`close` drops everything. Thread-safe (one pump thread per stream).
+    ``writable``: map for writing (a trainer writing into a receiver's tensors);
+    ``on_map``/``on_drop``: called with each new mapping / before one is dropped (a GPU
+    trainer registers the memory as pinned, and unregisters it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, writable: bool = False, on_map: Optional[Callable] = None,
+                 on_drop: Optional[Callable] = None) -> None:
+        self._writable, self._on_map, self._on_drop = writable, on_map, on_drop
         self._maps: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}
         self._used: set[tuple[int, int, int]] = set()
         self._denied: set[int] = set()      # pids whose descriptors we may not open
@@ -87,16 +92,22 @@ class PeerMaps:
             if pid in self._denied:
                 return None
         mapped = self._map(pid, fd, inode, size)
+        if mapped is not None and self._on_map is not None:
+            self._on_map(mapped)
         with self._lock:
             if mapped is None:
                 return None
+            old = self._maps.get(key)
+            if old is not None and self._on_drop is not None:
+                self._on_drop(old[1])
             self._maps[key] = (size, mapped)
             self._used.add(key)
         return mapped
 
     def _map(self, pid: int, fd: int, inode: int, size: int) -> Optional[torch.Tensor]:
         try:
-            own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            own = os.open(f"/proc/{pid}/fd/{fd}",
+                          (os.O_RDWR if self._writable else os.O_RDONLY) | os.O_CLOEXEC)
         except PermissionError as exc:
             logger.info("cannot open the shared storages of pid %d (%s): reading them "
                         "another way", pid, exc)
@@ -109,12 +120,13 @@ class PeerMaps:
             st = os.fstat(own)
             if st.st_ino != inode or st.st_size < size:
                 return None      # the number names another file now
-            mm = mmap.mmap(own, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self._writable else 0)
+            mm = mmap.mmap(own, size, flags=mmap.MAP_SHARED, prot=prot)
         except (OSError, ValueError):
             return None
         finally:
             os.close(own)
-        with warnings.catch_warnings():   # read-only memory; only ever read from
+        with warnings.catch_warnings():   # read-only unless writable: only read from then
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(mm, dtype=torch.uint8)
 
@@ -123,12 +135,17 @@ class PeerMaps:
         with self._lock:
             stale = [k for k in self._maps if k not in self._used]
             for k in stale:
-                del self._maps[k]       # unmapped once no tensor refers to it
+                _, mapped = self._maps.pop(k)     # unmapped once no tensor refers to it
+                if self._on_drop is not None:
+                    self._on_drop(mapped)
             self._used.clear()
             return len(stale)
 
     def close(self) -> None:
         with self._lock:
+            if self._on_drop is not None:
+                for _, mapped in self._maps.values():
+                    self._on_drop(mapped)
             self._maps.clear()
             self._used.clear()
             self._denied.clear()

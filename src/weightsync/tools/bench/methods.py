@@ -171,9 +171,11 @@ class ShmShared(Shm):
     ``model.share_memory()`` for CPU trainers): receivers copy them out of a mapping. The
     bench's own tensors are put back for the methods after this one."""
 
+    side = "trainer"
+
     def setup(self) -> None:
         self._private = None
-        if self.ctx.is_trainer:
+        if self.ctx.is_trainer == (self.side == "trainer"):
             self._private = self.ctx.params
             self.ctx.params = {n: t.clone().share_memory_() for n, t in self._private.items()}
         super().setup()
@@ -186,6 +188,13 @@ class ShmShared(Shm):
                 for n, t in self.ctx.params.items():   # carry the last version back
                     self._private[n].copy_(t)
                 self.ctx.params, self._private = self._private, None
+
+
+class ShmPush(ShmShared):
+    """``shm`` with the receivers' tensors in torch's shared memory (``model.share_memory()``
+    on a CPU rollout engine): the trainer writes into them, one copy, no ring."""
+
+    side = "rollout"
 
 
 class ShmBuckets(WeightSync):
@@ -341,7 +350,7 @@ def method_table() -> dict[str, type[Method]]:
     if not _TABLE:
         from weightsync.tools.bench.baselines import BASELINES
         _TABLE.update({"shm": Shm, "collective": Collective, "shm-buckets": ShmBuckets,
-                       "shm-shared": ShmShared,
+                       "shm-shared": ShmShared, "shm-push": ShmPush,
                        "shm-direct": ShmDirect, "nixl": Nixl, "nixl-raw": NixlRaw,
                        "cma-raw": CmaRaw})
         _TABLE.update({f"delta+{b}": type(f"Delta_{b}", (Delta,), {"backend": f"delta+{b}"})

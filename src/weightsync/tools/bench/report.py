@@ -95,6 +95,10 @@ _SPEED_GOALS = (
      "shm, trainer's tensors shared (model.share_memory()) >= 0.8 x memcpy"),
     ("shm_shared_vs_memcpy_readme", "shm-shared@readme", "memcpy", 0.8, True,
      "shm, trainer's tensors shared, README's consumer >= 0.8 x memcpy"),
+    ("shm_push_vs_memcpy", "shm-push", "memcpy", 0.8, True,
+     "shm, receivers' tensors shared (the trainer writes into them) >= 0.8 x memcpy"),
+    ("shm_push_vs_memcpy_readme", "shm-push@readme", "memcpy", 0.8, True,
+     "shm, receivers' tensors shared, README's consumer >= 0.8 x memcpy"),
 )
 
 

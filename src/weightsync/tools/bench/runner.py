@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 README = "@readme"
 DEFAULT_METHODS = ("shm", "collective", "ray", "gloo-per-tensor", "safetensors-shm", "memcpy",
                    "gloo-flat", "memcpy-parallel", "shm" + README, "collective" + README,
-                   "shm-shared", "shm-shared" + README)
+                   "shm-shared", "shm-shared" + README, "shm-push", "shm-push" + README)
 ALL_METHODS = DEFAULT_METHODS + ("shm-buckets", "shm-direct", "nixl", "nixl-raw", "cma-raw") + \
     tuple(f"delta+{b}" for b in DELTA_OVER)
 
@@ -118,6 +118,7 @@ def method_memory(method: str, w: Workload, receivers: int, bucket: int) -> int:
         "shm": 2 * bucket + receivers * big + 2 * cap,
         "shm-buckets": 2 * bucket + receivers * big + 2 * cap,
         "shm-shared": n + 2 * bucket + receivers * big + 2 * cap,   # the trainer's shared copy
+        "shm-push": (receivers + 1) * n + 2 * bucket + 2 * cap,     # receivers' shared copies
         "shm-direct": 2 * bucket + receivers * big + 2 * cap,
         "collective": (receivers + 1) * (2 * bucket + cap) + receivers * big,
         "ray": n + receivers * n + (receivers + 1) * 300 * MiB,
@@ -238,6 +239,7 @@ def _durations(results: list[dict], key: str, part: str) -> list[float]:
 
 #: goals compare these pairs step by step (the limit runs right before each step)
 PAIRS = {"shm": "memcpy", "shm-buckets": "memcpy", "shm-direct": "memcpy", "shm-shared": "memcpy",
+         "shm-push": "memcpy",
          "collective": "gloo-flat", "nixl": "nixl-raw"}
 # (delta+* are not paired: a dense sync of the same tensors in between would overwrite the
 # receivers' bases, and every delta would go dense again: the codec checks each base)

@@ -153,6 +153,14 @@ class LinkHub:
         self._order = sorted(self._conns)
         self._lsock.close()
 
+    def peer_pid(self, rank: int) -> int:
+        """Receiver ``rank``'s process id, from the kernel (Unix sockets only; else 0)."""
+        conn = self._conns.get(rank)
+        if conn is None or self._family != socket.AF_UNIX:
+            return 0
+        cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", cred)[0]
+
     def push(self, box: str, msg: Message | bytes, aux: int = 0) -> None:
         self._send(int(box[1:]), _frame(msg, aux))
 

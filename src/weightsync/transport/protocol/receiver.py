@@ -14,9 +14,10 @@ import torch
 
 from weightsync.core.errors import (IntegrityError, PlanMismatch, SyncTimeout, VersionMismatch,
                       WeightSyncError)
-from weightsync.core.plan import Bucket, TensorMeta, bucket_digest, dtype_from_name, plan_signature
+from weightsync.core.plan import (Bucket, TensorMeta, bucket_digest, dtype_from_name, dtype_name,
+                                  plan_signature)
 from weightsync.core.remote import error_msg, normalize_version, raise_remote
-from weightsync.core.wire import DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from weightsync.core.wire import DIRECT_SLOT, PUSHED_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
 from weightsync.transport.fastcopy import copy_into, memmove_from
 from weightsync.transport.tensors import checksum, plain_cpu
 
@@ -153,6 +154,7 @@ class ReceiverMixin:
         try:
             await self._reap_pumps(state)
             self._check_usable(state.version)
+            self._rx_begin(state)
             self._rx_state = state
             pumps = [threading.Thread(target=self._pump, args=(s, state), daemon=True,
                                       name=f"weightsync-rx{self._rank}-s{s}")
@@ -236,6 +238,9 @@ class ReceiverMixin:
                                        peer=peer, phase="receive", version=state.version)
                 if isinstance(msg, BucketMsg):
                     self._check_version(state, msg.version, peer)
+                    if msg.slot == PUSHED_SLOT:   # the bytes are in our tensors already
+                        state.q.put(("pushed", stream, msg, None))
+                        continue
                     if msg.slot == DIRECT_SLOT:
                         state.q.put(("direct", stream, msg,
                                      self._rx_direct_pump(stream, msg, state, inbox)))
@@ -249,6 +254,10 @@ class ReceiverMixin:
                     return
         except BaseException as exc:  # handed to the consumer, which raises it
             state.q.put(("exc", stream, exc, None))
+
+    def _rx_begin(self, state: _RecvState) -> None:
+        """Hook, at the start of every receive, before any pump reads (e.g. tell the
+        trainers where they may write this receiver's tensors: ``state.into``)."""
 
     def _rx_settle(self, stream: int, msg: DoneMsg) -> None:
         """Hook (pump thread, at the end of ``stream``'s sync): wait, bounded, for what
@@ -319,6 +328,10 @@ class ReceiverMixin:
         if isinstance(msg, DoneMsg):
             self._rx_finish_stream(state, stream, msg)
             return
+        if kind == "pushed":
+            for name, dest in self._rx_pushed(state, stream, msg):
+                yield name, dest
+            return
         if kind == "direct":
             meta = msg.entries[0]
             if meta.name not in state.seen and meta.name not in state.partial:
@@ -354,6 +367,25 @@ class ReceiverMixin:
         self._rx_release(stream, msg)
         self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
                                                   rank=self._rank, index=msg.index))
+
+    def _rx_pushed(self, state: _RecvState, stream: int, msg: BucketMsg) -> list:
+        """The tensors a trainer wrote straight into ``state.into`` (a ``PUSHED_SLOT``
+        message): each must be one we offered, whole, exactly as it is."""
+        peer, out = f"trainer rank {stream}", []
+        for meta in msg.entries or ():
+            dest = state.into.get(meta.name) if state.into is not None else None
+            if dest is None or meta.is_chunk or tuple(dest.shape) != meta.shape or \
+                    dtype_name(dest.dtype) != meta.dtype:
+                raise PlanMismatch(f"tensor {meta.name!r} was written into memory this "
+                                   "receiver did not offer", peer=peer, phase="receive",
+                                   version=msg.version)
+            if meta.name in state.seen:
+                continue
+            state.seen.add(meta.name)
+            state.tensors += 1
+            state.nbytes += meta.nbytes
+            out.append((meta.name, dest))
+        return out
 
     # -- replayed copies into the caller's tensors -------------------------------------------
     def _rx_program(self, state: _RecvState, stream: int, msg: BucketMsg,

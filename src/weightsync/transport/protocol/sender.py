@@ -346,6 +346,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         start = time.perf_counter()
         try:
             self._check_usable(version)
+            await self._tx_begin(state)
             async for name, tensor in aiter_items(named_tensors):
                 if self._world > 1:
                     state.yielded.append(name)
@@ -372,8 +373,21 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             self._tx_replay = Replay(self._tx_plan)
         return ReplayBuilder(self.config.bucket_size, self.config.alignment, self._tx_replay)
 
+    async def _tx_begin(self, state: _SendState) -> None:
+        """Hook, once per sync before the first tensor (may wait for receivers, off the
+        caller's loop through :meth:`_blocking`)."""
+
+    def _tx_push(self, state: _SendState, name: str, tensor: torch.Tensor,
+                 dtype: torch.dtype) -> bool:
+        """Hook, for every tensor to send: write it straight into every receiver's own
+        memory and return True (it then takes no bucket); the backend tells receivers
+        before its Done. False: the tensor goes the usual way."""
+        return False
+
     async def _pack(self, state: _SendState, name: str, tensor: torch.Tensor) -> None:
         dtype = wire_dtype(tensor, self.config.dtype)
+        if self._tx_push(state, name, tensor, dtype):
+            return
         if self._tx_direct_ok(state, name, tensor, dtype):
             # it waits for the receivers: never on the caller's loop
             await self._blocking(self._tx_direct, state, name, tensor, dtype)
@@ -487,6 +501,12 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                     raise_remote(msg, phase="send")
             elif isinstance(msg, AckMsg) and msg.seq == state.seq:
                 acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
+            else:
+                self._tx_stash(msg)
+
+    def _tx_stash(self, msg: Any) -> None:
+        """Hook: a message from a receiver that is not for the wait at hand (a backend
+        keeps what it needs later, e.g. a receiver's next sync's ``LandMsg``)."""
 
     def _abort_send(self, state: _SendState, exc: BaseException) -> None:
         """Tell every receiver that this sync is over (also relays a receiver's failure),

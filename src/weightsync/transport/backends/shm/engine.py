@@ -31,6 +31,15 @@ kernel, as fast as a local copy (:mod:`weightsync.transport.peermem`; mappings a
 between syncs, at most one sync's tensors). ``WEIGHTSYNC_SHM_SHARED=0`` turns that off;
 where a receiver may not open the trainer's descriptors it reads as before.
 
+A receiver whose own tensors live in torch's shared memory (a CPU rollout engine that
+called ``model.share_memory()``) offers them at the start of every ``receive_into``
+(a ``LandMsg`` to every trainer rank): a tensor every receiver offered with its exact
+shape and dtype is then written by the trainer straight into their memory (one copy; a
+GPU trainer copies device-to-host straight into it, the mapping registered as pinned)
+and named to the receivers once the copies are done, before the sync's end; it takes no
+bucket. The trainer writes only during that receive, never into memory an engine is
+using. ``WEIGHTSYNC_SHM_PUSH=0`` (either side) turns that off.
+
 GPU trainers: CUDA tensors are copied device-to-host into the ring. With
 ``WEIGHTSYNC_SHM_PIN`` ``auto`` (default: when the trainer process has CUDA initialized),
 ``1`` or ``0``, the trainer registers its segments as pinned host memory
@@ -51,7 +60,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -61,8 +72,12 @@ from typing import Any, Optional
 
 import torch
 
-from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError
-from weightsync.core.wire import BucketMsg, HelloMsg
+from weightsync.core.errors import PeerFailed, PlanMismatch, SyncTimeout, TopologyError
+from weightsync.core.plan import dtype_name
+from weightsync.core.remote import raise_remote, wire_version
+from weightsync.core.wire import (DIRECT_BASE, PUSHED_SLOT, BucketMsg, ErrorMsg, HelloMsg,
+                                  LandMsg)
+from weightsync.transport.tensors import plain_cpu
 from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
                                                  direct_window, wait_stream)
 from weightsync.transport.control.links import Link, LinkHub, unix_address
@@ -70,7 +85,7 @@ from weightsync.transport.fastcopy import (cma_available, cma_read, copy_threads
                                            split_memmove)
 from weightsync.transport.peermem import PeerMaps, shared_ref
 from weightsync.core.config import env_value, parse_auto_bool, parse_bool
-from weightsync.core.plan import TensorMeta
+from weightsync.core.plan import TensorMeta, dtype_from_name
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.protocol.receiver import ReceiverMixin
 from weightsync.transport.backends.shm.segments import Segment, sweep_stale
@@ -117,6 +132,20 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         self._split = False     # receiver: big bucket copies go over the copy threads
         self._shared = env_value("SHM_SHARED", parse_bool, True)   # map shared storages
         self._peer_maps = PeerMaps()
+        # pushes into receivers' shared tensors (see the module doc)
+        self._push_env = env_value("SHM_PUSH", parse_bool, True)
+        self._push = False          # trainer: every receiver offers landings each sync
+        self._push_rx = False       # receiver: the trainer was told we send them
+        self._land_sent: dict[int, str] = {}            # receiver: digest sent per stream
+        self._landings: dict[int, dict[str, tuple]] = {}   # trainer: per receiver rank
+        self._land_digest: dict[int, str] = {}
+        self._land_early: dict[tuple[int, int], LandMsg] = {}   # (seq, rank) -> message
+        self._push_key: Optional[tuple] = None
+        self._push_dests: dict[str, tuple] = {}   # name -> (shape, dtype, [bytes per rank])
+        self._pushed: list[TensorMeta] = []
+        self._pushed_n = 0
+        self._tx_maps: Optional[PeerMaps] = None
+        self._tx_pinned: dict[int, bool] = {}
 
     def _init_sender(self) -> None:
         sweep_stale()
@@ -155,12 +184,19 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         hello = HelloMsg(stream=self._rank, rank=0, bucket_size=self.config.bucket_size,
                          num_slots=self.config.num_slots, segments=(want,))
         self._hub.push_many(self._receiver_boxes(), hello, aux=probe.data_ptr())
-        ok = set()
+        ok, push = set(), set()
         for _ in range(self._num_receivers):
             msg = self._hub.pop(timeout=max(0.1, deadline - time.monotonic()),
                                 peer="rollout ranks", phase="init")
-            if isinstance(msg, HelloMsg) and msg.segments == ("cma",):
-                ok.add(msg.rank)
+            if isinstance(msg, HelloMsg):
+                if "cma" in msg.segments:
+                    ok.add(msg.rank)
+                if "push" in msg.segments:
+                    push.add(msg.rank)
+        # pushes: every receiver offers landings each sync, and opening a receiver's
+        # descriptors takes the same permission as reading its memory
+        self._push = self._push_env and len(push) == len(ok) == self._num_receivers \
+            and not self.config.checksum
         return self._direct_mode != "off" and len(ok) == self._num_receivers \
             and not self.config.checksum and (self._direct_mode == "on" or self._direct_pays())
 
@@ -199,8 +235,11 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                     ok = cma_available(self._peer_pid[s], link.last_aux, want)
                 except ValueError:
                     ok = False
+            self._push_rx = self._push_env
             link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
-                                    num_slots=msg.num_slots, segments=("cma",) if ok else ()))
+                                    num_slots=msg.num_slots,
+                                    segments=(("cma",) if ok else ()) +
+                                    (("push",) if self._push_rx else ())))
             # split bucket copies while every receiver has the cores: unless set, the copy
             # threads are this host's cores shared by the receivers (all on this host)
             self._copy_threads = n = copy_threads(max(1, self._num_receivers))
@@ -330,6 +369,164 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         if not state.remaining:      # the sync is complete: unmap what it did not use
             self._peer_maps.end_sync()
 
+    # -- pushes: the trainer writes straight into receivers' shared tensors -------------
+    def _rx_begin(self, state: Any) -> None:
+        """Receiver: offer the trainers this receive's shared destination tensors."""
+        if not self._push_rx:
+            return
+        landings = []
+        for name, t in (state.into or {}).items():
+            ref = shared_ref(t) if isinstance(t, torch.Tensor) else None
+            if ref is not None:
+                landings.append((name, tuple(t.shape), dtype_name(t.dtype)) + ref)
+        landings = tuple(landings)
+        digest = hashlib.blake2b(repr(landings).encode(), digest_size=16).hexdigest()
+        for s, link in self._links.items():
+            same = self._land_sent.get(s) == digest
+            link.push("t", LandMsg(seq=state.seq, rank=self._rank, digest=digest,
+                                   landings=None if same else landings))
+            self._land_sent[s] = digest
+
+    def _tx_stash(self, msg: Any) -> None:
+        if self._push and isinstance(msg, LandMsg):     # the next sync's offer
+            self._land_early[(msg.seq, msg.rank)] = msg
+
+    async def _tx_begin(self, state: Any) -> None:
+        self._pushed, self._pushed_n = [], 0
+        if self._push:
+            await self._blocking(self._await_landings, state)
+
+    def _await_landings(self, state: Any) -> None:
+        """Trainer: every receiver's offer for this sync (sent when its receive began)."""
+        got: dict[int, LandMsg] = {}
+        for key in [k for k in self._land_early if k[0] <= state.seq]:
+            msg = self._land_early.pop(key)
+            if msg.seq == state.seq:
+                got[msg.rank] = msg
+        deadline = time.monotonic() + self.config.timeout
+        while len(got) < self._num_receivers:
+            missing = min(set(range(self._num_receivers)) - set(got))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeout(f"rollout rank {missing} did not start receiving",
+                                  peer=f"rollout rank {missing}", phase="send",
+                                  version=state.version)
+            msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing}", phase="send",
+                                version=state.version)
+            if isinstance(msg, ErrorMsg) and msg.seq in (state.seq, 0):
+                raise_remote(msg, phase="send")
+            elif isinstance(msg, LandMsg):
+                if msg.seq == state.seq:
+                    got[msg.rank] = msg
+                elif msg.seq > state.seq:
+                    self._land_early[(msg.seq, msg.rank)] = msg
+        for rank, msg in got.items():
+            if msg.landings is not None:
+                self._landings[rank] = {e[0]: e for e in msg.landings}
+                self._land_digest[rank] = msg.digest
+            elif self._land_digest.get(rank) != msg.digest:
+                raise PlanMismatch("a receiver's offer refers to one this trainer never got",
+                                   peer=f"rollout rank {rank}", phase="send",
+                                   version=state.version)
+        key = tuple(self._land_digest.get(r) for r in range(self._num_receivers))
+        if key != self._push_key:
+            self._push_key = None
+            self._push_dests = self._map_landings()
+            self._push_key = key
+
+    def _map_landings(self) -> dict[str, tuple]:
+        """Map the tensors every receiver offered alike: name -> (shape, dtype, views)."""
+        if self._tx_maps is None:
+            self._tx_maps = PeerMaps(writable=True, on_map=self._pin_mapping,
+                                     on_drop=self._unpin_mapping)
+        ranks = range(self._num_receivers)
+        first = self._landings.get(0, {})
+        dests: dict[str, tuple] = {}
+        for name, (_, shape, dtype, *ref) in first.items():
+            views = []
+            for r in ranks:
+                entry = self._landings.get(r, {}).get(name)
+                if entry is None or entry[1] != shape or entry[2] != dtype:
+                    break
+                storage = self._tx_maps.view(self._hub.peer_pid(r), tuple(entry[3:]))
+                if storage is None:
+                    break
+                nbytes = math.prod(shape) * torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+                offset = entry[6]
+                views.append(storage[offset:offset + nbytes])
+            else:
+                dests[name] = (shape, dtype, views)
+        self._tx_maps.end_sync()     # drop the mappings of offers no longer made
+        return dests
+
+    def _pin_mapping(self, mapped: torch.Tensor) -> None:
+        """A GPU trainer registers a receiver's mapped memory as pinned (asynchronous
+        device-to-host copies at the link's speed), as it does its ring."""
+        want = self._pin if self._pin is not None else \
+            torch.cuda.is_available() and torch.cuda.is_initialized()
+        if want and mapped.numel():
+            err = torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), mapped.numel(), 0)
+            self._tx_pinned[mapped.data_ptr()] = int(err) == 0
+            if int(err) != 0:
+                logger.warning("shm: cudaHostRegister of a receiver's %d bytes failed (%s); "
+                               "copies into it will not overlap", mapped.numel(), err)
+
+    def _unpin_mapping(self, mapped: torch.Tensor) -> None:
+        if self._tx_pinned.pop(mapped.data_ptr(), False):
+            torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
+
+    def _tx_push(self, state: Any, name: str, tensor: torch.Tensor,
+                 dtype: torch.dtype) -> bool:
+        found = self._push_dests.get(name) if self._push else None
+        if found is None:
+            return False
+        shape, wire, views = found
+        if tuple(tensor.shape) != shape or dtype_name(dtype) != wire:
+            return False
+        nbytes = views[0].numel()
+        for dst in views:
+            if tensor.device.type == "cuda":
+                self._d2h = torch.cuda.current_stream(tensor.device)
+                dst.view(dtype).view(shape).copy_(tensor, non_blocking=True)
+            elif plain_cpu(tensor) and tensor.dtype == dtype:
+                split_memmove(dst.data_ptr(), tensor.data_ptr(), nbytes, *self._push_pool())
+            else:
+                dst.view(dtype).view(shape).copy_(tensor)
+        self._pushed.append(TensorMeta(name, shape, wire, 0, nbytes, 0, nbytes))
+        state.tensors += 1
+        state.nbytes += nbytes
+        return True
+
+    def _push_pool(self) -> tuple[Optional[ThreadPoolExecutor], int]:
+        """Copy threads for a CPU trainer's big pushes (the receivers wait meanwhile: the
+        host's cores are free; ``WEIGHTSYNC_COPY_THREADS``, else min(4, cores))."""
+        n = self.__dict__.get("_push_threads")
+        if n is None:
+            n = self._push_threads = copy_threads()
+            if n > 1:
+                self._copy_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="weightsync-push")
+        return self._copy_pool, n
+
+    def _finish_stream(self, state: Any) -> None:
+        """Name what was written into the receivers' memory (once it is there), then end."""
+        if self._pushed:
+            if self._d2h:
+                stream, self._d2h = self._d2h, None
+                wait_stream(stream, self.config.timeout, peer="trainer stream", phase="send",
+                            version=state.version)
+            msg = BucketMsg(version=wire_version(state.version), seq=state.seq,
+                            stream=self._rank, index=DIRECT_BASE, slot=PUSHED_SLOT,
+                            nbytes=sum(m.nbytes for m in self._pushed), layout="pushed",
+                            entries=tuple(self._pushed))
+            self._pushed_n, self._pushed = len(self._pushed), []
+            self._hub.push_many(self._receiver_boxes(), msg)
+        super()._finish_stream(state)
+
+    def _report(self, state: Any, seconds: float) -> dict[str, Any]:
+        report = super()._report(state, seconds)
+        report["pushed"], self._pushed_n = self._pushed_n, 0
+        return report
+
     # -- teardown -------------------------------------------------------------------------
     def _release(self) -> None:
         self._stop_threads()
@@ -346,6 +543,12 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
             link.close()
         self._hub, self._links, self._peer_pid, self._direct = None, {}, {}, False
         self._peer_maps.close()
+        if self._tx_maps is not None:
+            self._tx_maps.close()
+        self._tx_maps, self._push_key, self._push_dests = None, None, {}
+        self._landings, self._land_digest, self._land_early = {}, {}, {}
+        self._land_sent, self._push, self._push_rx = {}, False, False
+        self.__dict__.pop("_push_threads", None)
         self.__dict__.pop("_staging_pool", None)
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)
