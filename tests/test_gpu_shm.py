@@ -32,17 +32,25 @@ def test_a_bad_pin_setting_is_a_clear_error(monkeypatch):
         CheckpointEngineRegistry.new("shm", role="trainer", device="cpu")
 
 
-def _run(mutant: bool, steps: int = 3) -> list:
+def _run(mutant: bool, steps: int = 3, shared: bool = False, monkeypatch=None) -> list:
+    """``shared``: the receiver's tensors live in shared memory, so the trainer copies
+    device-to-host straight into them (pushes) instead of into the ring."""
     torch.cuda.init()
     ts, rs = _group()
     trainer, rollout = ts[0], rs[0]
     assert len(trainer._pinned) == trainer.config.num_slots
     if mutant:   # publish without waiting for the device-to-host copies
         trainer._tx_ready = lambda *a, **k: None
+        if shared:
+            import weightsync.transport.backends.shm.engine as shm_engine
+            monkeypatch.setattr(shm_engine, "wait_stream", lambda *a, **k: None)
     n = BUCKET // 4
     params = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda") for i in range(6)}
     dest = {name: torch.full((n,), -1, dtype=torch.int32) for name in params}
-    bad = []
+    if shared:
+        for t in dest.values():
+            t.share_memory_()
+    bad, pushed = [], []
     try:
         for step in range(steps):
             side = torch.cuda.Stream()
@@ -57,7 +65,9 @@ def _run(mutant: bool, steps: int = 3) -> list:
                             pass
                     return await asyncio.gather(
                         trainer.send_weights(list(params.items()), version=step), recv())
-                asyncio.run(main())
+                pushed.append(asyncio.run(main())[0]["pushed"])
+            if shared:
+                assert pushed[-1] == len(params) and trainer._tx_pinned, pushed
             for i, name in enumerate(params):
                 if not bool((dest[name] == 1000 * step + i).all()):
                     bad.append((step, name))
@@ -77,6 +87,19 @@ def test_gpu_trainer_over_pinned_shm_lands_every_byte():
 @pytest.mark.timeout(180)
 def test_pinned_shm_checks_catch_a_missing_wait():
     assert _run(mutant=True), "no stale bytes without the wait for the device-to-host copies"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_gpu_trainer_pushes_into_a_receivers_shared_tensors():
+    assert _run(mutant=False, shared=True) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_push_checks_catch_a_missing_wait(monkeypatch):
+    assert _run(mutant=True, shared=True, monkeypatch=monkeypatch), \
+        "no stale bytes without the wait for the copies into the receiver's memory"
 
 
 @pytest.mark.timeout(120)
