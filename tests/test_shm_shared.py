@@ -282,3 +282,70 @@ def test_a_land_message_is_checked():
     with pytest.raises(WireError):      # 64 bytes at offset 8 run past a 64-byte storage
         decode(encode(LandMsg(seq=3, rank=1, digest="d",
                               landings=(("w", (4, 4), "float32", 5, 9, 64, 8),))))
+
+
+def _fault_worker(role, conn, fault):
+    try:
+        eng = CheckpointEngineRegistry.new("shm", role=role, bucket_size=BUCKET, timeout=4)
+        conn.send(eng.prepare())
+        eng.init_process_group(**conn.recv())
+        loop = asyncio.new_event_loop()
+        want = _tensors(0, ("w.0", "w.1", "w.2"))
+        if role == "trainer":
+            import time
+            start = time.monotonic()
+            try:
+                loop.run_until_complete(eng.send_weights(want.items(), version=0))
+                conn.send({"error": None})
+            except Exception as exc:
+                conn.send({"error": type(exc).__name__, "text": str(exc),
+                           "peer": getattr(exc, "peer", None), "s": time.monotonic() - start})
+            eng.finalize()
+            return
+        params = {n: torch.zeros_like(t).share_memory_() for n, t in want.items()}
+        if fault == "never":
+            conn.send({})                   # never begins receiving; stays alive
+            conn.recv()
+            return
+
+        async def rx():
+            async for _ in eng.receive_into(params, version=0):
+                os._exit(3)                 # dies with the sync under way
+        conn.send({})
+        loop.run_until_complete(rx())
+    except BaseException:
+        conn.send({"error": traceback.format_exc()})
+
+
+@pytest.mark.parametrize("fault,error", [("never", "SyncTimeout"), ("dies", None)])
+def test_a_receiver_that_never_begins_or_dies_fails_the_push_sync_naming_it(fault, error):
+    if not _cma_ok():
+        pytest.skip("this kernel does not let processes open each other's descriptors")
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for role in ("trainer", "rollout"):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_fault_worker, args=(role, b, fault), daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    try:
+        metas = [c.recv() for c in pipes]
+        tk, rk = CheckpointEngineRegistry.get("shm").build_topology(1, 1, metas)
+        pipes[0].send(worker_kwargs(tk, 0))
+        pipes[1].send(worker_kwargs(rk, 0))
+        assert pipes[1].poll(60)
+        pipes[1].recv()
+        assert pipes[0].poll(60), "the trainer hung"
+        got = pipes[0].recv()
+        if fault == "never":
+            pipes[1].send("quit")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got["error"] is not None and got["peer"] == "rollout rank 0", got
+    if error:
+        assert got["error"] == error and "did not start receiving" in got["text"], got
+    assert got["s"] < 30, got

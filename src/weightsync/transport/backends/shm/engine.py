@@ -411,8 +411,13 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                 raise SyncTimeout(f"rollout rank {missing} did not start receiving",
                                   peer=f"rollout rank {missing}", phase="send",
                                   version=state.version)
-            msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing}", phase="send",
-                                version=state.version)
+            try:
+                msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing}",
+                                    phase="send", version=state.version)
+            except SyncTimeout:
+                raise SyncTimeout(f"rollout rank {missing} did not start receiving within "
+                                  f"{self.config.timeout:.0f}s", peer=f"rollout rank {missing}",
+                                  phase="send", version=state.version) from None
             if isinstance(msg, ErrorMsg) and msg.seq in (state.seq, 0):
                 raise_remote(msg, phase="send")
             elif isinstance(msg, LandMsg):
