@@ -349,3 +349,34 @@ def test_a_receiver_that_never_begins_or_dies_fails_the_push_sync_naming_it(faul
     if error:
         assert got["error"] == error and "did not start receiving" in got["text"], got
     assert got["s"] < 30, got
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("trainers,receivers,pattern", [(2, 2, "full"), (2, 2, "disjoint"),
+                                                         (1, 3, "full")])
+@pytest.mark.parametrize("consume", ["into-shared", "into"])
+def test_every_dtype_and_shape_lands_with_receivers_sharing_their_tensors(
+        trainers, receivers, pattern, consume):
+    """The conformance tensors (every dtype, chunked and strided ones, tiny ones) through
+    several trainer ranks into receivers that share their tensors: pushed where they
+    can be, the ring for the rest, bit-exact every sync."""
+    from weightsync.testing import GroupSpec, run_group
+    spec = GroupSpec(backend="shm", trainers=trainers, receivers=receivers, steps=3,
+                     pattern=pattern, consume=consume, tiny=20,
+                     engine_kwargs={"bucket_size": 64 * 1024, "timeout": 60})
+    results = run_group(spec)
+    pushed = []                         # per trainer rank: tensors pushed at each step
+    for r in results:
+        assert "fatal" not in r, r.get("fatal")
+        assert not r["errors"], (r["role"], r["rank"], r["errors"])
+        if r["role"] == "rollout":
+            for step in r["steps"]:
+                assert not step["missing"] and not step["dupes"] and not step["bad"], step
+        else:
+            pushed.append([s["pushed"] for s in r["steps"]])
+    if consume == "into-shared" and _cma_ok():
+        # once ownership split the tensors (after the first sync of "full"), each rank
+        # pushes its own, the same every sync
+        assert sum(map(sum, pushed)) > 0 and all(len(set(p[1:])) == 1 for p in pushed), pushed
+    else:
+        assert sum(map(sum, pushed)) == 0

@@ -108,8 +108,13 @@ class GroupSpec:
                                         # count as hung when no report came for this long
                                         # (a fault that leaves a rank stuck); None: only
                                         # ``timeout`` bounds the wait
+    consume: str = "views"              # "views": receive_weights; "into": receive_into
+                                        # the receiver's own tensors; "into-shared": the
+                                        # same tensors in shared memory (shm: pushes)
 
     def __post_init__(self) -> None:
+        if self.consume not in ("views", "into", "into-shared"):
+            raise ValueError(f"consume must be views, into or into-shared, got {self.consume!r}")
         if self.pattern not in ("full", "disjoint"):
             raise ValueError(f"pattern must be 'full' or 'disjoint', got {self.pattern!r}")
         if self.straggler_s is not None and not self.straggler_s > 0:
@@ -138,10 +143,25 @@ async def _receive_step(engine, spec: GroupSpec, step: int) -> dict[str, Any]:
                                 dtype=spec.engine_kwargs.get("dtype"))
     counts: dict[str, int] = {}
     bad = []
-    async for name, tensor in engine.receive_weights(version=step + spec.expect_version_offset):
+    version = step + spec.expect_version_offset
+    params = None
+    if spec.consume != "views":      # the receiver's own tensors, the same every step
+        params = engine.__dict__.get("_harness_params")
+        if params is None:
+            params = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in expected.items()}
+            if spec.consume == "into-shared":
+                for t in params.values():
+                    t.share_memory_()
+            engine.__dict__["_harness_params"] = params
+        stream = engine.receive_into(params, version=version)
+    else:
+        stream = engine.receive_weights(version=version)
+    async for name, tensor in stream:
         counts[name] = counts.get(name, 0) + 1
         if name not in expected or not same_bytes(tensor, expected[name]):
             bad.append(name)
+    if params is not None:           # what landed in the receiver's own tensors
+        bad += [n for n in counts if n in params and not same_bytes(params[n], expected[n])]
     return {"step": step, "missing": sorted(set(expected) - set(counts)),
             "dupes": sorted(n for n, c in counts.items() if c > 1), "bad": bad,
             "count": len(counts)}
