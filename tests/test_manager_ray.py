@@ -68,6 +68,28 @@ def test_backend_end_to_end_fsdp2_to_hf(cluster, backend):
         assert on_all(replicas, "ws_version") == [3, 3]
 
 
+@pytest.mark.parametrize("atomic", [False, True], ids=["live", "atomic"])
+def test_shm_writes_straight_into_replicas_that_share_their_weights(cluster, atomic):
+    """HF replicas with their weights in shared memory (``share_memory=True``): the
+    trainers write every weight straight into them, live or into the staging copy of an
+    atomic sync, and the replicas generate what the trainer does."""
+    trainers, replicas = cluster
+    on_all(trainers, "build", CFG, fsdp=True, lora=None, lr=0.05)
+    for i, r in enumerate(replicas):
+        on_all([r], "reset", CFG, seed=100 + i, share_memory=True)
+    try:
+        with CheckpointEngineManager("shm", trainers, replicas, bucket_size=64 << 10,
+                                     timeout=60, atomic=atomic) as manager:
+            prev = None
+            for step in (1, 2, 3):
+                report, prev = step_and_check(manager, trainers, replicas, step, prev=prev)
+                pushed = sum(m.get("pushed", 0) for m in report.trainer)
+                assert pushed == len(on_all(trainers, "ws_describe")[0]), pushed
+    finally:
+        for i, r in enumerate(replicas):
+            on_all([r], "reset", CFG, seed=100 + i, share_memory=False)
+
+
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "adapter-only"])
 def test_lora_fsdp2_trainer(cluster, merge):
     trainers, replicas = fresh(cluster, lora=lora_config())

@@ -157,3 +157,27 @@ def test_adapter_is_really_used(cls):
     load(rep, export_weights(trainer, kind="full"), 2)
     assert not rep.has_adapter()
     assert_matches(gen(rep), ref, 2, exact=False)
+
+
+def test_share_memory_keeps_the_weights_shared_through_sleep_and_staging(trainer_model):
+    with pytest.raises(ValueError, match="CPU replica"):
+        HFRolloutReplica(config=CFG, seed=99, device="cuda", share_memory=True)
+    with pytest.raises(ValueError, match="bool"):
+        HFRolloutReplica(config=CFG, seed=99, share_memory="yes")
+    rep = HFRolloutReplica(config=CFG, seed=99, share_memory=True)
+
+    def all_shared():
+        return all(t.is_shared() for t in rep.model.state_dict().values())
+    assert all_shared()
+    load(rep, export_weights(trainer_model), 1)
+    assert all_shared()
+    rep.sleep(2)
+    rep.wake_up()                         # weights re-allocated: in shared memory again
+    assert all_shared()
+    load(rep, export_weights(trainer_model), 2)
+    assert_matches(gen(rep), reference(trainer_model), 2)
+    rep.begin_sync(3, ["full"], staged=True)   # the staging copy is shared too, so the
+    staging = rep._staging_of(3)               # trainer can write a staged sync into it
+    targets = staging.targets(rep._base_targets())
+    assert targets and all(t.is_shared() for t in targets.values())
+    assert not HFRolloutReplica(config=CFG, seed=99).model.lm_head.weight.is_shared()

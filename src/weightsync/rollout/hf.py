@@ -127,8 +127,14 @@ class HFRolloutReplica(StagedSync, LocalEngineRollout):
 
     def __init__(self, model: Optional[torch.nn.Module] = None, *, config: Any = None,
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 seed: Optional[int] = None, name: str = "hf", timeout: float = 120.0) -> None:
+                 seed: Optional[int] = None, name: str = "hf", timeout: float = 120.0,
+                 share_memory: bool = False) -> None:
         super().__init__(name=name, device=device)
+        if not isinstance(share_memory, bool):
+            raise ValueError(f"share_memory must be a bool, got {share_memory!r}")
+        if share_memory and torch.device(device).type != "cpu":
+            raise ValueError("share_memory=True is for a CPU replica (its weights in shared "
+                             f"host memory), not device={device!r}")
         if (model is None) == (config is None):
             raise ValueError("pass exactly one of model= or config=")
         if not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -139,7 +145,12 @@ class HFRolloutReplica(StagedSync, LocalEngineRollout):
         self._adapter_config: Optional[dict] = None
         self._version: Any = None
         self._kv_asleep = False
-        self._parking = WeightParking()
+        # weights in shared memory: a trainer on this host writes syncs straight into them
+        # (shm pushes); staging copies and re-allocated weights are shared too
+        self.share_memory = share_memory
+        if share_memory:
+            self.model.share_memory()
+        self._parking = WeightParking(share=share_memory)
         self._staging: Optional[WeightStaging] = None     # the atomic sync in progress
         self._stage_lock = threading.Lock()
         self.gate = GenerationGate(timeout)

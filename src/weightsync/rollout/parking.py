@@ -26,7 +26,11 @@ __all__ = ["WeightParking", "WeightStaging", "StagedSync"]
 
 
 class WeightParking:
-    def __init__(self) -> None:
+    """``share``: weights re-allocated by a wake-up go to shared memory (a replica whose
+    model lives there: ``HFRolloutReplica(share_memory=True)``)."""
+
+    def __init__(self, *, share: bool = False) -> None:
+        self.share = share
         self.level = 0                  # 0: awake; 1 or 2: weights asleep at that level
         self._parked: dict[int, tuple] = {}   # id -> (name, tensor, backup, shape, dtype, dev)
         self._discarded: dict[int, str] = {}         # id -> name; cleared as syncs restore
@@ -65,6 +69,8 @@ class WeightParking:
                 t.data = torch.full(shape, float("nan"), dtype=dtype, device=dev)
             else:
                 t.data = torch.zeros(shape, dtype=dtype, device=dev)
+            if self.share and t.device.type == "cpu":
+                t.data.share_memory_()
         self._parked.clear()
         self.level = 0
 
@@ -83,7 +89,8 @@ class WeightParking:
 class WeightStaging:
     """The staging copy of ``version`` (rounds ``kinds``) of one model's weights."""
 
-    def __init__(self, version: Any, kinds: Sequence[str]) -> None:
+    def __init__(self, version: Any, kinds: Sequence[str], *, share: bool = False) -> None:
+        self.share = share                 # the copy in shared memory (as the live weights)
         self.version = version
         self.missing = set(kinds)          # rounds not staged completely yet
         self.committed = False             # swapped in: the copy holds the previous weights
@@ -97,7 +104,10 @@ class WeightStaging:
         for name, t in live.items():
             pair = self._pairs.get(id(t))
             if pair is None:
-                pair = self._pairs[id(t)] = (t, torch.empty_like(t.data))
+                copy = torch.empty_like(t.data)
+                if self.share and copy.device.type == "cpu":
+                    copy.share_memory_()
+                pair = self._pairs[id(t)] = (t, copy)
             out[name] = pair[1]
         return out
 
@@ -154,7 +164,8 @@ class StagedSync:
             if why:
                 raise ValueError(f"{self.name} cannot stage this sync: {why}")
             self._fence.begin(version, list(kinds), staged=True)
-            self._staging = WeightStaging(version, kinds)
+            self._staging = WeightStaging(version, kinds,
+                                          share=getattr(self, "share_memory", False))
 
     def _staging_of(self, version: Any) -> Optional[WeightStaging]:
         """The copy a receive of ``version`` goes into (None: into the live weights)."""

@@ -50,6 +50,7 @@ class DemoOptions:
     delta: bool = False             # the codec's delta layer over the backend
     lr: Optional[float] = None      # the trainers' AdamW lr (None: 1e-5 with delta, else 0.05)
     tp: int = 1                     # vLLM tensor parallel size of each replica (--rollout vllm)
+    share_memory: bool = False      # HF replicas' weights in shared memory (shm pushes)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "steps", "trainers", "prompts", "new_tokens", "hidden",
@@ -66,6 +67,8 @@ class DemoOptions:
             raise ValueError(f"--lr must be a number in (0, 1), got {self.lr!r}")
         if self.hidden % 8:
             raise ValueError(f"--hidden must be a multiple of 8, got {self.hidden}")
+        if self.share_memory and self.rollout != "hf":
+            raise ValueError(f"--share-memory is for --rollout hf, not --rollout {self.rollout}")
         if self.tp > 1 and self.rollout != "vllm":
             raise ValueError(f"--tp {self.tp} needs --rollout vllm (tensor-parallel vLLM "
                              f"workers), not --rollout {self.rollout}")
@@ -157,6 +160,8 @@ def run_demo(opts: DemoOptions, out: Callable[[str], None] = print,
         extra: dict[str, Any] = {"backend": opts.backend} if opts.rollout == "vllm-server" else {}
         if opts.tp > 1:
             extra["tensor_parallel_size"] = opts.tp
+        if opts.share_memory:
+            extra["share_memory"] = True
         replicas = factory(opts.replicas, cfg, dtype=dtype, **extra)
         actors += replicas
         engine_kw: dict[str, Any] = {} if dtype == torch.float32 else {"dtype": dtype}
@@ -240,6 +245,10 @@ def _loop(opts: DemoOptions, manager: Any, trainers: list, replicas: list, cfg: 
                 f"({dense / max(report.bytes, 1):.1f} x fewer)"
                 + (f", {100 * max(changed):.2f} % of the elements changed" if changed else "")
                 + f", {sum(c['resent'] for c in codec)} resent")
+        if opts.share_memory:
+            pushed = sum(int(m.get("pushed") or 0) for m in report.trainer if isinstance(m, dict))
+            out(f"  {pushed} tensors written by the trainers straight into the replicas' "
+                "shared memory")
         if atol and step == 1:
             out(f"note: {opts.rollout} computes with its own kernels: logits compared within "
                 f"{atol:g}, tokens exactly")
@@ -291,6 +300,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--backend; first sync dense); sets --lr 1e-5 unless given")
     p.add_argument("--lr", type=float, default=None,
                    help="the trainers' AdamW learning rate (default 0.05; 1e-5 with --delta)")
+    p.add_argument("--share-memory", action="store_true",
+                   help="HF replicas keep their weights in shared memory: with --backend "
+                        "shm the trainers write each sync straight into them")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -298,5 +310,6 @@ def run_from_args(args: argparse.Namespace) -> int:
                        colocated=args.colocated, lora=args.lora, rollout=args.rollout,
                        trainers=args.trainers, dtype=args.dtype, sleep_level=args.sleep_level,
                        bucket_size=args.bucket_size, timeout=args.timeout,
-                       delta=args.delta, lr=args.lr, tp=args.tp)
+                       delta=args.delta, lr=args.lr, tp=args.tp,
+                       share_memory=args.share_memory)
     return run_demo(opts, out=lambda line: print(line, flush=True))

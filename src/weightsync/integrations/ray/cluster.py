@@ -76,14 +76,16 @@ def trainer_group(world: int, config: dict, *, fsdp: bool = True, lora: Optional
 
 
 def hf_replicas(n: int, config: dict, *, dtype: Any = None, seed: int = 1234,
-                timeout: float = 120.0) -> list:
-    """``n`` HF rollout replica actors (threaded, so pause can interrupt generation)."""
+                timeout: float = 120.0, share_memory: bool = False) -> list:
+    """``n`` HF rollout replica actors (threaded, so pause can interrupt generation);
+    ``share_memory``: their weights in shared memory (an ``shm`` trainer writes into them)."""
     import ray
 
     from weightsync.integrations.ray.workers import HFRolloutWorker
 
     cls = ray.remote(num_cpus=0, max_concurrency=4)(HFRolloutWorker)
-    actors = [cls.remote(config, dtype=dtype, seed=seed + i, name=f"hf-{i}") for i in range(n)]
+    actors = [cls.remote(config, dtype=dtype, seed=seed + i, name=f"hf-{i}",
+                         share_memory=share_memory) for i in range(n)]
     values_or_raise(call_all([Call(f"replica {i}", a, "ws_version") for i, a in enumerate(actors)],
                              timeout=timeout, phase="setup"))
     return actors

@@ -164,16 +164,22 @@ class ToyTrainerWorker(TrainerWorkerMixin):
 
 class HFRolloutWorker(RolloutWorkerMixin):
     def __init__(self, config: dict, *, dtype: Optional[torch.dtype] = None, seed: int = 1234,
-                 name: str = "hf", threads: int = 1, timeout: float = 120.0) -> None:
+                 name: str = "hf", threads: int = 1, timeout: float = 120.0,
+                 share_memory: bool = False) -> None:
         from weightsync.rollout.hf import HFRolloutReplica
 
         torch.set_num_threads(threads)
-        self._args = dict(dtype=dtype or torch.float32, name=name, timeout=timeout)
+        self._args = dict(dtype=dtype or torch.float32, name=name, timeout=timeout,
+                          share_memory=share_memory)
         self.rollout = HFRolloutReplica(config=config, seed=seed, **self._args)
 
-    def reset(self, config: dict, *, seed: int = 1234) -> None:
-        """A fresh replica (new random weights, no adapter, awake, no version)."""
+    def reset(self, config: dict, *, seed: int = 1234,
+              share_memory: Optional[bool] = None) -> None:
+        """A fresh replica (new random weights, no adapter, awake, no version);
+        ``share_memory``: its weights in shared memory or not (None: as before)."""
         from weightsync.rollout.hf import HFRolloutReplica
 
+        if share_memory is not None:
+            self._args["share_memory"] = share_memory
         old, self.rollout = self.rollout, HFRolloutReplica(config=config, seed=seed, **self._args)
         old.close()
