@@ -380,3 +380,10 @@ def test_every_dtype_and_shape_lands_with_receivers_sharing_their_tensors(
         assert sum(map(sum, pushed)) > 0 and all(len(set(p[1:])) == 1 for p in pushed), pushed
     else:
         assert sum(map(sum, pushed)) == 0
+
+
+@pytest.mark.parametrize("env", ["WEIGHTSYNC_SHM_PUSH", "WEIGHTSYNC_SHM_SHARED"])
+def test_a_bad_setting_is_a_clear_error(monkeypatch, env):
+    monkeypatch.setenv(env, "sometimes")
+    with pytest.raises(ValueError, match=env):
+        CheckpointEngineRegistry.new("shm", role="rollout")
