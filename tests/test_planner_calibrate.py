@@ -216,3 +216,61 @@ def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp
     assert g["spread"] == pytest.approx(1.5) and not g["noisy"]
     assert res["noisy_misses"] == 0 and not any(r["noisy"] for r in res["rows"])
     assert "**no** (noisy repeats)" not in calibrate.format_text(res)
+
+
+S16_CPU = ("cpu-2026-12-04-s16", "r2.json")
+S16_D2H = ("gpu-h200-2026-12-04-s16", "shm_d2h.json")
+
+
+def test_shared_memory_rows_take_their_runs_all_core_memcpy(tmp_path):
+    """Session 16's CPU run: shm-shared and shm-push are modelled (shared read, push), the
+    @readme methods not. host_mem is the run's memcpy over both cores (paired with its
+    @readme steps): halving that rate makes the push, paced by the host's memory, nearly
+    twice as slow; the one-thread memcpy paired with each step still sets device_mem."""
+    doc = _recorded(*S16_CPU)
+    before = calibrate.run(("cpu",), results=_write(tmp_path / "a", *S16_CPU, doc))
+    assert {r["case"] for r in before["rows"]} == {
+        f"CPU synthetic-1GiB {m} R=2 (12-04 s16)" for m in ("shm", "shm-shared", "shm-push")}
+    case = "CPU synthetic-1GiB shm-push R=2 (12-04 s16)"
+    b = _find(before["rows"], case)
+    assert "shm push" in b["limited_by"]
+    assert "host_mem" in b["links_from"] and "memcpy@all-cores, own run" in b["links_from"]
+    assert "memcpy, paired" in b["links_from"]
+    slow = copy.deepcopy(doc)
+    _rec(slow, "shm-push@readme", 2)["paired"]["warm_median_s"] *= 2
+    after = calibrate.run(("cpu",), results=_write(tmp_path / "b", *S16_CPU, slow))
+    a = _find(after["rows"], case)
+    assert 1.8 * b["predicted_s"] < a["predicted_s"] < 2.1 * b["predicted_s"]
+
+
+def test_run_links_ceiling_is_the_most_of_its_limits():
+    """host_mem: the higher of memcpy-parallel (R processes) and the memcpy over all cores."""
+    gb = 10 ** 9
+    rec = {"method": "shm", "receivers": 1, "bytes": gb, "paired": None}
+    lim = {"memcpy-parallel": [{"receivers": 2, "bytes": gb, "warm_median_s": 0.1}],
+           "memcpy@all-cores": [{"receivers": 1, "bytes": gb, "warm_median_s": 0.2}]}
+    sets, where = calibrate.run_links(rec, lim)
+    assert sets["links.host_mem.GBps"] == pytest.approx(20.0)
+    assert where["links.host_mem.GBps"] == "memcpy-parallel, own run, R=2"
+    lim["memcpy@all-cores"][0]["warm_median_s"] = 0.025
+    sets, where = calibrate.run_links(rec, lim)
+    assert sets["links.host_mem.GBps"] == pytest.approx(40.0)
+    assert where["links.host_mem.GBps"].startswith("memcpy@all-cores")
+
+
+def test_gpu_trainer_into_a_cpu_receiver_rows_use_the_runs_d2h(tmp_path):
+    """shm_d2h (GPU trainer -> shm -> CPU receiver): the pinned ring (into) and the push
+    (shared) are rows, views is not; d2h and host_mem come from the run's own pinned D2H
+    copy and host copy. A D2H twice as slow makes the push, paced by it, twice as slow."""
+    doc = _recorded(*S16_D2H)
+    before = calibrate.run(("shm-d2h",), results=_write(tmp_path / "a", *S16_D2H, doc))
+    cases = sorted(r["case"] for r in before["rows"])
+    assert len(cases) == 2 and "into (ring, pinned" in cases[0] and "shared (push" in cases[1]
+    push = next(r for r in before["rows"] if "shared (push" in r["case"])
+    assert "d2h" in push["limited_by"] and "pinned D2H copy, own run" in push["links_from"]
+    assert "receiver's copy over 16 threads" in push["links_from"]
+    slow = copy.deepcopy(doc)
+    slow["trainer"]["d2h_pinned_ms"] *= 2
+    after = calibrate.run(("shm-d2h",), results=_write(tmp_path / "b", *S16_D2H, slow))
+    a = next(r for r in after["rows"] if "shared (push" in r["case"])
+    assert 1.9 * push["predicted_s"] < a["predicted_s"] < 2.0 * push["predicted_s"]

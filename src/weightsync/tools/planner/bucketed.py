@@ -24,6 +24,26 @@ tensors of at least ``direct_min_bytes`` skip the buckets: ``collective`` broadc
 as they are, ``shm`` lets each receiver read them from the trainer one at a time.
 Software: ``tensor_us`` per tensor on each side, ``bucket_us`` (+ ``op_us`` for a
 collective) per bucket or direct tensor.
+
+``shm`` on a host, as :mod:`weightsync.transport.backends.shm.engine` runs it:
+
+* copy threads (``fastcopy.copy_threads``, ``WEIGHTSYNC_COPY_THREADS`` unset): a receiver
+  has the host's ``cores`` shared by the receivers (at most 16); it splits its copies out
+  of a bucket of at least 8 MiB over them while it has at least 3 and the receivers
+  together no more than the cores; the trainer's push pool has min(4, cores). A split
+  copy runs that many times the one-thread ``device_mem`` rate, within ``host_mem``;
+* ``Scenario.trainer_device="gpu"``: the trainer's tensors are CUDA tensors. Each bucket is
+  a device-to-host copy into the pinned ring (``links.d2h``, no core), none go direct;
+* ``shared="trainer"`` (shared read): a direct tensor is copied by every receiver with
+  ``memcpy`` out of a mapping of the trainer's storage over its copy threads, instead of
+  read with ``process_vm_readv`` (``ring.direct_GBps``); direct reads happen as before
+  (``direct_max_receivers``), the rest takes the ring;
+* ``shared="receivers"`` (push): every tensor is written by its owner straight into every
+  receiver's memory, receiver after receiver, no bucket, no receiver copy; a CPU trainer
+  with ``memmove`` over its push threads (8 MiB or more) one tensor at a time, a GPU
+  trainer by queued device-to-host copies. One offer from each receiver at the start
+  (``LandMsg``) and one message naming the tensors at the end, which receivers then go
+  through.
 """
 
 from __future__ import annotations
@@ -36,13 +56,16 @@ import numpy as np
 from weightsync.core.plan import build_plan, itemsize
 from weightsync.trainer.export import ExportItem, assign_owners
 from weightsync.transport.protocol.ownership import owner_of
+from weightsync.transport.fastcopy import AUTO_MAX_THREADS, SPLIT_MIN
+# the shm receiver's own rule for splitting its copies out of a bucket
+from weightsync.transport.backends.shm.engine import SPLIT_BYTES, SPLIT_MIN_THREADS
 from weightsync.tools.planner.compiled import rank_boxes
 from weightsync.tools.planner.linkmodel import Loads, PhaseResult, StrategyResult
 from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
 from weightsync.tools.planner.scenario import Placement, Scenario
 
 __all__ = ["predict_bucketed", "owners_of", "exchanges", "COALESCE_BYTES",
-           "COLLECTIVE_DIRECT_MIN"]
+           "COLLECTIVE_DIRECT_MIN", "copy_threads"]
 
 COALESCE_BYTES = 16 << 20          # export_weights(coalesce_bytes=...) default
 COLLECTIVE_DIRECT_MIN = 16 << 20   # WEIGHTSYNC_COLLECTIVE_DIRECT_MIN default (CPU only)
@@ -124,12 +147,20 @@ def _gather(sc: Scenario, pl: Placement, pts, step: list[int], owners: list[int]
 
 
 def _wire(loads: Loads, sc: Scenario, pl: Placement, strategy: str, src, nbytes: float,
-          direct: bool) -> float:
-    """Put one stream's bytes of a step on the wire; return the path latency."""
+          direct: bool, split: float = 0.0) -> float:
+    """Put one stream's bytes of a step on the wire; return the path latency. ``split``:
+    of ``nbytes``, what a receiver of a host ring copies out over its copy threads."""
     recv = pl.worker
     if strategy == "ring":
+        n = _rx_split_threads(sc, pl)
         for dev in recv:
-            (loads.copy(dev, nbytes) if pl.host else loads.move(src, dev, nbytes))
+            if not pl.host:
+                loads.move(src, dev, nbytes)
+            elif n > 1:
+                loads.copy(dev, split, threads=n)
+                loads.copy(dev, nbytes - split)
+            else:
+                loads.copy(dev, nbytes)
         return pl.links_of(src).link("intra").latency
     links = pl.links_of(src)
     if links.collective_algo == "star":
@@ -164,22 +195,62 @@ def _wire(loads: Loads, sc: Scenario, pl: Placement, strategy: str, src, nbytes:
     return hops * pl.links_of(recv[-1]).link("nic" if len(order) > 1 else "intra").latency
 
 
+def copy_threads(sc: Scenario, sharers: int | None) -> int:
+    """``fastcopy.copy_threads`` on a host of ``links.cores`` (``WEIGHTSYNC_COPY_THREADS``
+    unset): ``sharers`` receivers copying at once share the cores, at most 16 each; without
+    (the trainer's push pool) min(4, cores). One where the links give no cores."""
+    cores = sc.links.cores
+    if not cores:
+        return 1
+    if sharers is not None:
+        return max(1, min(AUTO_MAX_THREADS, cores // max(1, sharers)))
+    return max(1, min(4, cores))
+
+
+def _rx_split_threads(sc: Scenario, pl: Placement) -> int:
+    """Threads a host ring's receiver splits its big bucket copies over (``ShmEngine
+    ._init_receiver``: at least 3, all receivers' within the cores), else 1."""
+    if not pl.host:
+        return 1
+    n = copy_threads(sc, sc.workers)
+    ok = n >= SPLIT_MIN_THREADS and n * sc.workers <= (sc.links.cores or 0)
+    return n if ok else 1
+
+
+def _split_rate(sc: Scenario, threads: int) -> float:
+    """Bytes/s of one copy split over ``threads`` threads of a process: each at the one-
+    thread rate (``device_mem``), all within the host's memory (``host_mem``); one thread
+    is ``device_mem`` alone, as every other copy of the model."""
+    links = sc.links
+    one = links.link("device_mem").rate
+    return one if threads <= 1 else min(threads * one, links.link("host_mem").rate)
+
+
 def _direct_min(sc: Scenario, pl: Placement, strategy: str) -> int:
     links = sc.links
     if not pl.host:
         return 0
     if strategy == "ring":
+        if sc.trainer_device == "gpu" or sc.push:
+            # a CUDA tensor is never read across processes (``plain_cpu``); with pushes
+            # every tensor is written into the receivers before it could be read
+            return 0
         ok = links.direct_min_bytes and sc.workers <= links.direct_max_receivers
         return links.direct_min_bytes if ok else 0
     return COLLECTIVE_DIRECT_MIN
 
 
-def _streams(sc: Scenario, pts, owners: list[int], dmin: int) -> dict[int, dict]:
-    """Per owner: its bucket plan's bucket of each tensor, and which tensors go direct."""
-    per: dict[int, dict] = defaultdict(lambda: {"bucketed": [], "direct": set()})
+def _streams(sc: Scenario, pts, owners: list[int], dmin: int,
+             push: bool = False) -> dict[int, dict]:
+    """Per owner: its bucket plan's bucket of each tensor, which tensors go direct, and
+    which are pushed (``push``: all of them, every receiver offered every tensor)."""
+    per: dict[int, dict] = defaultdict(lambda: {"bucketed": [], "direct": set(),
+                                                "pushed": set()})
     for i, pt in enumerate(pts):
         s = per[owners[i]]
-        if dmin and _nbytes(pt) >= dmin:
+        if push:
+            s["pushed"].add(i)
+        elif dmin and _nbytes(pt) >= dmin:
             s["direct"].add(i)
         else:
             s["bucketed"].append(i)
@@ -195,22 +266,80 @@ def _streams(sc: Scenario, pts, owners: list[int], dmin: int) -> dict[int, dict]
     return per
 
 
-def _deliver(sc, pl, strategy, pts, step, owners, streams, kept) -> tuple[Loads, float]:
-    """Loads of one step's delivery, and the seconds of its serialized direct reads."""
+def _shared_read_rate(sc: Scenario) -> float:
+    """Bytes/s of all receivers' reads of one direct tensor out of the trainer's shared
+    memory (``ShmEngine._rx_mapped``): each receiver a ``memcpy`` split over its copy
+    threads (a direct tensor is at least 8 MiB, so it is split), every thread at the one-
+    thread rate, all of them within the host's memory."""
+    one = sc.links.link("device_mem").rate
+    threads = copy_threads(sc, sc.workers)
+    return min(sc.workers * threads * one, sc.links.link("host_mem").rate)
+
+
+def _push_seconds(sc: Scenario, per_owner: list[list[int]]) -> float:
+    """A CPU trainer's pushes (``ShmEngine._tx_push``; ``per_owner``: the bytes of each
+    tensor an owner pushes): each owner writes its tensors one after another into every
+    receiver, one receiver after another, each tensor of 8 MiB or more split over its push
+    threads (``split_memmove``), the rest on one thread; the receivers wait meanwhile, so
+    the cores are the trainer's. Owners push at once and share the host's memory and
+    cores."""
+    links, receivers = sc.links, sc.workers
+    threads = copy_threads(sc, None)
+    one = links.link("device_mem").rate
+    per = [sum(receivers * b / _split_rate(sc, threads if b >= SPLIT_MIN else 1)
+               for b in sizes) for sizes in per_owner]
+    total = receivers * sum(sum(sizes) for sizes in per_owner)
+    shared = total / links.link("host_mem").rate
+    cores = total / (links.cores * one) if links.cores else 0.0
+    return max(max(per, default=0.0), shared, cores)
+
+
+#: what the seconds a step runs one after another are, per shm path
+_SERIAL = {"direct": "direct tensors, read one at a time (shm)",
+           "shared": "direct tensors, copied out of the trainer's shared memory one at a "
+                     "time (shm shared read)",
+           "push": "pushes into every receiver's memory, tensor after tensor and receiver "
+                   "after receiver (shm push)"}
+
+
+def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
+             first_step: bool = True) -> tuple[Loads, float, str, Loads]:
+    """Loads of one step's delivery, the seconds of what it runs one after another (shm's
+    direct reads, a CPU trainer's pushes and the receivers' pass over what was pushed),
+    what those are (a key of :data:`_SERIAL`), and the bytes of a CPU trainer's pushes
+    (priced in those seconds; returned for the per-link totals only)."""
     loads = Loads(pl, sc.links.collective_cap)
     sw = pl.links_of(pl.trainer[0]).software
     lat, serial, first = 0.0, 0.0, 0.0
+    gpu = sc.trainer_device == "gpu"
+    receivers = len(pl.worker)
+    shared_read = strategy == "ring" and sc.shared == "trainer"
+    what = "shared" if shared_read else "direct"
+    direct_rate = _shared_read_rate(sc) if shared_read else sc.links.direct_rate
+    cpu_pushes: dict[int, list[int]] = {}     # owner -> bytes of each tensor it pushes
     by_owner: dict[int, list[int]] = defaultdict(list)
     for i in step:
         by_owner[owners[i]].append(i)
     for o, idx in by_owner.items():
         s, src = streams[o], pl.trainer[o]
-        bucketed = [i for i in idx if i not in s["direct"]]
+        pushed = [_nbytes(pts[i]) for i in idx if i in s["pushed"]]
+        bucketed = [i for i in idx if i not in s["direct"] and i not in s["pushed"]]
         direct = [i for i in idx if i in s["direct"]]
         nb = sum(_nbytes(pts[i]) for i in bucketed)
+        # a receiver splits a copy of 8 MiB or more (a whole tensor, or a bucket's chunk
+        # of one bigger than the bucket)
+        split = sum(_nbytes(pts[i]) for i in bucketed
+                    if min(_nbytes(pts[i]), sc.bucket_size) >= SPLIT_BYTES)
         buckets = len(set().union(*(s["buckets_of"][i] for i in bucketed))) if bucketed else 0
-        loads.copy(src, nb)
-        lat = max(lat, _wire(loads, sc, pl, strategy, src, nb, False))
+        if gpu:         # device-to-host into the pinned ring
+            loads.d2h(src, nb)
+        else:
+            loads.copy(src, nb)
+        lat = max(lat, _wire(loads, sc, pl, strategy, src, nb, False, split))
+        if pushed and gpu:       # queued on one stream: the copy engine, back to back
+            loads.d2h(src, receivers * sum(pushed))
+        elif pushed:
+            cpu_pushes[o] = pushed
         ops = buckets + len(direct)
         extra = sw["op_us"] if strategy == "broadcast" else 0.0
         loads.work(f"trainer rank {o}",
@@ -221,16 +350,37 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept) -> tuple[Loads,
             if strategy == "broadcast":
                 _wire(loads, sc, pl, strategy, src, b, True)
             else:       # shm direct: every receiver reads it, the trainer waits for all
-                serial += b * len(pl.worker) / sc.links.direct_rate + sw["control_us"]
+                serial += b * len(pl.worker) / direct_rate + sw["control_us"]
+    pushing = strategy == "ring" and sc.push
+    side = Loads(pl)        # what the serial part moves: for the links report only
+    if cpu_pushes:
+        serial += _push_seconds(sc, list(cpu_pushes.values()))
+        threads = copy_threads(sc, None)
+        for o, sizes in cpu_pushes.items():
+            big = sum(b for b in sizes if b >= SPLIT_MIN)
+            side.copy(pl.trainer[o], receivers * big, threads=threads)
+            side.copy(pl.trainer[o], receivers * (sum(sizes) - big))
+    if pushing:
+        what = "push"
+        # receivers wait for the message naming the pushed tensors (sent once they are
+        # written), then go through them: after the copies, not beside them
+        serial += len(step) * sw["tensor_us"]
     for n, dev in enumerate(pl.worker):
         g = n % sc.replica_size
         if strategy == "broadcast":
             loads.copy(dev, sum(kept[g][i] for i in step if i not in streams[owners[i]]["direct"]))
-        loads.work(pl.who(dev), len(step) * sw["tensor_us"])
-    # pipeline fill: the stages that are not the bottleneck, for one bucket (pack, unpack)
+        if not pushing:
+            loads.work(pl.who(dev), len(step) * sw["tensor_us"])
+    # pipeline fill: the stages that are not the bottleneck, for one bucket (pack, unpack);
+    # a GPU trainer packs by device-to-host copies, a receiver may unpack over its threads
     copy_rate = pl.links_of(pl.trainer[0]).link("device_mem").rate
-    loads.latency = lat + sw["control_us"] + 2 * first / copy_rate
-    return loads, serial
+    pack = sc.links.link("d2h").rate if gpu else copy_rate
+    threads = _rx_split_threads(sc, pl) if strategy == "ring" else 1
+    unpack = _split_rate(sc, threads) if threads > 1 else copy_rate
+    loads.latency = lat + sw["control_us"] + first / pack + first / unpack
+    if pushing and first_step:  # every receiver's offer (LandMsg) before the first tensor
+        loads.latency += sw["control_us"]
+    return loads, serial, what, side
 
 
 def _applicable(sc: Scenario, pl: Placement, strategy: str) -> str:
@@ -242,6 +392,9 @@ def _applicable(sc: Scenario, pl: Placement, strategy: str) -> str:
         if len(nodes) > 1:
             return (f"ring (shm / cuda_ipc) needs every trainer rank and rollout worker on one "
                     f"node; this layout spans {len(nodes)} nodes")
+    elif sc.trainer_device == "gpu":
+        return (f"{strategy} from a GPU trainer into processes of a host is not modelled "
+                "(trainer.device gpu: ring, i.e. shm, only)")
     return ""
 
 
@@ -253,22 +406,25 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
         res.applicable = False
         return res
     owners = owners_of(sc, pts)
-    streams = _streams(sc, pts, owners, _direct_min(sc, pl, strategy))
+    push = strategy == "ring" and sc.push
+    streams = _streams(sc, pts, owners, _direct_min(sc, pl, strategy), push)
     kept = [[kept_bytes(pt, g) for pt in pts] for g in range(sc.replica_size)]
     steps = exchanges(sc, pts)
     gathered = gathers(sc)
     total_g = total_d = 0.0
     worst: dict[str, PhaseResult] = {}
     totals = {"gather": Loads(pl), "deliver": Loads(pl, sc.links.collective_cap)}
-    for step in steps:
-        parts = [("gather", _gather(sc, pl, pts, step, owners), 0.0)] if gathered else []
-        loads, serial = _deliver(sc, pl, strategy, pts, step, owners, streams, kept)
-        parts.append(("deliver", loads, serial))
-        for name, ld, ser in parts:
+    for k, step in enumerate(steps):
+        parts = [("gather", _gather(sc, pl, pts, step, owners), 0.0, "")] if gathered else []
+        loads, serial, what, side = _deliver(sc, pl, strategy, pts, step, owners, streams,
+                                             kept, first_step=k == 0)
+        parts.append(("deliver", loads, serial, what))
+        totals["deliver"].absorb(side)
+        for name, ld, ser, what in parts:
             r = ld.result(name)
             r.seconds += ser
             if ser > r.limit_seconds:
-                r.limit, r.limit_seconds = "direct tensors, read one at a time (shm)", ser
+                r.limit, r.limit_seconds = _SERIAL[what], ser
             if name == "gather":
                 total_g += r.seconds
             else:
@@ -297,7 +453,34 @@ def _finish(res, sc, pl, pts, owners, streams, steps, worst, total_g, total_d) -
     res.dest_bytes = [wire] * sc.workers
     ops = sum(s["buckets"] + len(s["direct"]) for s in streams.values())
     res.dest_reads = [float(ops)] * sc.workers
+    note = _shm_note(sc, pl, res.strategy)
+    if note:
+        res.notes.append(note)
     if len(steps) > 1:
         res.notes.append(f"{len(steps)} export exchanges, each a collective of all "
                          f"{sc.trainer_gpus} trainer ranks; the slowest step: "
                          f"{res.phases[0].limit}")
+
+
+def _shm_note(sc: Scenario, pl: Placement, strategy: str) -> str:
+    """What a host ring (shm) ran: the trainer's device, the shared-memory path, threads."""
+    if strategy != "ring" or not pl.host:
+        return ""
+    gpu = sc.trainer_device == "gpu"
+    src = "GPU trainer (device-to-host over links.d2h)" if gpu else "CPU trainer"
+    if sc.push:
+        by = "queued device-to-host copies" if gpu else \
+            f"{copy_threads(sc, None)} push threads for tensors of >= 8 MiB"
+        how = f"push into each receiver's shared memory, receiver after receiver ({by}), no ring"
+    elif sc.shared == "trainer" and _direct_min(sc, pl, strategy):
+        how = (f"shared read: direct tensors copied out of the trainer's shared memory over "
+               f"{copy_threads(sc, sc.workers)} copy threads per receiver")
+    elif sc.shared == "trainer":
+        how = (f"ring: no direct tensors with {sc.workers} receivers (at most "
+               f"{sc.links.direct_max_receivers}), so the trainer's shared memory is not read")
+    else:
+        how = "ring"
+    n = _rx_split_threads(sc, pl)
+    if n > 1 and not sc.push:
+        how += f"; receivers split bucket copies of >= 8 MiB over {n} threads"
+    return f"shm, {src}: {how}"

@@ -10,14 +10,20 @@ then), ``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``c
 bucket ring, one H200: the ``ring`` strategy, colocated), ``multi-gpu-h200x2-2026-11-29``
 and ``multi-gpu-h200x4-2026-11-29`` and ``multi-gpu-h200x2-2026-12-04`` (``collective`` on
 NCCL: 1 -> 1, 1 -> 2, 2 senders -> 2; the ``broadcast`` strategy, packed on one node), and
-that 12-04 run's ``nixl`` 1 -> 1 across two GPUs (the ``p2p`` strategy). GPU model shapes are taken from the
+that 12-04 run's ``nixl`` 1 -> 1 across two GPUs (the ``p2p`` strategy), and the ``shm``
+paths with torch shared memory on either side: the CPU runs ``cpu-2026-12-04-s16``
+(``shm-shared``: ``ring`` with ``shared="trainer"``; ``shm-push``: ``shared="receivers"``)
+and ``gpu-h200-2026-12-04-s16/shm_d2h.json`` (:data:`SHM_D2H_RUNS`: a GPU trainer into a
+CPU receiver on the H200 host, ``h200-host``, ``trainer_device="gpu"``, through the
+pinned ring or pushed). GPU model shapes are taken from the
 benchmark scripts themselves (``benchmarks/gpu_bench.py``, ``benchmarks/multi_gpu.py``,
 loaded by path).
 
 A link model is judged given the link rates the box had during the run: every bench run
 records its own limits beside the weightsync methods (:data:`RUN_LIMITS`: ``memcpy``,
-``memcpy-parallel``, ``gloo-flat``, ``nixl-raw``, ``cma-raw`` where a run has it; the GPU
-scripts a flat D2D copy and a raw NCCL broadcast), so each case is predicted with the preset's links *set from the limits
+``memcpy-parallel``, ``gloo-flat``, ``nixl-raw``, ``cma-raw`` where a run has it, and the
+``memcpy`` over all cores paired with ``@readme`` steps; the GPU scripts a flat D2D copy,
+a raw NCCL broadcast, shm_d2h a pinned D2H copy and the receiver's host copy), so each case is predicted with the preset's links *set from the limits
 its own run recorded* (paired with its steps where the bench paired them). Those rows are
 the calibration (``rows``, counted against :data:`GOAL`). The same cases predicted with
 the preset's fixed rates alone are kept apart (``preset_rows``, "preset vs this run's box":
@@ -97,6 +103,10 @@ class RunLimit:
     ceiling: bool = False
 
 
+#: the ``memcpy`` the bench paired with the steps of its ``@readme`` methods: torch's
+#: default threads in every process, the limit's too (one per core of the box)
+_ALL_CORES = "memcpy@all-cores"
+
 #: every limit the CPU bench records and the link it sets
 RUN_LIMITS = (
     RunLimit(method="memcpy", field="links.device_mem.GBps", per_receiver=False,
@@ -111,6 +121,11 @@ RUN_LIMITS = (
     RunLimit(method="cma-raw", field="ring.direct_GBps", per_receiver=True,
              what="every receiver reads the trainer's flat buffer at once with cross-memory "
                   "reads over its copy threads (what shm's direct reads can reach)"),
+    RunLimit(method=_ALL_CORES, field="links.host_mem.GBps", per_receiver=False,
+             ceiling=True, what="one flat memcpy over torch's default threads, every core of "
+                                "the box (the memcpy the bench paired with its @readme steps): "
+                                "a copy on all cores is the most the host's copies reach, as "
+                                "memcpy-parallel's processes; the higher of the two"),
 )
 
 
@@ -148,6 +163,8 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
             how = f"own run, R={best['receivers']}" if lim.per_receiver else "own run"
         else:
             continue
+        if lim.ceiling and sets.get(lim.field, 0.0) >= rate:
+            continue        # a ceiling: the most any limit of that field reached
         sets[lim.field], where[lim.field] = rate, f"{lim.method}, {how}"
     return sets, where
 
@@ -159,6 +176,12 @@ def _limits_by_case(results: list[dict]) -> dict[tuple, dict[str, list]]:
     for r in results:
         if r["status"] == "ok" and r["method"] in names:
             out[(r["workload"], r["dtype"])][r["method"]].append(r)
+        paired = r.get("paired") or {}
+        if r["status"] == "ok" and r["method"].endswith("@readme") and \
+                paired.get("method") == "memcpy":
+            out[(r["workload"], r["dtype"])][_ALL_CORES].append(
+                {"method": _ALL_CORES, "receivers": r["receivers"], "bytes": r["bytes"],
+                 "warm_median_s": paired["warm_median_s"]})
     return out
 
 
@@ -286,16 +309,25 @@ def _cpu_model(rec: dict) -> ModelSpec:
 #: code of that day on a quiet box (load 0.66 at its start, nothing else run beside it),
 #: and 12-04b, the same again with ``cma-raw`` (the direct reads' own limit).
 #: Each recorded ``memcpy``, ``memcpy-parallel`` and ``gloo-flat`` for every workload and
-#: receiver count.
+#: receiver count. Then session 16's two runs of the code with shared memory on either
+#: side (1 GiB, R=1 and R=2: ``shm``, ``shm-shared``, ``shm-push``), which recorded
+#: ``memcpy`` (one thread, paired with each step) and, paired with their ``@readme``
+#: steps, ``memcpy`` over both cores (:data:`_ALL_CORES`).
 CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
             ("cpu-calib-2026-12-03", "bench.json", "12-03"),
             ("cpu-calib-2026-12-04", "bench.json", "12-04"),
-            ("cpu-calib-2026-12-04b", "bench.json", "12-04b"))
+            ("cpu-calib-2026-12-04b", "bench.json", "12-04b"),
+            ("cpu-2026-12-04-s16", "r1.json", "12-04 s16"),
+            ("cpu-2026-12-04-s16", "r2.json", "12-04 s16"))
 
-#: what each CPU method is in the model: (strategy, fields of the Links replaced)
-_CPU_METHODS = {"shm": ("ring", {}), "collective": ("broadcast", {}),
-                "shm-buckets": ("ring", {"direct_min_bytes": 0}),
-                "shm-direct": ("ring", {"direct_max_receivers": 64})}
+#: what each CPU method is in the model: (strategy, fields of the Links replaced, fields of
+#: the Scenario). ``@readme`` methods are not modelled (torch's default threads in the
+#: receivers' copies, which the model does not price).
+_CPU_METHODS = {"shm": ("ring", {}, {}), "collective": ("broadcast", {}, {}),
+                "shm-buckets": ("ring", {"direct_min_bytes": 0}, {}),
+                "shm-direct": ("ring", {"direct_max_receivers": 64}, {}),
+                "shm-shared": ("ring", {}, {"shared": "trainer"}),
+                "shm-push": ("ring", {}, {"shared": "receivers"})}
 
 
 def _cpu_cases(root: str) -> list[dict]:
@@ -308,16 +340,17 @@ def _cpu_cases(root: str) -> list[dict]:
         for rec in results:
             if rec["status"] != "ok" or rec["method"] not in _CPU_METHODS:
                 continue
-            strategy, replace = _CPU_METHODS[rec["method"]]
+            strategy, replace, extra = _CPU_METHODS[rec["method"]]
             if rec["workload"] not in models:
                 models[rec["workload"]] = _cpu_model(rec)
 
-            def scenario(links: Links, rec=rec, strategy=strategy, replace=replace) -> Scenario:
+            def scenario(links: Links, rec=rec, strategy=strategy, replace=replace,
+                         extra=extra) -> Scenario:
                 return Scenario(model=models[rec["workload"]],
                                 links=dataclasses.replace(links, **replace), trainer_gpus=1,
                                 replicas=rec["receivers"], bucket_size=rec["bucket_size"],
                                 src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
-                                strategies=(strategy,))
+                                strategies=(strategy,), **extra)
             sets, where = run_links(rec, limits[(rec["workload"], rec["dtype"])])
             case = f"CPU {rec['workload']} {rec['method']} R={rec['receivers']}"
             rows += _rows(f"{case} ({label})", strategy, scenario, rec["warm_median_s"],
@@ -486,8 +519,70 @@ def _nixl_gpu_cases(root: str) -> list[dict]:
     return rows
 
 
+#: GPU trainer -> ``shm`` -> CPU receiver on the H200 host (``benchmarks/shm_d2h.py``),
+#: runs of the code with pushes: (folder, file). The earlier runs of that script (12-04,
+#: 12-04-d2h) ran before pushes and before the receivers' copy threads took the host's
+#: cores, and are not modelled.
+SHM_D2H_RUNS = (("gpu-h200-2026-12-04-s16", "shm_d2h.json"),)
+
+#: shm_d2h's consumers the model has: the receiver lands the model in its own tensors
+#: through the ring (``into``) or the trainer writes into them (``shared``: push).
+#: ``views`` (receive_weights, each view dropped: no landing copy) is a reference the
+#: model has no path for.
+_D2H_CONSUMERS = {"into": "none", "shared": "receivers"}
+
+
+def _d2h_limits(doc: Mapping) -> tuple[dict[str, float], dict[str, str]]:
+    """The links an shm_d2h run recorded: its pinned device-to-host copy of the model's
+    bytes (``links.d2h``) and the receiver's one copy of them over torch's default threads,
+    every core of the host (``links.host_mem``: the most the host's copies reach, as the
+    CPU runs' ``memcpy@all-cores``)."""
+    t, rx = doc["trainer"], doc["rollout"]
+    sets, where = {}, {}
+    if t.get("d2h_pinned_ms"):
+        sets["links.d2h.GBps"] = t["bytes"] / (t["d2h_pinned_ms"] / 1e3) / 1e9
+        where["links.d2h.GBps"] = "pinned D2H copy, own run"
+    if rx.get("host_copy_ms"):
+        sets["links.host_mem.GBps"] = rx["bytes"] / (rx["host_copy_ms"] / 1e3) / 1e9
+        where["links.host_mem.GBps"] = f"receiver's copy over {rx['threads']} threads, own run"
+    return sets, where
+
+
+def _shm_d2h_cases(root: str) -> list[dict]:
+    """A GPU trainer's CUDA tensors into a CPU receiver over ``shm`` (one H200 host,
+    ``h200-host``; ``trainer_device="gpu"``): through the pinned ring, or pushed into the
+    receiver's shared tensors; the run's pinned ring (``pin`` 1) only, whose copies are
+    the asynchronous device-to-host copies the model prices."""
+    rows = []
+    for folder, name in SHM_D2H_RUNS:
+        if not os.path.exists(os.path.join(root, folder, name)):
+            continue
+        doc = _json(root, folder, name)
+        args = doc["args"]
+        shapes = _script("gpu_bench").model_shapes(args["layers"], args.get("scale", 1))
+        model = model_from_tensors("llama3-8b-shapes", shapes)
+        if model.params * 2 != doc["trainer"]["bytes"]:
+            raise PlannerError("calibrate", f"{folder}/{name}: the model is not what was "
+                                            "measured")
+        sets, where = _d2h_limits(doc)
+        for run in doc["runs"]:
+            if run["consumer"] not in _D2H_CONSUMERS or str(run["pin"]) != "1" \
+                    or not run.get("all_ok"):
+                continue
+
+            def scenario(links: Links, run=run) -> Scenario:
+                return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
+                                bucket_size=args["bucket_mb"] << 20, strategies=("ring",),
+                                trainer_device="gpu", shared=_D2H_CONSUMERS[run["consumer"]])
+            how = "ring, pinned" if run["consumer"] == "into" else "push"
+            rows += _rows(f"H200 host GPU trainer -> shm -> CPU receiver, {run['consumer']} "
+                          f"({how}, {folder[9:]})", "ring", scenario, run["median_ms"] / 1e3,
+                          f"{folder}/{name} median_ms", "h200-host", sets, where)
+    return rows
+
+
 GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "h200": _h200_cases, "nccl": _nccl_cases,
-          "nixl-gpu": _nixl_gpu_cases}
+          "nixl-gpu": _nixl_gpu_cases, "shm-d2h": _shm_d2h_cases}
 
 
 def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) -> dict:
@@ -521,6 +616,8 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
             "preset_within_goal": sum(r["within_goal"] for r in preset),
             "not_modelled": ["cuda_ipc zero-copy", "verl-style cuda_ipc baseline",
                              "ray, gloo-per-tensor, safetensors-shm baselines",
+                             "@readme CPU methods (torch's default threads on receivers)",
+                             "shm_d2h receive_weights views and the unpinned ring",
                              "nixl VRAM -> VRAM on one H200 (UCX takes a host path there)"]}
 
 

@@ -72,6 +72,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lk.add_argument("--serve", choices=("auto", "staging"), default="auto",
                     help="p2p: where trainer ranks serve from (WEIGHTSYNC_NIXL_SERVE; "
                          "default auto: their own storage where no cast is needed)")
+    lk.add_argument("--shared", choices=("none", "trainer", "receivers", "both"),
+                    default="none",
+                    help="ring on a host links file (shm): whose tensors live in torch shared "
+                         "memory (model.share_memory()): none (default); trainer (shared read: "
+                         "receivers copy direct tensors out of a mapping with memcpy); "
+                         "receivers (push: the trainer writes every tensor into each "
+                         "receiver's memory, no ring); both (push)")
+    lk.add_argument("--trainer-device", choices=("cpu", "gpu"), default="cpu",
+                    help="host links file only: cpu (default) or gpu (the trainer's tensors "
+                         "are on a GPU of the host, copied device-to-host over links.d2h; "
+                         "ring only)")
     lk.add_argument("--no-pipeline", action="store_true",
                     help="p2p: stage everything, then pull (WEIGHTSYNC_NIXL_PIPELINE=0); "
                          "default: each staging block is read once written")
@@ -110,6 +121,7 @@ def scenario_from_args(args: argparse.Namespace):
                     placement=args.placement, bucket_size=bucket,
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
                     pipelined=not args.no_pipeline, serve=args.serve,
+                    shared=args.shared, trainer_device=args.trainer_device,
                     strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                     label=args.label)
 

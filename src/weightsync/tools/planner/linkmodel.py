@@ -2,8 +2,9 @@
 
 Owns :class:`Loads` (what one phase puts on every resource) and :class:`PhaseResult`.
 Resources are per device (``nic_out``/``nic_in``, ``intra_out``/``intra_in``: each
-direction of its NIC or NVLink/PCIe/cross-memory path; ``device_mem``: bytes it copies),
-per node (``host_mem``: every copy through host memory, on ``host`` links) and per
+direction of its NIC or NVLink/PCIe/cross-memory path; ``device_mem``: bytes it copies;
+``d2h``: a host's GPU writing into host memory), per node (``host_mem``: every copy through
+host memory, on ``host`` links) and per
 broadcast stream (``stream``: the collective's per-stream cap, e.g. gloo's TCP). A phase
 takes ``max(load / rate over resources, busy seconds of any actor) + latency``: a fluid
 model in which everything of a phase runs concurrently and only shared links (and each
@@ -25,7 +26,7 @@ __all__ = ["Loads", "PhaseResult", "LINK_OF"]
 
 #: resource kind -> the link of the links file that sets its rate
 LINK_OF = {"nic_out": "nic", "nic_in": "nic", "intra_out": "intra", "intra_in": "intra",
-           "device_mem": "device_mem", "host_mem": "host_mem"}
+           "device_mem": "device_mem", "host_mem": "host_mem", "d2h": "d2h"}
 
 
 @dataclass
@@ -56,14 +57,26 @@ class Loads:
         self._times: dict[tuple[str, Any], float] | None = None
 
     # -- what moves -----------------------------------------------------------------------
-    def copy(self, dev: Device, nbytes: float) -> None:
+    def copy(self, dev: Device, nbytes: float, threads: int = 1) -> None:
         """``dev`` copies ``nbytes`` in its own memory (through host memory on a host, and
-        on its cores where the links give them)."""
+        on its cores where the links give them). ``threads``: the copy is split over that
+        many threads of the process (``fastcopy``'s split copies), each at ``device_mem``'s
+        one-thread rate, so the process copies ``threads`` x as fast; the bytes through host
+        memory and the core-seconds are the same as on one thread."""
         if nbytes:
-            self.bytes[("device_mem", dev)] += nbytes
+            self.bytes[("device_mem", dev)] += nbytes / max(1, threads)
             if self.p.host:
                 self.bytes[("host_mem", dev[0])] += nbytes
                 self.cpu(dev[0], nbytes)
+
+    def d2h(self, dev: Device, nbytes: float) -> None:
+        """A host's GPU (the trainer process ``dev``'s) writes ``nbytes`` into host memory
+        with its copy engine (``links.d2h``, pinned memory). No core works on it. Host
+        memory carries half of a copy's load for it: ``host_mem`` is priced in bytes
+        *copied*, each read and written once through DRAM, and a DMA write only writes."""
+        if nbytes:
+            self.bytes[("d2h", dev)] += nbytes
+            self.bytes[("host_mem", dev[0])] += nbytes / 2
 
     def cpu(self, node: int, nbytes: float) -> None:
         """Work for a host's shared cores, in bytes of one core's copy (``device_mem``):

@@ -12,7 +12,9 @@ YAML/JSON file). A links file describes one kind of node:
   processes), ``device_mem`` (per device: bytes *copied* per second, e.g. HBM) and
   ``host_mem`` (per node, shared by every copy through host memory); each with ``GBps``
   (line rate, 1e9 bytes/s), ``latency_us`` and ``efficiency`` (the fraction of the line
-  rate a transfer reaches; the line-rate bound uses the line rate);
+  rate a transfer reaches; the line-rate bound uses the line rate); on a host, optionally
+  ``d2h``: one GPU's pinned device-to-host copy (PCIe), for a trainer whose tensors are on
+  a GPU of that host (``Scenario.trainer_device="gpu"``, the ``shm`` backend's CUDA path);
 * ``collective``: ``algo`` (``ring``: pipelined like NCCL; ``star``: the root sends every
   receiver its own copy, like gloo), optional ``GBps`` (a cap per broadcast stream);
 * ``ring``: ``direct_min_bytes`` / ``direct_max_receivers`` (shm reads tensors that big
@@ -148,6 +150,9 @@ def parse_links(doc: Any, name: str = "links") -> Links:
         if key not in links:
             raise PlannerError(f"links.{key}", f"missing (a {device} links file needs "
                                                f"{', '.join(_LINKS[device])})")
+    if "d2h" in links and device != "host":
+        raise PlannerError("links.d2h", "a host links file's GPU (a trainer process on a GPU "
+                                        "of the host); on a gpu links file every rank is a GPU")
     coll = _section(doc, "collective", "links", required=False)
     algo = coll.get("algo", "ring")
     if algo not in ("ring", "star"):

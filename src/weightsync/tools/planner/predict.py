@@ -4,7 +4,8 @@ Owns :func:`predict` and :class:`Prediction` (with ``to_dict``, the JSON schema
 ``weightsync.plan/1``). The line-rate bound of a worker is the bytes it keeps (in its
 dtype: FP8 weights and their scales) over the line rate of the links its bytes can
 arrive on (its NIC when some trainer rank is on another node, plus its NVLink / cross-
-memory path when one is on its node, plus its memory when one shares its device); the
+memory path when one is on its node, plus its memory when one shares its device; from
+a host's GPU trainers, their device-to-host links instead of the cross-memory path); the
 bound of the sync is the largest over workers, and every strategy's ratio is its
 predicted time over that bound.
 """
@@ -50,12 +51,17 @@ def _bound(sc: Scenario, pl: Placement, pts) -> dict[str, Any]:
     best = {"seconds": 0.0}
     for i, dev in enumerate(pl.worker):
         links, rate, via = pl.links_of(dev), 0.0, []
+        gpu = sc.trainer_device == "gpu"
         for name, hit in (("nic", any(t[0] != dev[0] for t in pl.trainer)),
-                          ("intra", any(t[0] == dev[0] and t != dev for t in pl.trainer)),
+                          ("intra", not gpu and any(t[0] == dev[0] and t != dev
+                                                    for t in pl.trainer)),
                           ("device_mem", dev in pl.trainer)):
             if hit:
                 rate += links.link(name).line_rate
                 via.append(name)
+        if gpu:     # a host's GPU trainers write into its memory, each over its own D2H link
+            rate += len(pl.trainer) * links.link("d2h").line_rate
+            via.append("d2h")
         secs = kept[i % sc.replica_size] / rate
         if secs > best["seconds"]:
             best = {"seconds": secs, "bytes": kept[i % sc.replica_size],
@@ -71,7 +77,11 @@ def predict(sc: Scenario) -> Prediction:
                                  sc.trainer_tp, sc.trainer_ep)
     stats, results = None, {}
     for strategy in sc.strategies:
-        if strategy == "p2p":
+        if strategy == "p2p" and sc.trainer_device == "gpu":
+            results[strategy] = StrategyResult(strategy, applicable=False, reason=(
+                "p2p from a GPU trainer into processes of a host is not modelled "
+                "(trainer.device gpu: ring, i.e. shm, only)"))
+        elif strategy == "p2p":
             stats = pull_stats(pts, sc.trainer_gpus, sc.replica_size, sc.max_read_bytes,
                                sc.trainer_shard, sc.replicas)
             results[strategy] = predict_p2p(sc, pl, pts, stats)
@@ -117,7 +127,9 @@ def _to_dict(p: Prediction) -> dict:
                      "src_dtype": sc.src_dtype, "dst_dtype": sc.dst_dtype, "fp8_at": sc.fp8_at,
                      "trainer": {"gpus": sc.trainer_gpus, "shard": sc.trainer_shard,
                                  "tp": sc.trainer_tp, "ep": sc.trainer_ep,
-                                 "layout": sc.trainer_layout},
+                                 "layout": sc.trainer_layout,
+                                 "device": sc.trainer_device},
+                     "shared": sc.shared,
                      "rollout": {"replicas": sc.replicas, "tp": sc.tp, "ep": sc.ep,
                                  "workers": sc.workers, "placement": sc.placement},
                      "links": links.name,

@@ -21,14 +21,17 @@ def _header(d: dict) -> list[str]:
     fp8 = f" (block 128, quantized on the {s['fp8_at']})" if s["dst_dtype"] == "fp8" else ""
     ro = s["rollout"]
     ep = f" x EP {ro['ep']}" if ro["ep"] else ""
+    tr = s["trainer"]
+    on = " on their GPUs" if tr.get("device") == "gpu" else ""
+    shared = f"; in shared memory: {s['shared']}" if s.get("shared", "none") != "none" else ""
     return [
         f"weightsync plan{': ' + s['label'] if s['label'] else ''}",
         f"  model: {s['model']} ({s['params'] / 1e9:.4g} B params, {s['tensors']} tensors), "
         f"{s['src_dtype']} -> {s['dst_dtype']}{fp8}",
-        f"  trainer: {s['trainer']['gpus']} ranks ({s['trainer']['layout']})"
+        f"  trainer: {tr['gpus']} ranks ({tr['layout']}){on}"
         f" on {s['links']}; rollout: {ro['replicas']} replicas x TP {ro['tp']}{ep} = "
         f"{ro['workers']} workers ({ro['placement']}) on "
-        f"{s['rollout_links']}; {s['nodes']} node(s)",
+        f"{s['rollout_links']}; {s['nodes']} node(s){shared}",
         f"  line-rate bound: {b['seconds']:.4g} s ({_gb(b['bytes'])} GB kept by "
         f"{b['worker']}, in over {'+'.join(b['via'])} at {b['ingress_GBps']:.4g} GB/s)",
     ]

@@ -20,10 +20,19 @@ from weightsync.tools.planner.errors import PlannerError
 from weightsync.tools.planner.links import Links
 from weightsync.tools.planner.model import ModelSpec
 
-__all__ = ["Scenario", "Placement", "Device", "STRATEGIES", "PLACEMENTS"]
+__all__ = ["Scenario", "Placement", "Device", "STRATEGIES", "PLACEMENTS", "SHARED",
+           "TRAINER_DEVICES"]
 
 STRATEGIES = ("p2p", "broadcast", "ring")
 PLACEMENTS = ("nodes", "packed", "colocated")
+#: ring on a host (``shm``): whose tensors live in torch shared memory
+#: (``model.share_memory()``): ``trainer``: receivers copy direct tensors out of a mapping
+#: ("shared read"); ``receivers``: the trainer writes every tensor straight into each
+#: receiver's memory ("push", no ring); ``both``: push (nothing is left to read)
+SHARED = ("none", "trainer", "receivers", "both")
+#: where a trainer process of a host links file keeps its tensors (``gpu``: on a GPU of
+#: that host, copied device-to-host over ``links.d2h``)
+TRAINER_DEVICES = ("cpu", "gpu")
 Device = tuple[int, int]          # (node, index in node)
 
 
@@ -62,6 +71,8 @@ class Scenario:
     strategies: tuple[str, ...] = STRATEGIES
     label: str = ""
     notes: tuple[str, ...] = field(default=())
+    shared: str = "none"            # ring on a host (shm): see SHARED
+    trainer_device: str = "cpu"     # host links: see TRAINER_DEVICES
 
     def __post_init__(self) -> None:
         _positive(self.trainer_gpus, "trainer.gpus")
@@ -84,10 +95,43 @@ class Scenario:
         if self.placement not in PLACEMENTS:
             raise PlannerError("rollout.placement", f"must be one of {', '.join(PLACEMENTS)}, "
                                f"got {self.placement!r}")
+        self._check_shm()
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad or not self.strategies:
             raise PlannerError("strategies", f"choose from {', '.join(STRATEGIES)}, got "
                                              f"{', '.join(bad) or 'none'}")
+
+    def _check_shm(self) -> None:
+        """``shared`` and ``trainer_device`` describe the ``shm`` backend's paths: only on a
+        host links file, and shared reads only from a CPU trainer's storage."""
+        if self.shared not in SHARED:
+            raise PlannerError("shared", f"must be one of {', '.join(SHARED)}, got "
+                                         f"{self.shared!r}")
+        if self.trainer_device not in TRAINER_DEVICES:
+            raise PlannerError("trainer.device", f"must be one of {', '.join(TRAINER_DEVICES)}"
+                                                 f", got {self.trainer_device!r}")
+        host = self.links.device == "host"
+        if self.shared != "none" and not host:
+            raise PlannerError("shared", f"{self.shared}: tensors in shared memory are a path "
+                                         "of shm (a host links file); "
+                                         f"{self.links.name} is a gpu links file")
+        if self.trainer_device == "gpu":
+            if not host:
+                raise PlannerError("trainer.device", "gpu applies to a host links file (shm "
+                                                     "from a GPU of the host); on a gpu links "
+                                                     "file every trainer rank is a GPU already")
+            if "d2h" not in self.links.links:
+                raise PlannerError("links.d2h", f"missing in links file {self.links.name!r}: "
+                                                "a GPU trainer copies device-to-host over it")
+            if self.shared in ("trainer", "both"):
+                raise PlannerError("shared", f"{self.shared}: the trainer's tensors are CUDA "
+                                             "tensors (trainer.device gpu); receivers map "
+                                             "only a CPU trainer's shared storage")
+
+    @property
+    def push(self) -> bool:
+        """shm push: every receiver's tensors are in shared memory (see SHARED)."""
+        return self.shared in ("receivers", "both")
 
     @property
     def trainer_layout(self) -> str:

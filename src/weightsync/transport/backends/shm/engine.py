@@ -91,14 +91,14 @@ from weightsync.transport.protocol.receiver import ReceiverMixin
 from weightsync.transport.backends.shm.segments import Segment, sweep_stale
 from weightsync.transport.registry import CheckpointEngineRegistry
 
-__all__ = ["ShmEngine"]
+__all__ = ["ShmEngine", "SPLIT_MIN_THREADS", "SPLIT_BYTES"]
 
 logger = logging.getLogger(__name__)
 
-#: A receiver splits bucket copies of at least _SPLIT_BYTES over its copy threads when it
+#: A receiver splits bucket copies of at least SPLIT_BYTES over its copy threads when it
 #: has this many (``WEIGHTSYNC_COPY_THREADS``, default min(4, cores)): with 2 cores, the
 #: trainer's own copy and the reader share them, and one thread each is faster.
-_SPLIT_MIN_THREADS, _SPLIT_BYTES = 3, 8 << 20
+SPLIT_MIN_THREADS, SPLIT_BYTES = 3, 8 << 20
 
 
 @CheckpointEngineRegistry.register("shm")
@@ -243,7 +243,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
             # split bucket copies while every receiver has the cores: unless set, the copy
             # threads are this host's cores shared by the receivers (all on this host)
             self._copy_threads = n = copy_threads(max(1, self._num_receivers))
-            self._split = n >= _SPLIT_MIN_THREADS and \
+            self._split = n >= SPLIT_MIN_THREADS and \
                 n * max(1, self._num_receivers) <= (os.cpu_count() or 1)
             if (ok or self._split) and self._copy_pool is None and n > 1:
                 self._copy_pool = ThreadPoolExecutor(self._copy_threads - 1,
@@ -314,7 +314,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         """Big copies out of a bucket run on the copy threads too, where there are enough
         (a GPU trainer fills the ring at PCIe speed, faster than one thread copies out)."""
         pool, n = self._copy_pool, self._copy_threads
-        if not self._split or pool is None or nbytes < _SPLIT_BYTES:
+        if not self._split or pool is None or nbytes < SPLIT_BYTES:
             memmove_from(dest, buf, offset, nbytes)
             return
         flat = dest.view(-1).view(torch.uint8) if dest.dim() else dest.reshape(1).view(torch.uint8)

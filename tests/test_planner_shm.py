@@ -1,0 +1,144 @@
+"""Tests of the planner's ``shm`` paths with torch shared memory on either side
+(weightsync.tools.planner.bucketed, ``Scenario.shared`` / ``trainer_device``): a push writes
+every tensor into each receiver in turn (a CPU trainer over its push threads, a GPU trainer
+by device-to-host copies), a shared read copies direct tensors at the receivers' memcpy rate
+instead of the cross-memory-read rate, and a GPU trainer's ring is device-to-host copies
+into it; hand-computed on small models with the software costs set to zero."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightsync.tools.cli import main
+from weightsync.tools.planner import (PlannerError, Scenario, load_links, model_from_tensors,
+                                      predict)
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+ZERO_SW = {"tensor_us": 0, "bucket_us": 0, "read_us": 0, "control_us": 0, "op_us": 0}
+
+
+def host_links(cores: int = 2, dev: float = 10.0, host: float = 14.0, **links) -> dict:
+    doc = {"name": "host", "device": "host", "gpus_per_node": 8, "max_nodes": 1,
+           "cores": cores,
+           "links": {"intra": {"GBps": 5.0}, "device_mem": {"GBps": dev},
+                     "host_mem": {"GBps": host}},
+           "collective": {"algo": "star"},
+           "ring": {"direct_min_bytes": 8 * MiB, "direct_max_receivers": 1, "direct_GBps": 8.0},
+           "software": dict(ZERO_SW)}
+    doc["links"].update(links)
+    return doc
+
+
+# 4 tensors of 16 MiB (direct / split) and 8 of 1 MiB (bucketed, one thread), bf16
+MODEL = model_from_tensors("mixed", [(f"big{i}.weight", (8 * MiB,)) for i in range(4)] +
+                           [(f"small{i}.weight", (MiB // 2,)) for i in range(8)])
+BIG, SMALL = 4 * 16 * MiB, 8 * MiB
+
+
+def ring(links: dict, replicas: int = 1, **kw):
+    sc = Scenario(model=kw.pop("model", MODEL), links=load_links(links), trainer_gpus=1,
+                  replicas=replicas, bucket_size=kw.pop("bucket_size", MiB),
+                  strategies=("ring",), **kw)
+    return predict(sc).results["ring"]
+
+
+def test_cpu_push_writes_each_receiver_in_turn_over_the_push_threads():
+    """shared="receivers": no bucket, no receiver copy; the trainer writes every tensor into
+    each receiver, one after another: tensors of 8 MiB or more split over min(4, cores) = 2
+    threads (2 x 10 GB/s, within host_mem's 14), the rest on one thread (10 GB/s). Twice
+    the receivers, twice the time. "both" is a push too."""
+    one = ring(host_links(), shared="receivers")
+    want = BIG / 14e9 + SMALL / 10e9
+    assert one.seconds == pytest.approx(want, rel=1e-9)
+    assert "shm push" in one.bottleneck.limit
+    assert one.dest_reads == [0.0]               # no bucket, no direct read
+    assert any("push" in n for n in one.notes)
+    two = ring(host_links(), replicas=2, shared="receivers")
+    assert two.seconds == pytest.approx(2 * want, rel=1e-9)
+    assert ring(host_links(), shared="both").seconds == one.seconds
+    # the ring of the same sync: direct reads at 8 GB/s plus the buckets' two copies
+    assert ring(host_links()).seconds > 1.2 * one.seconds
+    # more cores: four push threads, the host's memory sets the pace of the big ones
+    many = ring(host_links(cores=8, host=100.0), shared="receivers")
+    assert many.seconds == pytest.approx(BIG / 40e9 + SMALL / 10e9, rel=1e-9)
+
+
+def test_shared_read_copies_direct_tensors_at_the_receivers_memcpy_rate():
+    """shared="trainer": the direct tensors (>= 8 MiB) are copied out of the trainer's
+    shared memory over the receiver's copy threads (cores // receivers = 2: min(2 x 10,
+    14) GB/s) instead of read at ring.direct_GBps (8); the bucketed rest is unchanged. With
+    2 receivers on 2 cores there are no direct reads, so nothing changes."""
+    plain = ring(host_links())
+    shared = ring(host_links(), shared="trainer")
+    assert plain.seconds - shared.seconds == pytest.approx(BIG / 8e9 - BIG / 14e9, rel=1e-9)
+    assert "shm shared read" in shared.bottleneck.limit
+    assert shared.dest_reads == plain.dest_reads
+    assert ring(host_links(), replicas=2, shared="trainer").seconds == \
+        ring(host_links(), replicas=2).seconds
+
+
+def test_gpu_trainer_on_a_host_ring_and_push():
+    """trainer_device="gpu": the trainer's bytes leave by device-to-host copies (links.d2h,
+    no core; half a copy's load on host memory). Ring: D2H into the ring while the receiver
+    copies out over its 16 copy threads (16 cores, one receiver), host memory carrying the
+    copy and the DMA writes, plus one bucket's fill; nothing goes direct. Push: every byte
+    D2H into each receiver, the copy engine's time."""
+    links = host_links(cores=16, dev=4.0, host=36.0, d2h={"GBps": 50.0})
+    model = model_from_tensors("four", [(f"l{i}.weight", (32 * MiB,)) for i in range(4)])
+    nbytes, bucket = 4 * 64 * MiB, 64 * MiB
+    r = ring(links, model=model, bucket_size=bucket, trainer_device="gpu")
+    fluid = (nbytes + nbytes / 2) / 36e9
+    fill = bucket / 50e9 + bucket / min(16 * 4e9, 36e9)
+    assert r.seconds == pytest.approx(fluid + fill, rel=1e-9)
+    assert "host_mem" in r.bottleneck.limit
+    assert r.links["d2h"]["bytes"] == nbytes
+    assert r.dest_reads == [4.0]                 # four buckets, no direct read
+    p = ring(links, model=model, bucket_size=bucket, trainer_device="gpu", shared="receivers")
+    assert p.seconds == pytest.approx(nbytes / 50e9, rel=1e-9)
+    assert "d2h" in p.bottleneck.limit
+    p2 = ring(links, replicas=2, model=model, bucket_size=bucket, trainer_device="gpu",
+              shared="receivers")
+    assert p2.seconds == pytest.approx(2 * nbytes / 50e9, rel=1e-9)
+    sc = Scenario(model=model, links=load_links(links), trainer_gpus=1, replicas=1,
+                  trainer_device="gpu")
+    res = predict(sc)
+    assert not res.results["p2p"].applicable and not res.results["broadcast"].applicable
+    assert res.bound["via"] == ["d2h"]
+
+
+@pytest.mark.parametrize("links, kw, field, words", [
+    ("h100-8gpu-400g", {"shared": "receivers"}, "shared", "gpu links file"),
+    ("cpu-2core", {"shared": "nope"}, "shared", "must be one of none, trainer"),
+    ("cpu-2core", {"trainer_device": "tpu"}, "trainer.device", "must be one of cpu, gpu"),
+    ("h100-8gpu-400g", {"trainer_device": "gpu"}, "trainer.device", "host links file"),
+    ("cpu-2core", {"trainer_device": "gpu"}, "links.d2h", "missing"),
+    ("h200-host", {"trainer_device": "gpu", "shared": "trainer"}, "shared", "CUDA tensors"),
+    ("h200-host", {"trainer_device": "gpu", "shared": "both"}, "shared", "CUDA tensors"),
+])
+def test_bad_shm_options_name_the_field(links, kw, field, words):
+    with pytest.raises(PlannerError, match=words) as exc:
+        Scenario(model=MODEL, links=load_links(links), trainer_gpus=1, replicas=1, **kw)
+    assert exc.value.field == field
+    assert isinstance(exc.value, ValueError)
+
+
+def test_cli_options_and_their_errors(capsys):
+    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--links", "cpu-2core",
+               "--strategies", "ring", "--shared", "receivers"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "shm push" in out and "in shared memory: receivers" in out
+    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--links", "h200-host",
+               "--trainer-device", "gpu", "--strategies", "ring"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "GPU trainer" in out and "on their GPUs" in out
+    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--shared", "trainer"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "weightsync plan: error: shared:" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", "bench:synthetic-16MiB", "--shared", "bogus"])
+    assert exc.value.code == 2
+    with pytest.raises(PlannerError, match="links.d2h"):
+        load_links("cpu-2core", {"device": "gpu", "links.nic": {"GBps": 1},
+                                 "links.d2h": {"GBps": 1}})
