@@ -2,6 +2,7 @@
 of a mapping (``model.share_memory()``), falling back to cross-memory reads otherwise."""
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import traceback
@@ -29,7 +30,7 @@ def _tensors(step: int, names: tuple) -> dict:
     return out
 
 
-def _worker(role, conn, mode, steps):
+def _worker(role, conn, rank, mode, steps):
     """mode: "shared" (trainer tensors in shared memory, updated in place), "private",
     "renew" (new shared tensors under new names every sync)."""
     try:
@@ -66,30 +67,46 @@ def _worker(role, conn, mode, steps):
         conn.send(traceback.format_exc())
 
 
-def _run(mode, steps=3):
+@contextlib.contextmanager
+def _group(target, receivers, *args):
+    """A trainer and ``receivers`` rollout processes running ``target(role, conn, rank,
+    *args)``, joined into one shm group; yields their pipes (trainer first)."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
-    for role in ("trainer", "rollout"):
-        a, b = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(role, b, mode, steps), daemon=True)
-        p.start()
-        pipes.append(a)
-        procs.append(p)
     try:
+        for i in range(receivers + 1):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=target, daemon=True,
+                            args=("trainer" if i == 0 else "rollout", b, i - 1, *args))
+            p.start()
+            pipes.append(a)
+            procs.append(p)
         metas = [c.recv() for c in pipes]
-        cls = CheckpointEngineRegistry.get("shm")
-        tk, rk = cls.build_topology(1, 1, metas)
+        tk, rk = CheckpointEngineRegistry.get("shm").build_topology(1, receivers, metas)
         pipes[0].send(worker_kwargs(tk, 0))
-        pipes[1].send(worker_kwargs(rk, 0))
-        results = [c.recv() if c.poll(100) else "no answer" for c in pipes]
+        for j in range(receivers):
+            pipes[j + 1].send(worker_kwargs(rk, j))
+        yield pipes
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    assert results[0] == [], results[0]
-    assert isinstance(results[1], list), results[1]
-    return results[1]
+
+
+def _results(target, receivers, *args):
+    """Every process's reply (a list of per-step results each; a traceback fails)."""
+    with _group(target, receivers, *args) as pipes:
+        results = [c.recv() if c.poll(100) else "no answer" for c in pipes]
+    for r in results:
+        assert isinstance(r, list), r
+    return results
+
+
+def _run(mode, steps=3):
+    tx, rx = _results(_worker, 1, mode, steps)
+    assert tx == [], tx
+    return rx
 
 
 def _cma_ok():
@@ -211,29 +228,7 @@ def _push_worker(role, conn, rank, opts, steps):
 
 
 def _run_push(opts, receivers=1, steps=3):
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for i in range(receivers + 1):
-        a, b = ctx.Pipe()
-        role = "trainer" if i == 0 else "rollout"
-        p = ctx.Process(target=_push_worker, args=(role, b, i - 1, opts, steps), daemon=True)
-        p.start()
-        pipes.append(a)
-        procs.append(p)
-    try:
-        metas = [c.recv() for c in pipes]
-        tk, rk = CheckpointEngineRegistry.get("shm").build_topology(1, receivers, metas)
-        pipes[0].send(worker_kwargs(tk, 0))
-        for j in range(receivers):
-            pipes[j + 1].send(worker_kwargs(rk, j))
-        results = [c.recv() if c.poll(100) else "no answer" for c in pipes]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    for r in results:
-        assert isinstance(r, list), r
+    results = _results(_push_worker, receivers, opts, steps)
     return results[0], results[1:]
 
 
@@ -284,7 +279,7 @@ def test_a_land_message_is_checked():
                               landings=(("w", (4, 4), "float32", 5, 9, 64, 8),))))
 
 
-def _fault_worker(role, conn, fault):
+def _fault_worker(role, conn, rank, fault):
     try:
         eng = CheckpointEngineRegistry.new("shm", role=role, bucket_size=BUCKET, timeout=4)
         conn.send(eng.prepare())
@@ -321,30 +316,13 @@ def _fault_worker(role, conn, fault):
 def test_a_receiver_that_never_begins_or_dies_fails_the_push_sync_naming_it(fault, error):
     if not _cma_ok():
         pytest.skip("this kernel does not let processes open each other's descriptors")
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for role in ("trainer", "rollout"):
-        a, b = ctx.Pipe()
-        p = ctx.Process(target=_fault_worker, args=(role, b, fault), daemon=True)
-        p.start()
-        pipes.append(a)
-        procs.append(p)
-    try:
-        metas = [c.recv() for c in pipes]
-        tk, rk = CheckpointEngineRegistry.get("shm").build_topology(1, 1, metas)
-        pipes[0].send(worker_kwargs(tk, 0))
-        pipes[1].send(worker_kwargs(rk, 0))
+    with _group(_fault_worker, 1, fault) as pipes:
         assert pipes[1].poll(60)
         pipes[1].recv()
         assert pipes[0].poll(60), "the trainer hung"
         got = pipes[0].recv()
         if fault == "never":
             pipes[1].send("quit")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
     assert got["error"] is not None and got["peer"] == "rollout rank 0", got
     if error:
         assert got["error"] == error and "did not start receiving" in got["text"], got
