@@ -328,6 +328,17 @@ def _regions(v: Any) -> tuple:
     return tuple(out)
 
 
+def _tensor_spec(name: Any, shape: Any, dtype: Any) -> tuple[int, ...]:
+    """Check a tensor's name, shape (a list of ints) and dtype (whitelisted); its dims."""
+    _str(name, "tensor name")
+    if type(shape) is not list or len(shape) > _MAX_DIMS:
+        _fail(f"shape of {name!r} must be a list of at most {_MAX_DIMS} ints")
+    dims = tuple(_int(d, "shape dim") for d in shape)
+    if dtype not in DTYPES:
+        _fail(f"dtype {dtype!r} of {name!r} is not on the whitelist")
+    return dims
+
+
 def _held(v: Any) -> tuple:
     if type(v) is not list or len(v) > 1 << 20:
         _fail("held must be a list of at most 2**20 entries")
@@ -337,12 +348,7 @@ def _held(v: Any) -> tuple:
             _fail("a held entry must be [name, shape, dtype, start, stop, region, offset] "
                   "and optionally a box")
         name, shape, dtype, start, stop, region, offset, *box = item
-        _str(name, "tensor name")
-        if type(shape) is not list or len(shape) > _MAX_DIMS:
-            _fail(f"shape of {name!r} must be a list of at most {_MAX_DIMS} ints")
-        dims = tuple(_int(d, "shape dim") for d in shape)
-        if dtype not in DTYPES:
-            _fail(f"dtype {dtype!r} of {name!r} is not on the whitelist")
+        dims = _tensor_spec(name, shape, dtype)
         if not _int(start, "start") <= _int(stop, "stop") <= math.prod(dims):
             _fail(f"held elements of {name!r} run outside its shape")
         entry = (name, dims, dtype, start, stop, _str(region, "region", 255),
@@ -393,12 +399,7 @@ def _landings(v: Any) -> tuple:
         if type(item) is not list or len(item) != 7:
             _fail("a landing must be [name, shape, dtype, fd, inode, storage nbytes, offset]")
         name, shape, dtype, *ref = item
-        _str(name, "tensor name")
-        if type(shape) is not list or len(shape) > _MAX_DIMS:
-            _fail(f"shape of {name!r} must be a list of at most {_MAX_DIMS} ints")
-        dims = tuple(_int(d, "shape dim") for d in shape)
-        if dtype not in DTYPES:
-            _fail(f"dtype {dtype!r} of {name!r} is not on the whitelist")
+        dims = _tensor_spec(name, shape, dtype)
         fd, inode, size, offset = (_int(x, "landing") for x in ref)
         if offset + math.prod(dims) * _ITEMSIZE[dtype] > size:
             _fail(f"the landing of {name!r} runs past its storage")
