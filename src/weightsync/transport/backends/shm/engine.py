@@ -38,7 +38,11 @@ shape and dtype is then written by the trainer straight into their memory (one c
 GPU trainer copies device-to-host straight into it, the mapping registered as pinned)
 and named to the receivers once the copies are done, before the sync's end; it takes no
 bucket. The trainer writes only during that receive, never into memory an engine is
-using. ``WEIGHTSYNC_SHM_PUSH=0`` (either side) turns that off.
+using. The trainer keeps its mappings while the offers stay the same (a GPU trainer's
+registration of a big model as pinned memory costs about a second); memory a receiver
+freed (sleep level 2, new tensors) stays allocated until the trainer's next sync drops
+the mappings of offers no longer made. ``WEIGHTSYNC_SHM_PUSH=0`` (either side) turns
+that off.
 
 GPU trainers: CUDA tensors are copied device-to-host into the ring. With
 ``WEIGHTSYNC_SHM_PIN`` ``auto`` (default: when the trainer process has CUDA initialized),
