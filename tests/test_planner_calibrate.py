@@ -274,3 +274,54 @@ def test_gpu_trainer_into_a_cpu_receiver_rows_use_the_runs_d2h(tmp_path):
     after = calibrate.run(("shm-d2h",), results=_write(tmp_path / "b", *S16_D2H, slow))
     a = next(r for r in after["rows"] if "shared (push" in r["case"])
     assert 1.9 * push["predicted_s"] < a["predicted_s"] < 2.0 * push["predicted_s"]
+
+
+NIXL_TP = "cpu-nixl-tp-2026-12-04"
+
+
+def _nixl_tp_copy(root, raw_factor: float = 1.0) -> str:
+    """The recorded 2 -> 2 TP-2 nixl runs in ``root``, every raw READ ``raw_factor`` x as
+    slow (the readme_copy run too: it must not become a row)."""
+    src = os.path.join(calibrate.results_dir(), NIXL_TP)
+    (root / NIXL_TP).mkdir(parents=True)
+    for name in os.listdir(src):
+        with open(os.path.join(src, name)) as f:
+            text = f.read()
+        if name.endswith(".txt") and text.startswith("{"):
+            rec = json.loads(text.splitlines()[0])
+            rec["raw_read"]["warm_s"] *= raw_factor
+            text = json.dumps(rec) + "\n"
+        (root / NIXL_TP / name).write_text(text)
+    return str(root)
+
+
+def test_nixl_tp_runs_are_read_with_their_cuts_and_their_raw_read(tmp_path):
+    """The CPU nixl runs of 2 trainer ranks into 2 TP-2 workers (cpu-nixl-tp-2026-12-04)
+    are rows of their own group: box-by-box staging on (12 READs per worker recorded) and
+    off (WEIGHTSYNC_NIXL_CUT=0, 8,202), each compiled as the run staged it; the README-way
+    copy consumer is not modelled. The cross-process link is the run's own raw READ: a
+    raw READ 3 x as slow gives a prediction over 2 x as slow."""
+    res = calibrate.run(("nixl-tp",), results=_nixl_tp_copy(tmp_path / "a"))
+    rows = {r["case"].rpartition("/")[2].rstrip(")"): r for r in res["rows"]}
+    assert set(rows) == {"nixl_multi_2to2_cut_on.txt", "nixl_multi_2to2_cut_off.txt",
+                         "nixl_multi_2to2_into.txt"}
+    on, off = rows["nixl_multi_2to2_cut_on.txt"], rows["nixl_multi_2to2_cut_off.txt"]
+    assert on["reads_per_worker"]["measured"] == [12, 12]
+    assert max(on["reads_per_worker"]["predicted"]) <= 12
+    assert off["reads_per_worker"]["measured"] == [8202, 8202]
+    assert min(off["reads_per_worker"]["predicted"]) > 8000
+    for r in res["rows"]:
+        assert "raw NIXL READ" in r["links_from"] and "intra_in" in r["limited_by"]
+        assert r["within_goal"] == (abs(r["error"]) <= calibrate.GOAL)
+    slow = calibrate.run(("nixl-tp",), results=_nixl_tp_copy(tmp_path / "b", 3.0))
+    for b, a in zip(res["rows"], slow["rows"]):
+        assert a["case"] == b["case"] and a["predicted_s"] > 2 * b["predicted_s"]
+
+
+def test_the_staging_default_run_of_12_03_is_a_nixl_row():
+    """12-03's run before the auto default (pipelined, staging; code that still exists:
+    WEIGHTSYNC_NIXL_SERVE=staging) is read beside that day's auto run."""
+    res = calibrate.run(("nixl",))
+    (row,) = [r for r in res["rows"] if "bench_1g_staging_default_before.json" in r["case"]]
+    assert "pipelined, staging" in row["case"] and "nixl-raw, paired" in row["links_from"]
+    assert row["measured_s"] == pytest.approx(0.6274020990003919)

@@ -10,7 +10,9 @@ then), ``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``c
 bucket ring, one H200: the ``ring`` strategy, colocated), ``multi-gpu-h200x2-2026-11-29``
 and ``multi-gpu-h200x4-2026-11-29`` and ``multi-gpu-h200x2-2026-12-04`` (``collective`` on
 NCCL: 1 -> 1, 1 -> 2, 2 senders -> 2; the ``broadcast`` strategy, packed on one node), and
-that 12-04 run's ``nixl`` 1 -> 1 across two GPUs (the ``p2p`` strategy), and the ``shm``
+that 12-04 run's ``nixl`` 1 -> 1 across two GPUs (the ``p2p`` strategy), ``nixl`` on CPU
+from 2 trainer ranks into 2 TP-2 workers with and without box-by-box staging
+(:data:`NIXL_TP_RUNS`, ``cpu-nixl-tp-2026-12-04``: ``p2p``, ``cut``), and the ``shm``
 paths with torch shared memory on either side: the CPU runs ``cpu-2026-12-04-s16``
 (``shm-shared``: ``ring`` with ``shared="trainer"``; ``shm-push``: ``shared="receivers"``)
 and ``gpu-h200-2026-12-04-s16/shm_d2h.json`` (:data:`SHM_D2H_RUNS`: a GPU trainer into a
@@ -451,7 +453,9 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              ("cpu-nixl-pipelined-2026-12-02", "bench_1g.json", True, "staging"),
              ("cpu-nixl-pipelined-2026-12-02", "bench_1g_pipeline_off.json", False, "staging"),
              ("cpu-nixl-pipelined-2026-12-02", "bench_1g_serve_auto.json", True, "auto"),
-             ("cpu-nixl-auto-2026-12-03", "bench_1g.json", True, "auto"))
+             ("cpu-nixl-auto-2026-12-03", "bench_1g.json", True, "auto"),
+             ("cpu-nixl-auto-2026-12-03", "bench_1g_staging_default_before.json", True,
+              "staging"))
 
 
 def _nixl_cases(root: str) -> list[dict]:
@@ -519,6 +523,72 @@ def _nixl_gpu_cases(root: str) -> list[dict]:
     return rows
 
 
+#: ``nixl`` on CPU, 2 trainer ranks each holding the whole model -> 2 TP-2 workers
+#: (``benchmarks/nixl_multi.py --devices cpu --trainers 2 --tp 2``, 1.49 GB; folder
+#: ``cpu-nixl-tp-2026-12-04``): (file, box-by-box staging on (``WEIGHTSYNC_NIXL_CUT``)).
+#: Every worker gave ``receive_into`` tensors of its kept boxes' shapes (``--consume into``,
+#: no landing buffer: ``extra_dev_bytes`` 1). ``nixl_multi_2to2_readme_copy.txt``
+#: (``--consume copy``: a fresh full-shape tensor per partial tensor per sync, its box
+#: copied out) is not modelled: the model has no path for that consumer.
+NIXL_TP_FOLDER = "cpu-nixl-tp-2026-12-04"
+NIXL_TP_RUNS = (("nixl_multi_2to2_cut_on.txt", True), ("nixl_multi_2to2_cut_off.txt", False),
+                ("nixl_multi_2to2_into.txt", True))
+
+
+def _reads_per_worker(measured: list) -> Callable:
+    def check(r) -> dict:
+        return {"reads_per_worker": {"predicted": [int(x) for x in r.dest_reads],
+                                     "measured": measured}}
+    return check
+
+
+def _nixl_tp_cases(root: str) -> list[dict]:
+    """``nixl`` 2 -> 2 TP-2 workers on CPU (:data:`NIXL_TP_RUNS`): the ``p2p`` strategy,
+    trainers ``full``, ``serve="auto"`` and pipelined (the defaults the script ran), box-by-box
+    staging as the run set it, slices landed in the workers' own shards. The cross-process
+    link (``intra``) from the raw NIXL READ the same run timed (each worker READs its bytes
+    from the trainers' flat regions, all workers at once: a worker's bytes / warm s, as
+    ``nixl-raw`` sets it for the bench's runs); the rest from the preset."""
+    folder = NIXL_TP_FOLDER
+    if not any(os.path.exists(os.path.join(root, folder, n)) for n, _ in NIXL_TP_RUNS):
+        return []
+    mod = _script("nixl_multi")
+    rows = []
+    for name, cut in NIXL_TP_RUNS:
+        path = os.path.join(root, folder, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            rec = json.loads(next(line for line in f if line.startswith("{")))
+        spec = mod.model_spec(rec["model_bytes"], mod.LLAMA8B)
+        model = model_from_tensors("llama8b-shaped", [(n, s) for n, s, _ in spec])
+        if model.params * 2 != rec["model_bytes"] or len(spec) != rec["tensors"]:
+            raise PlannerError("calibrate", f"{folder}/{name}: the model is not what was "
+                                            "measured")
+        workers = rec["nixl"]["workers"]
+        if any(w["extra_dev_bytes"] > 1 for w in workers):
+            raise PlannerError("calibrate", f"{folder}/{name}: a worker used a landing "
+                                            "buffer: not slices landed in its own shards")
+        raw = rec["raw_read"]
+        rate = max(w["bytes"] for w in raw["workers"]) / raw["warm_s"] / 1e9
+        sets = {"links.intra.GBps": rate}
+        where = {"links.intra.GBps": "raw NIXL READ of a worker's bytes, all workers at once, "
+                                     "own run"}
+        trainers, tp = len(rec["nixl"]["trainers"]), len(workers)
+
+        def scenario(links: Links, cut=cut) -> Scenario:
+            return Scenario(model=model, links=links, trainer_gpus=trainers,
+                            trainer_shard="full", replicas=1, tp=tp, bucket_size=256 << 20,
+                            strategies=("p2p",), pipelined=True, serve="auto", cut=cut,
+                            into_shards=True)
+        rows += _rows(f"CPU nixl {trainers} -> {tp} TP-{tp} workers, 1.49 GB, box-by-box "
+                      f"staging {'on' if cut else 'off'} ({folder[9:]}/{name})", "p2p",
+                      scenario, rec["nixl"]["warm_s"], f"{folder}/{name} nixl warm_s",
+                      "cpu-2core", sets, where,
+                      check=_reads_per_worker([w["reads"] for w in workers]))
+    return rows
+
+
 #: GPU trainer -> ``shm`` -> CPU receiver on the H200 host (``benchmarks/shm_d2h.py``),
 #: runs of the code with pushes: (folder, file). The earlier runs of that script (12-04,
 #: 12-04-d2h) ran before pushes and before the receivers' copy threads took the host's
@@ -581,8 +651,9 @@ def _shm_d2h_cases(root: str) -> list[dict]:
     return rows
 
 
-GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "h200": _h200_cases, "nccl": _nccl_cases,
-          "nixl-gpu": _nixl_gpu_cases, "shm-d2h": _shm_d2h_cases}
+GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "nixl-tp": _nixl_tp_cases,
+          "h200": _h200_cases, "nccl": _nccl_cases, "nixl-gpu": _nixl_gpu_cases,
+          "shm-d2h": _shm_d2h_cases}
 
 
 def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) -> dict:
@@ -618,6 +689,8 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
                              "ray, gloo-per-tensor, safetensors-shm baselines",
                              "@readme CPU methods (torch's default threads on receivers)",
                              "shm_d2h receive_weights views and the unpinned ring",
+                             "nixl TP workers consuming with receive_weights + copy "
+                             "(cpu-nixl-tp-2026-12-04 readme_copy)",
                              "nixl VRAM -> VRAM on one H200 (UCX takes a host path there)"]}
 
 
@@ -634,6 +707,9 @@ def _lines(rows: list[dict], sep: str) -> list[str]:
         if "bytes_per_sender" in r:
             b = r["bytes_per_sender"]
             extra = f" (bytes per sender predicted {b['predicted']}, measured {b['measured']})"
+        if "reads_per_worker" in r:
+            n = r["reads_per_worker"]
+            extra = f" (READs per worker predicted {n['predicted']}, measured {n['measured']})"
         cells = [r["case"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
                  f"{r['error'] * 100:+.0f} %", _within(r), r["limited_by"] + extra,
                  r["links_from"]]

@@ -117,12 +117,13 @@ def rank_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") ->
     return tuple(out)
 
 
-def workers_cut(pt: PlannedTensor) -> Optional[tuple]:
+def workers_cut(pt: PlannedTensor, cut: bool = True) -> Optional[tuple]:
     """The boxes the ``nixl`` trainers stage ``pt`` by, or None: every worker keeps none of
     it or a box of it that is not one run (a row-parallel weight's columns; what its
     receivers tell the trainers), and together those boxes partition it
-    (:func:`~weightsync.core.xferplan.cut_boxes`)."""
-    if not pt.shape or not all(w == () or any(not box_is_run(pt.shape, b) for b in w)
+    (:func:`~weightsync.core.xferplan.cut_boxes`). ``cut`` False: box-by-box staging off
+    (``WEIGHTSYNC_NIXL_CUT=0``), always None."""
+    if not cut or not pt.shape or not all(w == () or any(not box_is_run(pt.shape, b) for b in w)
                                for w in pt.boxes):
         return None
     cut = tuple(sorted({b for w in pt.boxes for b in w}))
@@ -130,17 +131,18 @@ def workers_cut(pt: PlannedTensor) -> Optional[tuple]:
     return cut if cut_boxes(pt.shape, whole, cut) is not None else None
 
 
-def staged_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") -> tuple:
+def staged_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp",
+                 cut: bool = True) -> tuple:
     """What trainer ``rank`` serves ``pt`` as: its :func:`rank_boxes`, each cut into the
     boxes of :func:`workers_cut` when there are some (as the ``nixl`` trainer stages it):
     each worker's box is then one read per rank."""
     boxes = rank_boxes(pt, rank, world, shard)
-    cut = workers_cut(pt)
-    if cut is None:
+    by = workers_cut(pt, cut)
+    if by is None:
         return boxes
     out = []
     for held in boxes:
-        pieces = cut_boxes(pt.shape, held, cut)
+        pieces = cut_boxes(pt.shape, held, by)
         if pieces is None:
             return boxes
         out.extend(pieces)
@@ -181,11 +183,11 @@ def _signature(boxes: tuple) -> tuple:
 
 
 def _sources(pt: PlannedTensor, proto: tuple[int, ...], world: int,
-             shard: str) -> list[SourceLayout]:
+             shard: str, cut: bool = True) -> list[SourceLayout]:
     out = []
     for r in range(world):
         held, off = [], 0
-        for box in staged_boxes(pt, r, world, shard) if proto else (((0, 1),) if r == 0 else ()):
+        for box in staged_boxes(pt, r, world, shard, cut) if proto else (((0, 1),) if r == 0 else ()):
             rbox = _reduced_box(box, pt.shape, proto) if proto else ()
             n = math.prod(b - a for a, b in rbox)
             if n:
@@ -199,7 +201,7 @@ def _sources(pt: PlannedTensor, proto: tuple[int, ...], world: int,
 
 def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard: str,
                    replicas: int, expand: bool, sent: np.ndarray, mult: int,
-                   trainer: list, proto: tuple[int, ...]):
+                   trainer: list, proto: tuple[int, ...], cut: bool = True):
     """The compile of one class (``trainer``: every rank's boxes of it; ``proto``: its shape
     with the dims of rule 3 at 1): ``([(column compiled, columns it stands for, {rank:
     (bytes, reads)})], digest)``. Where every byte has one holder, workers that
@@ -229,7 +231,7 @@ def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard
             wants.append(Want(name="t", dtype=pt.dst_dtype, box=rbox, dest="d", offset=off))
             off += math.prod(b - a for a, b in rbox) * itemsize(pt.dst_dtype)
         dests.append((tuple(wants), gs))
-    sources = _sources(pt, proto, world, shard)
+    sources = _sources(pt, proto, world, shard, cut)
     if unique:
         plan = compile_plan(sources, [DestLayout(worker=f"g{gs[0]}", wants=w) for w, gs in dests],
                             max_read_bytes=max_read)
@@ -252,11 +254,12 @@ def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard
 
 def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
                max_read_bytes: Optional[int] = None, shard: str = "fsdp",
-               replicas: int = 1) -> PullStats:
+               replicas: int = 1, cut: bool = True) -> PullStats:
     """Bytes/READs per (rank, worker) for all ``tensors`` (module doc): the workers of one
     replica, or, where some byte has several holders (replicated over DP, TP/EP trainer
     boxes), of every replica (``workers x replicas`` columns: replicas then read
-    differently, each receiver turning its ties by its rank)."""
+    differently, each receiver turning its ties by its rank). ``cut`` False: the trainers
+    stage no tensor box by box (``WEIGHTSYNC_NIXL_CUT=0``)."""
     expand = shard != "fsdp" or any(pt.held is not None for pt in tensors)
     cols_n = workers * replicas if expand else workers
     classes: dict[tuple, list[PlannedTensor]] = defaultdict(list)
@@ -271,16 +274,16 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
     for members in order:
         t0 = time.perf_counter()
         pt = members[0]
-        cut = workers_cut(pt) is not None
-        trainer = [b for r in range(world) for b in staged_boxes(pt, r, world, shard)]
+        staged = workers_cut(pt, cut) is not None
+        trainer = [b for r in range(world) for b in staged_boxes(pt, r, world, shard, cut)]
         proto, factor = reduce_dims(pt.shape, pt.boxes, trainer)
         mult = len(members) * factor
         # staged box by box, a worker's piece is one run whatever the collapsed dims
         # (rule 3 multiplies runs for row-major storage): reads are not multiplied by
         # them, only cut by the read limit at their full size
-        read_mult = len(members) if cut else mult
+        read_mult = len(members) if staged else mult
         compiled, digest = _compile_class(pt, world, max_read_bytes, shard, replicas, expand,
-                                          pb, mult, trainer, proto)
+                                          pb, mult, trainer, proto, cut)
         n_reads = n_bytes = 0.0
         for rep, targets, by_rank in compiled:
             if not by_rank:
@@ -288,7 +291,7 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
             ranks = np.fromiter(by_rank, np.int64)
             nb = np.array([by_rank[r][0] for r in ranks], np.float64)
             nr = np.array([by_rank[r][1] for r in ranks], np.float64)
-            if cut and factor > 1 and max_read_bytes:
+            if staged and factor > 1 and max_read_bytes:
                 nr = nr * np.ceil(nb * factor / np.maximum(nr, 1) / max_read_bytes)
             for c in targets:
                 pb[ranks, c] += nb * mult

@@ -36,12 +36,12 @@ __all__ = ["predict_p2p", "held_bytes"]
 
 
 def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
-               serve: str = "staging", shard: str = "fsdp") -> tuple:
+               serve: str = "staging", shard: str = "fsdp", cut: bool = True) -> tuple:
     """Per trainer rank: (bytes it serves, bytes its staging copy moves, tensors it puts).
     ``serve="auto"``: a tensor served in the model's own dtype is served from its own
     storage (an FSDP2 or TP shard, marked by the export), so only casts, FP8 and tensors
     staged box by box for the workers (:func:`~weightsync.tools.planner.compiled
-    .workers_cut`) are staged."""
+    .workers_cut`; none with ``cut`` False) are staged."""
     served, moved, count = np.zeros(world), np.zeros(world), np.zeros(world)
     elems_of: dict[tuple, tuple] = {}
     for pt in pts:
@@ -50,7 +50,7 @@ def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
             elems_of[key] = (np.array([sum(math.prod(b - a for a, b in box)
                                            for box in rank_boxes(pt, r, world, shard))
                                        for r in range(world)], np.float64),
-                             workers_cut(pt) is not None)
+                             workers_cut(pt, cut) is not None)
         elems, cut = elems_of[key]
         src = itemsize(model_dtype) if not pt.rule.endswith("_scale") else 0
         served += elems * itemsize(pt.src_dtype)
@@ -100,8 +100,9 @@ def _apply(sc: Scenario, pl: Placement, pts, res: StrategyResult) -> Loads:
     kept = [sum(kept_bytes(pt, g) for pt in pts) for g in range(n)]
     count = [sum(1 for pt in pts if pt.boxes[g]) for g in range(n)]
     # a worker that keeps every tensor whole, as served, lands it in its own tensors
-    # (receive_into); TP/EP slices and casts are copied by the loader
-    in_place = n == 1 and all(pt.src_dtype == pt.dst_dtype for pt in pts)
+    # (receive_into), as does a TP/EP worker that gives receive_into tensors of its kept
+    # boxes' shapes (into_shards); else TP/EP slices and casts are copied by the loader
+    in_place = (n == 1 or sc.into_shards) and all(pt.src_dtype == pt.dst_dtype for pt in pts)
     for i, dev in enumerate(pl.worker):
         g = i % n
         if not in_place:
@@ -124,7 +125,7 @@ def _pipelined(pl: Placement, serve: Loads, pull: Loads, first_block: float) -> 
 def predict_p2p(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
                 stats: PullStats) -> StrategyResult:
     res = StrategyResult("p2p")
-    held = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve, sc.trainer_shard)
+    held = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve, sc.trainer_shard, sc.cut)
     serve = _serve(sc, pl, held, res)
     pull = _pull(sc, pl, stats, res)
     if sc.pipelined:

@@ -68,6 +68,10 @@ class Scenario:
     max_read_bytes: Optional[int] = None
     pipelined: bool = True          # p2p: WEIGHTSYNC_NIXL_PIPELINE (warm syncs; default on)
     serve: str = "auto"             # p2p: WEIGHTSYNC_NIXL_SERVE ("auto" or "staging")
+    cut: bool = True                # p2p: WEIGHTSYNC_NIXL_CUT (box-by-box staging; default on)
+    #: p2p: TP/EP workers give ``receive_into`` tensors of their kept boxes' shapes, so
+    #: slices land straight in them; False: the loader copies each slice (vLLM's)
+    into_shards: bool = False
     strategies: tuple[str, ...] = STRATEGIES
     label: str = ""
     notes: tuple[str, ...] = field(default=())
