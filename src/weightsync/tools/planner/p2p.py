@@ -51,10 +51,10 @@ def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
                                            for box in rank_boxes(pt, r, world, shard))
                                        for r in range(world)], np.float64),
                              workers_cut(pt, cut) is not None)
-        elems, cut = elems_of[key]
+        elems, staged_by_box = elems_of[key]
         src = itemsize(model_dtype) if not pt.rule.endswith("_scale") else 0
         served += elems * itemsize(pt.src_dtype)
-        if serve == "staging" or pt.src_dtype != model_dtype or not src or cut:
+        if serve == "staging" or pt.src_dtype != model_dtype or not src or staged_by_box:
             moved += elems * (src + itemsize(pt.src_dtype)) / 2
         count += elems > 0
     return served, moved, count
