@@ -89,7 +89,7 @@ from weightsync.transport.fastcopy import (cma_available, cma_read, copy_threads
                                            split_memmove)
 from weightsync.transport.peermem import PeerMaps, shared_ref
 from weightsync.core.config import env_value, parse_auto_bool, parse_bool
-from weightsync.core.plan import TensorMeta, dtype_from_name
+from weightsync.core.plan import TensorMeta, itemsize
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.protocol.receiver import ReceiverMixin
 from weightsync.transport.backends.shm.segments import Segment, sweep_stale
@@ -460,9 +460,8 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                 storage = self._tx_maps.view(self._hub.peer_pid(r), tuple(entry[3:]))
                 if storage is None:
                     break
-                nbytes = math.prod(shape) * torch.empty((), dtype=dtype_from_name(dtype)).element_size()
                 offset = entry[6]
-                views.append(storage[offset:offset + nbytes])
+                views.append(storage[offset:offset + math.prod(shape) * itemsize(dtype)])
             else:
                 dests[name] = (shape, dtype, views)
         self._tx_maps.end_sync()     # drop the mappings of offers no longer made
