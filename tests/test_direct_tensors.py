@@ -203,3 +203,91 @@ def test_a_bad_direct_window_is_a_clear_error(monkeypatch, backend, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=env):
         CheckpointEngineRegistry.new(backend, role="trainer", bucket_size=BUCKET)
+
+
+def ahead_hook(engine, role, rank):
+    """Receiver: count the broadcasts in flight at once per trainer stream, delay some completions (a slow
+    one must not let a later item overtake it), and note the order items reach the
+    consumer; written to ``$WS_AHEAD_OUT.<rank>`` at finalize."""
+    if role != "rollout":
+        return
+    import json
+    import os
+    import random
+    import threading
+    import time
+    rng, lock = random.Random(rank), threading.Lock()
+    stats = {"now": {}, "max": 0, "order": []}
+    post_d, post_b, complete = engine._rx_direct_post, engine._rx_fetch_post, engine._rx_complete
+    handle_orig, finalize = engine._handle, engine.finalize
+
+    def posted(stream, handle):
+        with lock:
+            now = stats["now"][str(stream)] = stats["now"].get(str(stream), 0) + 1
+            stats["max"] = max(stats["max"], now)
+        return handle
+
+    def direct(stream, *args):
+        return posted(stream, post_d(stream, *args))
+
+    def bucket(stream, *args):
+        out = post_b(stream, *args)
+        return out if out is None else (out[0], posted(stream, out[1]))
+
+    def done(stream, msg, handle):
+        time.sleep(rng.choice([0.0, 0.0, 0.02]))
+        complete(stream, msg, handle)
+        with lock:
+            stats["now"][str(stream)] -= 1
+
+    async def handle(state, item):
+        kind, stream, msg, _ = item
+        if kind in ("bucket", "direct"):
+            stats["order"].append([kind, stream, msg.seq, msg.index])
+        async for pair in handle_orig(state, item):
+            yield pair
+
+    def fin():
+        with open(f"{os.environ['WS_AHEAD_OUT']}.{rank}", "w") as f:
+            json.dump(stats, f)
+        finalize()
+
+    engine._rx_direct_post, engine._rx_fetch_post, engine._rx_complete = direct, bucket, done
+    engine._handle, engine.finalize = handle, fin
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("trainers,receivers", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("ahead", ["", "1"])
+def test_collective_receivers_post_the_next_broadcast_ahead(monkeypatch, tmp_path, trainers,
+                                                           receivers, ahead):
+    """CPU ``collective`` receivers keep two broadcasts in flight (the next one waits in
+    gloo when the last one's bytes end); with slow completions mixed in, every item still
+    reaches the consumer in the order sent and lands bit-exact. ``RX_AHEAD=1``: one."""
+    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", "1024")
+    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_AHEAD", ahead)
+    monkeypatch.setenv("WS_AHEAD_OUT", str(tmp_path / "ahead"))
+    spec = GroupSpec(backend="collective", trainers=trainers, receivers=receivers, steps=3,
+                     tiny=30, consume="into", hook="test_direct_tensors:ahead_hook",
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+    _clean(run_group(spec))
+    import json
+    for r in range(receivers):
+        stats = json.loads((tmp_path / f"ahead.{r}").read_text())
+        assert set(stats["now"].values()) == {0}, stats["now"]
+        assert stats["max"] == (1 if ahead == "1" else 2), stats["max"]
+        last: dict = {}
+        kinds = set()
+        for kind, stream, seq, index in stats["order"]:
+            key = (kind, stream, seq)
+            assert index > last.get(key, -1), (key, index, last.get(key))
+            last[key] = index
+            kinds.add(kind)
+        assert kinds == {"bucket", "direct"}
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_a_bad_rx_ahead_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_AHEAD", value)
+    with pytest.raises(ValueError, match="WEIGHTSYNC_COLLECTIVE_RX_AHEAD"):
+        CheckpointEngineRegistry.new("collective", role="rollout", bucket_size=BUCKET)

@@ -9,7 +9,12 @@ buffer is overwritten while read. Headers travel on one socket per receiver (set
 ``init_process_group`` through the store), so after the first sync only bucket indices do.
 On CPU, a contiguous tensor of at least ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN`` bytes (16 MiB;
 0 turns it off) is broadcast as it is, from the trainer's tensor into the receiver's
-(its own tensor with ``receive_into``): no packing or unpacking copy.
+(its own tensor with ``receive_into``): no packing or unpacking copy. A CPU receiver
+posts the broadcast of the next bucket or direct tensor whose header is already here while
+the last one is in flight (up to ``WEIGHTSYNC_COLLECTIVE_RX_AHEAD``, default 2, at once;
+items still reach the consumer in the order sent), so gloo has the next receive waiting
+when the last one's bytes end. Waits on gloo block on the operation itself, in slices that
+look at the control channel (a peer's reported failure) and the deadline.
 
 CUDA (NCCL), reviewed for streams: slot buffers are allocated once, in
 ``init_process_group``, from PyTorch's caching allocator (NCCL only reads and writes them;
@@ -72,6 +77,18 @@ __all__ = ["CollectiveEngine"]
 
 logger = logging.getLogger(__name__)
 _CAUSE_GRACE_S = 2.0  # how long a broken broadcast waits to learn from whom (see below)
+_CHECK_EVERY_S = 0.05  # how often a broadcast's wait looks at the control channel
+
+
+def _wait_at_most(work: Any, seconds: float) -> None:
+    """Block on a gloo ``work`` (without the GIL) until it completes or ``seconds`` pass.
+    A wait that times out raises inside torch although the work goes on; that is not an
+    error here (the caller loops), nor is a failure, which ``work.wait()`` raises once
+    ``is_completed()`` says so."""
+    try:
+        work.wait(datetime.timedelta(seconds=max(seconds, 1e-3)))
+    except (RuntimeError, dist.DistError):
+        pass
 
 
 def _make_group(store: dist.Store, rank: int, size: int, device: torch.device,
@@ -141,6 +158,12 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         # CPU: tensors at least this big are broadcast as they are (0: never)
         self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", 16 << 20)
         self._direct_window = direct_window("WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")
+        # CPU receivers: broadcasts in flight at once (gloo runs a group's operations on
+        # two threads; 1 posts each only after the last completed)
+        self._rx_ahead = 1 if self._cuda else env_value("COLLECTIVE_RX_AHEAD", int, 2)
+        if self._rx_ahead < 1:
+            raise ValueError("WEIGHTSYNC_COLLECTIVE_RX_AHEAD must be an integer >= 1, "
+                             f"got {self._rx_ahead!r}")
         self._aborted = False
         self._hub: Any = None
         self._links: dict[int, Link] = {}
@@ -257,8 +280,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         timeout = self.config.timeout if trainer else patience(self.config.timeout)
         try:
             deadline = time.monotonic() + timeout
-            next_check = time.monotonic() + 0.05
-            delay, cap = 20e-6, (100e-6 if self._cuda else 500e-6)
+            next_check = time.monotonic() + _CHECK_EVERY_S
+            delay, cap = 20e-6, 100e-6
             while not work.is_completed():
                 now = time.monotonic()
                 if now > deadline:
@@ -271,9 +294,12 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
                     elif self._rx_over():
                         self._abort_groups()
                         raise Abandoned("the receive ended", phase="receive", version=version)
-                    next_check = now + 0.05
-                time.sleep(delay)
-                delay = min(2 * delay, cap)
+                    next_check = now + _CHECK_EVERY_S
+                if self._cuda:  # NCCL's wait orders a stream, not this thread: poll
+                    time.sleep(delay)
+                    delay = min(2 * delay, cap)
+                else:           # gloo: sleep on the work itself, woken when it completes
+                    _wait_at_most(work, min(next_check, deadline) - now)
             work.wait()  # completed: only surfaces an error the backend recorded
         except WeightSyncError:
             raise
@@ -421,8 +447,24 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
                            lambda w: self._wait_work(w, state.version))
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
-        self._wait_work(self._groups[stream].broadcast(as_bytes(dest), 0), msg.version,
-                        stream=stream, seq=msg.seq)
+        self._rx_complete(stream, msg, self._rx_direct_post(stream, msg, aux, dest))
+
+    # -- CPU receivers post the next broadcast while the last is in flight (the receiver
+    # mixin's ``_rx_ahead``): gloo then has the next receive waiting when the bytes of the
+    # last end, instead of a round trip through this pump between two broadcasts ---------
+    def _rx_direct_post(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> Any:
+        return self._groups[stream].broadcast(as_bytes(dest), 0)
+
+    def _rx_fetch_post(self, stream: int, msg: BucketMsg) -> Optional[tuple[torch.Tensor, Any]]:
+        free = self._free[(stream, msg.slot)]
+        if self._cuda or not free.is_set():
+            return None
+        free.clear()
+        buf = self._rx_bufs[stream][msg.slot]
+        return buf, self._groups[stream].broadcast(buf[: msg.nbytes], 0)
+
+    def _rx_complete(self, stream: int, msg: BucketMsg, handle: Any) -> None:
+        self._wait_work(handle, msg.version, stream=stream, seq=msg.seq)
 
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         if self._cuda:  # runs in the consumer's thread: its current stream did the reads

@@ -292,12 +292,12 @@ class Link:
             except queue.Empty:
                 pass
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise SyncTimeout(f"no message from {peer} within {t:.1f}s", peer=peer,
-                                  phase=phase, version=version)
-            ready, _, _ = select.select([self._sock, self._wake_r], [], [], left)
+            ready, _, _ = select.select([self._sock, self._wake_r], [], [], max(left, 0.0))
             if self._sock in ready and self._wake_r not in ready:
                 break
+            if not ready and left <= 0:  # a zero timeout still looks once (non-blocking)
+                raise SyncTimeout(f"no message from {peer} within {t:.1f}s", peer=peer,
+                                  phase=phase, version=version)
         msg, self.last_aux = _read_message(self._sock, peer, phase, version, deadline)
         return msg
 

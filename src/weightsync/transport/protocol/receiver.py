@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import threading
@@ -15,7 +16,7 @@ import torch
 from weightsync.core.errors import (IntegrityError, PlanMismatch, SyncTimeout, VersionMismatch,
                       WeightSyncError)
 from weightsync.core.plan import (Bucket, TensorMeta, bucket_digest, dtype_from_name, dtype_name,
-                                  plan_signature)
+                                  itemsize, plan_signature)
 from weightsync.core.remote import error_msg, normalize_version, raise_remote
 from weightsync.core.wire import DIRECT_SLOT, PUSHED_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
 from weightsync.transport.fastcopy import copy_into, memmove_from
@@ -222,13 +223,21 @@ class ReceiverMixin:
                               phase="receive", version=state.version) from None
 
     def _pump(self, stream: int, state: _RecvState) -> None:
-        """Thread: pop this stream's messages, fetch bucket bytes, hand them to the consumer."""
+        """Thread: pop this stream's messages, fetch bucket bytes, hand them to the consumer.
+
+        With ``_rx_ahead`` > 1 (a backend whose fetches are posted, then waited for) the
+        next message's fetch is posted while earlier ones are still in flight, up to that
+        many at once, when its header is already here and it needs no wait of its own (a
+        direct tensor into the caller's tensor, a bucket whose slot is free); they
+        complete, and reach the consumer, in the order they came."""
         inbox = self._rx_pump_inbox(stream)
         peer = f"trainer rank {stream}"
+        ahead: collections.deque = collections.deque()   # posted, not completed: oldest first
         try:
             while not state.stop.is_set():
-                msg = inbox.pop(timeout=patience(self.config.timeout), peer=peer,
-                                phase="receive", version=state.version)
+                msg = self._pump_next(inbox, ahead, stream, state, peer)
+                if msg is None:
+                    continue
                 seq = getattr(msg, "seq", state.seq)
                 if seq < state.seq:
                     continue  # left over from an earlier, failed sync
@@ -238,15 +247,23 @@ class ReceiverMixin:
                                        peer=peer, phase="receive", version=state.version)
                 if isinstance(msg, BucketMsg):
                     self._check_version(state, msg.version, peer)
+                    if msg.slot not in (PUSHED_SLOT, DIRECT_SLOT) and self._rx_ahead > 1:
+                        while len(ahead) >= self._rx_ahead:
+                            self._pump_complete(ahead, stream, state)
+                        posted = self._rx_fetch_post(stream, msg)
+                        if posted is not None:
+                            ahead.append(("bucket", msg, posted[0], posted[1]))
+                            continue
+                    if msg.slot == DIRECT_SLOT:
+                        self._pump_direct(ahead, stream, msg, state, inbox)
+                        continue
+                    self._pump_flush(ahead, stream, state)
                     if msg.slot == PUSHED_SLOT:   # the bytes are in our tensors already
                         state.q.put(("pushed", stream, msg, None))
                         continue
-                    if msg.slot == DIRECT_SLOT:
-                        state.q.put(("direct", stream, msg,
-                                     self._rx_direct_pump(stream, msg, state, inbox)))
-                        continue
                     state.q.put(("bucket", stream, msg, self._rx_fetch(stream, msg)))
                     continue
+                self._pump_flush(ahead, stream, state)
                 if isinstance(msg, DoneMsg):
                     self._rx_settle(stream, msg)
                 state.q.put(("msg", stream, msg, None))
@@ -254,6 +271,47 @@ class ReceiverMixin:
                     return
         except BaseException as exc:  # handed to the consumer, which raises it
             state.q.put(("exc", stream, exc, None))
+
+    def _pump_next(self, inbox: Any, ahead: Any, stream: int, state: _RecvState,
+                   peer: str) -> Any:
+        """The next message; while fetches are in flight, only one already here (else the
+        oldest fetch is completed and None returned)."""
+        if not ahead:
+            return inbox.pop(timeout=patience(self.config.timeout), peer=peer,
+                             phase="receive", version=state.version)
+        try:
+            return inbox.pop(timeout=0.0, peer=peer, phase="receive", version=state.version)
+        except SyncTimeout:
+            self._pump_complete(ahead, stream, state)
+            return None
+
+    def _pump_complete(self, ahead: Any, stream: int, state: _RecvState) -> None:
+        """Wait for the oldest fetch in flight and hand it to the consumer."""
+        kind, msg, out, handle = ahead.popleft()
+        self._rx_complete(stream, msg, handle)
+        if kind == "direct":
+            self._rx_direct_ack(stream, msg, state)
+        state.q.put((kind, stream, msg, out))
+
+    def _pump_flush(self, ahead: Any, stream: int, state: _RecvState) -> None:
+        while ahead:
+            self._pump_complete(ahead, stream, state)
+
+    def _pump_direct(self, ahead: Any, stream: int, msg: BucketMsg, state: _RecvState,
+                     inbox: Any) -> None:
+        """Fetch a tensor sent outside the buckets: posted ahead when it lands in the
+        caller's tensor, else after every fetch in flight (its staging waits for the
+        consumer)."""
+        dest = self._rx_direct_dest(stream, msg, state)
+        if dest is None or self._rx_ahead < 2:
+            self._pump_flush(ahead, stream, state)
+            state.q.put(("direct", stream, msg,
+                         self._rx_direct_pump(stream, msg, state, inbox, dest)))
+            return
+        while len(ahead) >= self._rx_ahead:
+            self._pump_complete(ahead, stream, state)
+        handle = self._rx_direct_post(stream, msg, getattr(inbox, "last_aux", 0), dest)
+        ahead.append(("direct", msg, dest, handle))
 
     def _rx_begin(self, state: _RecvState) -> None:
         """Hook, at the start of every receive, before any pump reads (e.g. tell the
@@ -264,30 +322,40 @@ class ReceiverMixin:
         :meth:`_rx_fetch` left in flight on the device (a backend whose fetch does not
         wait on the host); raises a failure of it."""
 
-    def _rx_direct_pump(self, stream: int, msg: BucketMsg, state: _RecvState,
-                        inbox: Any) -> torch.Tensor:
-        """Pump thread: fetch a tensor sent outside the buckets, then acknowledge it (the
-        sender waits for that before it moves on). Into the caller's tensor if it fits."""
+    def _rx_direct_dest(self, stream: int, msg: BucketMsg, state: _RecvState
+                        ) -> Optional[torch.Tensor]:
+        """Check a direct tensor's header; the caller's tensor it lands in, if one fits."""
         peer = f"trainer rank {stream}"
         if not msg.entries or len(msg.entries) != 1:
             raise PlanMismatch("a direct tensor needs exactly one entry", peer=peer,
                                phase="receive", version=msg.version)
         meta = msg.entries[0]
         dtype = dtype_from_name(meta.dtype)
-        if meta.is_chunk or meta.offset or meta.nbytes != math.prod(meta.shape) * \
-                torch.empty((), dtype=dtype).element_size():
+        if meta.is_chunk or meta.offset or \
+                meta.nbytes != math.prod(meta.shape) * itemsize(meta.dtype):
             raise PlanMismatch(f"direct tensor {meta.name!r} has an inconsistent size",
                                peer=peer, phase="receive", version=msg.version)
         dest = state.into.get(meta.name) if state.into is not None else None
-        device = torch.device(self.config.device)
-        if not _fits(dest, meta.shape, dtype, device):
+        return dest if _fits(dest, meta.shape, dtype, torch.device(self.config.device)) else None
+
+    def _rx_direct_pump(self, stream: int, msg: BucketMsg, state: _RecvState,
+                        inbox: Any, dest: Optional[torch.Tensor]) -> torch.Tensor:
+        """Pump thread: fetch a tensor sent outside the buckets, then acknowledge it (the
+        sender waits for that before it moves on). Into ``dest`` (the caller's tensor, from
+        :meth:`_rx_direct_dest`), else into a staging buffer."""
+        if dest is None:
+            meta = msg.entries[0]
             self._rx_wait(_SemEvent(state.staged), self.config.timeout,
                           what="the last direct tensor", version=msg.version)
-            dest = self._staging(meta.nbytes, device).view(dtype).view(meta.shape)
+            dest = self._staging(meta.nbytes, torch.device(self.config.device)).view(
+                dtype_from_name(meta.dtype)).view(meta.shape)
         self._rx_direct(stream, msg, getattr(inbox, "last_aux", 0), dest)
+        self._rx_direct_ack(stream, msg, state)
+        return dest
+
+    def _rx_direct_ack(self, stream: int, msg: BucketMsg, state: _RecvState) -> None:
         self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
                                                   rank=self._rank, index=msg.index))
-        return dest
 
     def _staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A byte buffer for a direct tensor that has no destination: reused across
@@ -312,6 +380,26 @@ class ReceiverMixin:
         """Hook: fill ``dest`` with the direct tensor described by ``msg``."""
         raise PlanMismatch("this backend does not take direct tensors",
                            peer=f"trainer rank {stream}", phase="receive", version=msg.version)
+
+    # -- fetches posted ahead (backends with ``_rx_ahead`` > 1) ------------------------------
+    #: How many fetches a pump may have in flight at once (1: each completes before the next
+    #: message is read). A backend that sets more implements the three hooks below.
+    _rx_ahead = 1
+
+    def _rx_direct_post(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> Any:
+        """Hook: start filling ``dest`` (as :meth:`_rx_direct`); a handle for
+        :meth:`_rx_complete`."""
+        raise NotImplementedError
+
+    def _rx_fetch_post(self, stream: int, msg: BucketMsg) -> Optional[tuple[torch.Tensor, Any]]:
+        """Hook: start fetching a bucket if that needs no wait now (its slot is free):
+        ``(buffer, handle)``; None: fetch it with :meth:`_rx_fetch` once every fetch in
+        flight completed."""
+        return None
+
+    def _rx_complete(self, stream: int, msg: BucketMsg, handle: Any) -> None:
+        """Hook: wait (bounded) until a posted fetch completed; raise its failure."""
+        raise NotImplementedError
 
     def _check_version(self, state: _RecvState, got: Any, peer: str) -> None:
         if state.version is not None and state.version != got:
