@@ -291,3 +291,42 @@ def test_a_bad_rx_ahead_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_AHEAD", value)
     with pytest.raises(ValueError, match="WEIGHTSYNC_COLLECTIVE_RX_AHEAD"):
         CheckpointEngineRegistry.new("collective", role="rollout", bucket_size=BUCKET)
+
+
+def slow_probe_hook(engine, role, rank):
+    """Kept parameters (see kept_params_hook); rollout rank 1 answers the trainer's memory
+    probe 1 s late, so rank 0 has begun its first receive (and sent its offer) by then."""
+    kept_params_hook(engine, role, rank)
+    if role == "rollout" and rank == 1:
+        import time
+        import weightsync.transport.backends.shm.engine as shm_engine
+        probe = shm_engine.cma_available
+
+        def slow(*args):
+            time.sleep(1.0)
+            return probe(*args)
+        shm_engine.cma_available = slow
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("consume", ["views", "into-shared"])
+def test_shm_probe_waits_for_every_receivers_answer(monkeypatch, consume):
+    """A receiver's first offer that comes before another receiver's probe answer is kept
+    for its sync, not taken for an answer: direct reads stay on (before the fix the probe
+    counted the offer, freed its bytes and the late receiver read garbage: no direct
+    reads for the whole group, silently). Receivers' tensors shared: every tensor is
+    pushed from the first sync on, the early offer kept for it."""
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", "1024")
+    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
+    spec = GroupSpec(backend="shm", receivers=2, steps=3, tiny=5, consume=consume,
+                     hook="test_direct_tensors:slow_probe_hook",
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+    results = run_group(spec)
+    _clean(results)
+    steps = results[0]["steps"]
+    if consume == "views":
+        unwaited = [s["direct_unwaited"] for s in steps]
+        assert unwaited[0] == 0 and unwaited[1] > 0 and unwaited[2] == unwaited[1], unwaited
+    else:
+        pushed = [s["pushed"] for s in steps]   # (non-contiguous tensors are not offered)
+        assert pushed[0] > 0 and len(set(pushed)) == 1, pushed

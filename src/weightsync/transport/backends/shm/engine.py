@@ -188,19 +188,32 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         hello = HelloMsg(stream=self._rank, rank=0, bucket_size=self.config.bucket_size,
                          num_slots=self.config.num_slots, segments=(want,))
         self._hub.push_many(self._receiver_boxes(), hello, aux=probe.data_ptr())
-        ok, push = set(), set()
-        for _ in range(self._num_receivers):
-            msg = self._hub.pop(timeout=max(0.1, deadline - time.monotonic()),
-                                peer="rollout ranks", phase="init")
+        ok, push, replied = set(), set(), set()
+        while len(replied) < self._num_receivers:
+            missing = sorted(set(range(self._num_receivers)) - replied)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeout(f"rollout ranks {missing} did not answer the memory probe",
+                                  peer=f"rollout rank {missing[0]}", phase="init")
+            msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing[0]}", phase="init")
             if isinstance(msg, HelloMsg):
+                replied.add(msg.rank)
                 if "cma" in msg.segments:
                     ok.add(msg.rank)
                 if "push" in msg.segments:
                     push.add(msg.rank)
+            elif isinstance(msg, LandMsg):
+                # a receiver done with its init already began its first receive: its offer
+                # is for that sync (the probe waits on for the others' answers)
+                self._land_early[(msg.seq, msg.rank)] = msg
+            elif isinstance(msg, ErrorMsg):
+                raise_remote(msg, phase="init")
         # pushes: every receiver offers landings each sync, and opening a receiver's
         # descriptors takes the same permission as reading its memory
         self._push = self._push_env and len(push) == len(ok) == self._num_receivers \
             and not self.config.checksum
+        if not self._push:
+            self._land_early.clear()
         return self._direct_mode != "off" and len(ok) == self._num_receivers \
             and not self.config.checksum and (self._direct_mode == "on" or self._direct_pays())
 
