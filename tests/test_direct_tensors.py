@@ -206,9 +206,10 @@ def test_a_bad_direct_window_is_a_clear_error(monkeypatch, backend, env, value):
 
 
 def ahead_hook(engine, role, rank):
-    """Receiver: count the broadcasts in flight at once per trainer stream, delay some completions (a slow
-    one must not let a later item overtake it), and note the order items reach the
-    consumer; written to ``$WS_AHEAD_OUT.<rank>`` at finalize."""
+    """Receiver: count the broadcasts in flight at once per trainer stream (pausing after
+    each post until two were), delay some completions (a slow one must not let a later
+    item overtake it), and note the order items reach the consumer; written to
+    ``$WS_AHEAD_OUT.<rank>`` at finalize."""
     if role != "rollout":
         return
     import json
@@ -225,6 +226,8 @@ def ahead_hook(engine, role, rank):
         with lock:
             now = stats["now"][str(stream)] = stats["now"].get(str(stream), 0) + 1
             stats["max"] = max(stats["max"], now)
+        if stats["max"] < 2:     # give the next header time to come (a loaded box)
+            time.sleep(0.02)
         return handle
 
     def direct(stream, *args):
