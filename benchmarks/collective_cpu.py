@@ -1,0 +1,71 @@
+"""CPU `collective` against raw gloo, paired in the same two processes (1 GiB synthetic
+bf16, one receiver, `receive_into`): 16 syncs, each right after one flat gloo broadcast of
+the same bytes; prints the medians and the per-step ratio. `SRC=<a src folder>` runs
+another tree's weightsync (e.g. a `git archive` of an older commit) for a before/after on
+the same box state; engine environment variables (WEIGHTSYNC_COLLECTIVE_*) apply as usual.
+
+    .venv/bin/python benchmarks/collective_cpu.py
+"""
+import asyncio, datetime, os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+sys.path.insert(0, os.environ.get("SRC", "/work/main/src"))
+N = 1 << 30
+CPU = []
+def flat(pg, buf, k=5):
+    ts = []
+    for _ in range(k):
+        c = time.process_time(); t = time.perf_counter(); pg.broadcast(buf, 0).wait(); ts.append(time.perf_counter() - t); CPU.append(("flat", time.process_time() - c))
+    return sorted(ts)[len(ts)//2]
+def main(rank, port, q, qs):
+    torch.set_num_threads(1)
+    td = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, is_master=(rank == 0), timeout=td, use_libuv=True, wait_for_workers=False)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("flat", store), rank, 2, td)
+    buf = (torch.ones if rank == 0 else torch.zeros)(N, dtype=torch.uint8)
+    pg.broadcast(buf[:4096], 0).wait()
+    r = {"flat_alone": flat(pg, buf)}
+    from weightsync.tools.bench.workloads import synthetic
+    w = synthetic(N, "bfloat16", bucket_size=64 << 20)
+    params = {n: torch.randn(s).to(torch.bfloat16) for n, s in w.tensors}
+    from weightsync.transport import CheckpointEngineRegistry
+    from weightsync.transport.base import worker_kwargs
+    cls = CheckpointEngineRegistry.get("collective")
+    eng = cls(role="trainer" if rank == 0 else "rollout", bucket_size=64 << 20, timeout=60)
+    meta = eng.prepare()
+    q[rank].put(meta)
+    if rank == 0:
+        metas = [q[0].get(), q[1].get()]
+        tk, rk = cls.build_topology(1, 1, metas)
+        qs.put(worker_kwargs(rk, 0)); kw = worker_kwargs(tk, 0)
+    else:
+        kw = qs.get()
+    eng.init_process_group(**kw)
+    loop = asyncio.new_event_loop()
+    async def rx(v):
+        async for _ in eng.receive_into(params, version=v): pass
+    def sync(v):
+        c = time.process_time(); t = time.perf_counter()
+        if rank == 0: loop.run_until_complete(eng.send_weights(params.items(), version=v))
+        else: loop.run_until_complete(rx(v))
+        CPU.append(("sync", time.process_time() - c))
+        return time.perf_counter() - t
+    sync(1)
+    r["flat_engine_idle"] = flat(pg, buf)
+    ts = []; fs = []
+    for v in range(2, 18):
+        fs.append(flat(pg, buf, 1)); ts.append(sync(v))
+    import statistics; r["sync_med"] = statistics.median(ts); r["flat_paired"] = statistics.median(fs)
+    r["ratio"] = statistics.median(f / t for f, t in zip(fs, ts))
+    time.sleep(0.5)
+    import threading
+    import statistics
+    r["cpu_flat"] = statistics.median(c for k, c in CPU if k == "flat"); r["cpu_sync"] = statistics.median(c for k, c in CPU if k == "sync")
+    print(rank, r, flush=True)
+    eng.finalize()
+if __name__ == "__main__":
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    ctx = mp.get_context("spawn")
+    q = [ctx.Queue(), ctx.Queue()]; qs = ctx.Queue()
+    ps = [ctx.Process(target=main, args=(r, port, q, qs)) for r in range(2)]
+    [p.start() for p in ps]; [p.join() for p in ps]
