@@ -1,6 +1,7 @@
 """CPU `collective` against raw gloo, paired in the same two processes (1 GiB synthetic
 bf16, one receiver, `receive_into`): 16 syncs, each right after one flat gloo broadcast of
-the same bytes; prints the medians and the per-step ratio. `SRC=<a src folder>` runs
+the same bytes; prints the medians and the per-step ratio (`WORKLOAD=qwen2`: the bench's
+config-built Qwen2 shapes instead; the flat broadcast stays 1 GiB). `SRC=<a src folder>` runs
 another tree's weightsync (e.g. a `git archive` of an older commit) for a before/after on
 the same box state; engine environment variables (WEIGHTSYNC_COLLECTIVE_*) apply as usual.
 
@@ -24,8 +25,11 @@ def main(rank, port, q, qs):
     buf = (torch.ones if rank == 0 else torch.zeros)(N, dtype=torch.uint8)
     pg.broadcast(buf[:4096], 0).wait()
     r = {"flat_alone": flat(pg, buf)}
-    from weightsync.tools.bench.workloads import synthetic
-    w = synthetic(N, "bfloat16", bucket_size=64 << 20)
+    from weightsync.tools.bench.workloads import hf_qwen2, synthetic
+    if os.environ.get("WORKLOAD") == "qwen2":   # the bench's config-built Qwen2 (~0.5B)
+        w = hf_qwen2("bfloat16")[0]
+    else:
+        w = synthetic(N, "bfloat16", bucket_size=64 << 20)
     params = {n: torch.randn(s).to(torch.bfloat16) for n, s in w.tensors}
     from weightsync.transport import CheckpointEngineRegistry
     from weightsync.transport.base import worker_kwargs
