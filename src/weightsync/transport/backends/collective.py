@@ -387,6 +387,10 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
     def _rx_fetch(self, stream: int, msg: BucketMsg) -> torch.Tensor:
         free = self._free[(stream, msg.slot)]
         self._rx_wait(free, self.config.timeout, what=f"slot {msg.slot}", version=msg.version)
+        if not self._cuda:      # the slot is free now: post as ahead, then wait for it
+            buf, work = self._rx_fetch_post(stream, msg)
+            self._rx_complete(stream, msg, work)
+            return buf
         free.clear()
         buf = self._rx_bufs[stream][msg.slot]
         released = self._released.pop((stream, msg.slot), None)
