@@ -159,6 +159,10 @@ def test_run_links_rules():
     assert where["links.device_mem.GBps"] == "memcpy, paired"
     assert where["links.host_mem.GBps"] == "memcpy-parallel, own run, R=4"
     assert calibrate.run_links({**rec, "paired": None}, {}) == ({}, {})
+    # a run without cma-raw: the direct reads at its memcpy's rate (the paired one here)
+    sets, where = calibrate.run_links(rec, {k: v for k, v in limits.items() if k != "cma-raw"})
+    assert sets["ring.direct_GBps"] == pytest.approx(5.0)
+    assert "no cma-raw" in where["ring.direct_GBps"] and "memcpy, paired" in where["ring.direct_GBps"]
     bad = {"memcpy": [{"receivers": 2, "bytes": gb, "warm_median_s": 0}]}
     with pytest.raises(PlannerError, match="warm_median_s"):
         calibrate.run_links({**rec, "paired": None}, bad)

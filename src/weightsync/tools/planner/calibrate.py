@@ -30,8 +30,10 @@ its own run recorded* (paired with its steps where the bench paired them). Those
 the calibration (``rows``, counted against :data:`GOAL`). The same cases predicted with
 the preset's fixed rates alone are kept apart (``preset_rows``, "preset vs this run's box":
 printed, not counted). A case whose run recorded no limit is predicted with the preset and
-counted. What a run does not record (``ring.direct_GBps`` before ``cma-raw`` existed, the
-``software`` costs, latencies) comes from the preset, whose file says which of those are measured and which are
+counted. A run without ``cma-raw`` (before it existed) has its direct reads
+(``ring.direct_GBps``) priced at its own ``memcpy`` rate (the two were 0.87-1.18 x apart
+where a run recorded both). What a run does not record (the ``software`` costs,
+latencies) comes from the preset, whose file says which of those are measured and which are
 assumed. The limits themselves are inputs, not calibration cases. Not modelled:
 ``cuda_ipc`` zero-copy, the verl-style baseline, Ray and the other baselines.
 
@@ -131,6 +133,12 @@ RUN_LIMITS = (
 )
 
 
+#: the link a run's ``memcpy`` sets, and the direct reads' rate it stands in for where the
+#: run recorded no ``cma-raw`` (:func:`run_links`)
+MEMCPY_FIELD = "links.device_mem.GBps"
+DIRECT_FIELD = "ring.direct_GBps"
+
+
 def _seconds(rec: Mapping, where: str) -> float:
     s = rec.get("warm_median_s")
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
@@ -150,7 +158,8 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
     each step, in the same processes) where it paired that one, else the limit's own
     record of the same receiver count (of any, for a ``ceiling``). Returns the
     :func:`~.links.load_links` overrides and, per field, where it came from; both empty
-    when the run recorded none of them."""
+    when the run recorded none of them. Without ``cma-raw`` the direct reads take the
+    ``memcpy``'s rate."""
     paired = rec.get("paired") or {}
     sets, where = {}, {}
     for lim in RUN_LIMITS:
@@ -168,6 +177,12 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
         if lim.ceiling and sets.get(lim.field, 0.0) >= rate:
             continue        # a ceiling: the most any limit of that field reached
         sets[lim.field], where[lim.field] = rate, f"{lim.method}, {how}"
+    if DIRECT_FIELD not in sets and MEMCPY_FIELD in sets:
+        # no cma-raw in this run: shm's direct reads (process_vm_readv, a copy the kernel
+        # makes) at the run's own one-process memcpy rate rather than the preset's fixed
+        # rate; where a run recorded both, cma-raw / memcpy was 0.87-1.18 (12-04b, s14)
+        sets[DIRECT_FIELD] = sets[MEMCPY_FIELD]
+        where[DIRECT_FIELD] = f"= device_mem ({where[MEMCPY_FIELD]}; the run has no cma-raw)"
     return sets, where
 
 
