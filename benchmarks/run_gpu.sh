@@ -46,6 +46,6 @@ if [ -z "${SKIP_NIXL_BENCH:-}" ] && $PY -c 'import nixl' 2>/dev/null; then
 fi
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -v -p no:cacheprovider -rfE -m gpu \
   tests/test_gpu_cuda_ipc.py tests/test_cuda_ipc.py tests/test_nixl.py tests/test_gpu_checksum_order.py \
-  tests/test_gpu_shm.py 2>&1 \
+  tests/test_gpu_shm.py tests/test_gpu_codec.py 2>&1 \
   | grep -v "NIXL INFO" | tee "$OUT/gpu_tests.txt" | tail -45
 echo "tests exit ${PIPESTATUS[0]}"

@@ -42,8 +42,8 @@ from weightsync.transport.tensors import (LastingStorage, aiter_items, as_bytes,
 from weightsync.transport.protocol.ownership import Ownership
 from weightsync.transport.base import CheckpointEngine
 
-__all__ = ["BucketedEngine", "DirectTensors", "direct_header", "direct_min_bytes", "direct_window",
-           "plain_cpu"]
+__all__ = ["BucketedEngine", "DirectTensors", "chunk_source", "direct_header", "direct_min_bytes",
+           "direct_window", "plain_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,14 @@ def direct_header(engine: Any, state: Any, name: str, tensor: torch.Tensor,
     return BucketMsg(version=wire_version(state.version), seq=state.seq, stream=engine._rank,
                      index=DIRECT_BASE + k, slot=DIRECT_SLOT, nbytes=nbytes,
                      layout="direct", entries=(meta,))
+
+
+def chunk_source(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as the bytes its chunks are cut from: in the wire dtype, contiguous (the
+    same object when it already is both)."""
+    if tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor.contiguous()
 
 
 def direct_min_bytes(env: str, default: int) -> int:
@@ -394,6 +402,9 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             return
         pieces = state.builder.add(name, tensor.shape, dtype_name(dtype))
         state.tensors += 1
+        if pieces and pieces[0][1].is_chunk:
+            # a tensor in chunks is cast and made contiguous once, not once per chunk
+            tensor = chunk_source(tensor, dtype)
         for index, meta in pieces:
             if state.published < len(state.builder.closed):
                 await self._flush(state, upto=index)
@@ -418,8 +429,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         if not meta.is_chunk:
             dst.view(dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
             return
-        src = tensor if tensor.dtype == dtype else tensor.to(dtype)
-        src = as_bytes(src.contiguous())
+        src = as_bytes(chunk_source(tensor, dtype))   # _pack already made it so: no copy
         piece = src[meta.chunk_offset: meta.chunk_offset + meta.nbytes]
         if plain_cpu(tensor) and can_memmove(dst, piece):
             copy_into(dst, piece)

@@ -67,7 +67,7 @@ from weightsync.core.errors import PeerFailed, SyncTimeout, TopologyError, Weigh
 from weightsync.core.plan import TensorMeta
 from weightsync.core.remote import normalize_version
 from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
-from weightsync.transport.protocol.sender import BucketedEngine
+from weightsync.transport.protocol.sender import BucketedEngine, chunk_source
 from weightsync.transport.tensors import ReplayedLasting, as_bytes
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
@@ -459,7 +459,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             if not chunked or chunked[0] is not tensor or chunked[1] != dtype:
                 # cast / made contiguous once per tensor, not once per chunk
                 src = tensor.to(buf.device) if tensor.device != buf.device else tensor
-                src = as_bytes((src if src.dtype == dtype else src.to(dtype)).contiguous())
+                src = as_bytes(chunk_source(src, dtype))
                 chunked = self._chunk_src = (tensor, dtype, src)
             src = chunked[2]
             self._copy(buf[meta.offset: meta.offset + meta.nbytes],
