@@ -179,3 +179,69 @@ def test_plan_export_kinds_for_peft():
     assert kinds["full"] == kinds["base"]
     assert all(".lora_" not in n and "base_layer" not in n for n in kinds["full"])
     assert all(".lora_A.weight" in n or ".lora_B.weight" in n for n in kinds["adapter"])
+
+
+def _many_worker(rank: int, world: int, port: int, path: str) -> None:
+    """gather_many_to_owners over DTensors of mixed dtypes, odd sizes (padded shards,
+    regions of odd byte counts), shards on dim 0 and dim 1, some cast on the way."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from weightsync.trainer import fsdp
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    cases = [((7, 3), torch.float16, 0, None), ((5,), torch.int8, 0, None),
+             ((9, 5), torch.float32, 0, torch.bfloat16), ((3, 11), torch.bfloat16, 1, None),
+             ((1, 4), torch.float32, 0, None), ((13,), torch.bool, 0, None),
+             ((6, 7), torch.float64, 1, torch.float16), ((4, 2), torch.int64, 0, None)]
+    fulls, dts, dtypes = [], [], []
+    for shape, dtype, dim, cast in cases:
+        full = (torch.randn(shape, generator=g) * 50).to(dtype)
+        fulls.append(full if cast is None else full.to(cast))
+        dts.append(distribute_tensor(full, mesh, [Shard(dim)]))
+        dtypes.append(cast)
+    owners = [i % world for i in range(len(cases))]
+    cats = [0]
+    real_cat = torch.cat
+
+    def counted(*args, **kwargs):
+        cats[0] += 1
+        return real_cat(*args, **kwargs)
+
+    torch.cat = counted
+    try:
+        got = fsdp.gather_many_to_owners(dts, owners, dtypes, mesh.get_group())
+    finally:
+        torch.cat = real_cat
+    mine = [i for i, o in enumerate(owners) if o == rank]
+    result = {"none_elsewhere": all(got[i] is None for i, o in enumerate(owners) if o != rank),
+              "equal": all(got[i] is not None and got[i].dtype == fulls[i].dtype
+                           and torch.equal(got[i], fulls[i]) for i in mine),
+              "cats": cats[0], "owned": len(mine)}
+    with open(os.path.join(path, f"m{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def test_fsdp2_exchange_writes_shards_straight_into_the_send_buffer(tmp_path):
+    """Every owner gets its tensors bit-exact (cast where asked) and the send side makes no
+    concatenation: the only ``torch.cat`` left is the owner's, one per tensor it owns."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_many_worker, args=(2, port, str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"m{rank}.json").read_text())
+        assert r["none_elsewhere"] and r["equal"], r
+        assert r["cats"] == r["owned"], r

@@ -7,13 +7,15 @@ tensor, and the others get ``None``. Every rank must call it for the same tensor
 same order (it is a collective on the DTensor's mesh group). Layouts other than a 1-D
 mesh with one ``Shard`` placement fall back to ``full_tensor()`` on every rank.
 :func:`gather_many_to_owners` moves many such tensors in one ``all_to_all``; both send
-the same padded shards (``_padded_shard``).
+the same padded shards, the latter written straight into its send buffer (each shard cast,
+laid out and padded in one copy).
 
 Called by :mod:`weightsync.trainer.export` only.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -36,6 +38,9 @@ def dist_rank_world(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int
     return dist.get_rank(), dist.get_world_size(group), dist.get_process_group_ranks(group)
 
 
+_ALIGN = 16  # bytes: where each tensor's region of an all_to_all buffer starts
+
+
 def _chunk_sizes(n: int, world: int) -> tuple[int, list[int]]:
     """``torch.chunk`` semantics, which DTensor's ``Shard`` follows."""
     size = -(-n // world) if n else 0
@@ -49,25 +54,41 @@ def _fallback(dt: torch.Tensor, owner: int, dtype: Optional[torch.dtype]) -> Opt
     return full if dtype is None or full.dtype == dtype else full.to(dtype)
 
 
-def _padded_shard(dt: torch.Tensor, world: int, index: int,
-                  dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, int, int, tuple]:
-    """This rank's (the ``index``-th of ``world``) shard of ``dt``, cast to ``dtype``, with
-    the sharded dim moved first and zero-padded to the chunk size every rank sends:
-    ``(contiguous shard, dim, chunk size, shape of the other dims)``."""
+def _shard_of(dt: torch.Tensor, world: int, index: int) -> tuple[torch.Tensor, int, int, tuple]:
+    """This rank's (the ``index``-th of ``world``) shard of ``dt`` with the sharded dim moved
+    first (a view): ``(shard, dim, chunk size every rank sends, shape of the other dims)``."""
     dim = dt.placements[0].dim % max(dt.dim(), 1)
     size, sizes = _chunk_sizes(dt.shape[dim], world)
     local = dt.to_local()
-    if dtype is not None and local.dtype != dtype:
-        local = local.to(dtype)
     moved = local.movedim(dim, 0) if dim else local
     if moved.shape[0] != sizes[index]:
         raise RuntimeError(f"unexpected shard of {tuple(dt.shape)} on rank {dist.get_rank()}: "
                            f"{tuple(local.shape)} (expected {sizes[index]} along dim {dim})")
-    rest = tuple(moved.shape[1:])
-    if moved.shape[0] < size:
-        pad = torch.zeros((size - moved.shape[0],) + rest, dtype=moved.dtype, device=moved.device)
-        moved = torch.cat([moved, pad]) if moved.shape[0] else pad
-    return moved.contiguous(), dim, size, rest
+    return moved, dim, size, tuple(moved.shape[1:])
+
+
+def _write_padded(dst: torch.Tensor, shard: torch.Tensor) -> None:
+    """``shard`` into the first rows of ``dst`` (cast and laid out in that one copy), the
+    rest of ``dst`` zeroed."""
+    n = shard.shape[0]
+    if n:
+        dst[:n].copy_(shard)
+    if n < dst.shape[0]:
+        dst[n:].zero_()
+
+
+def _padded_shard(dt: torch.Tensor, world: int, index: int,
+                  dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, int, int, tuple]:
+    """:func:`_shard_of`, cast to ``dtype``, contiguous and zero-padded to the chunk size:
+    ``(padded shard, dim, chunk size, shape of the other dims)``; no copy when the shard
+    already is all that."""
+    moved, dim, size, rest = _shard_of(dt, world, index)
+    want = dtype if dtype is not None else moved.dtype
+    if moved.shape[0] == size and moved.dtype == want and moved.is_contiguous():
+        return moved, dim, size, rest
+    out = torch.empty((size,) + rest, dtype=want, device=moved.device)
+    _write_padded(out, moved)
+    return out, dim, size, rest
 
 
 def gather_to_owner(dt: torch.Tensor, owner: int,
@@ -112,31 +133,40 @@ def gather_many_to_owners(dts: list, owners: list[int], dtypes: list,
     ranks = dist.get_process_group_ranks(group)
     world, me = len(ranks), dist.get_rank()
     index = ranks.index(me)
-    by_dest: list[list[torch.Tensor]] = [[] for _ in ranks]
-    metas = []
+    # the send buffer is written in place, grouped by destination rank: each shard cast,
+    # moved and padded in one copy (no per-shard tensor, no concatenation); every region
+    # starts at a multiple of _ALIGN bytes, so each one can be viewed in its own dtype
+    shards, metas = [], []
+    in_splits = [0] * world
     for dt, owner, dtype in zip(dts, owners, dtypes):
-        moved, dim, size, rest = _padded_shard(dt, world, index, dtype)
-        flat = moved.reshape(-1).view(torch.uint8)
-        by_dest[ranks.index(owner)].append(flat)
-        metas.append((owner, flat.numel(), dim, size, rest, dt.shape[dim],
-                      dtype if dtype is not None else dt.dtype))
-    in_splits = [sum(f.numel() for f in parts) for parts in by_dest]
-    flat_parts = [f for parts in by_dest for f in parts]
+        moved, dim, size, rest = _shard_of(dt, world, index)
+        want = dtype if dtype is not None else moved.dtype
+        nbytes = size * math.prod(rest) * want.itemsize
+        region = -(-nbytes // _ALIGN) * _ALIGN
+        dest = ranks.index(owner)
+        shards.append((dest, moved, want, (size,) + rest, nbytes, region))
+        in_splits[dest] += region
+        metas.append((owner, region, dim, size, rest, dt.shape[dim], want, nbytes))
     device = dts[0].to_local().device
-    send = torch.cat(flat_parts) if flat_parts else torch.empty(0, dtype=torch.uint8,
-                                                                 device=device)
+    send = torch.empty(sum(in_splits), dtype=torch.uint8, device=device)
+    cursor = [sum(in_splits[:d]) for d in range(world)]
+    for dest, moved, want, shape, nbytes, region in shards:
+        at = cursor[dest]
+        cursor[dest] += region
+        if nbytes:
+            _write_padded(send[at: at + nbytes].view(want).view(shape), moved)
     per_source = sum(m[1] for m in metas if m[0] == me)   # equal from every rank (padded)
     out = torch.empty(per_source * world, dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, send, output_split_sizes=[per_source] * world,
                            input_split_sizes=in_splits, group=group)
     results: list[Optional[torch.Tensor]] = [None] * len(dts)
     offset = 0
-    for i, (owner, nbytes, dim, size, rest, n, dtype) in enumerate(metas):
+    for i, (owner, region, dim, size, rest, n, dtype, nbytes) in enumerate(metas):
         if owner != me:
             continue
         pieces = [out[s * per_source + offset: s * per_source + offset + nbytes]
                   for s in range(world)]
-        offset += nbytes
+        offset += region
         full = torch.cat(pieces).view(dtype).view((world * size,) + rest)[:n]
         results[i] = full.movedim(0, dim) if dim else full
     return results
