@@ -280,6 +280,21 @@ def test_gpu_trainer_into_a_cpu_receiver_rows_use_the_runs_d2h(tmp_path):
     assert 1.9 * push["predicted_s"] < a["predicted_s"] < 2.0 * push["predicted_s"]
 
 
+def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
+    """The H100 host's runs (cuda_ipc ring with receive_into, shm D2H) are rows named after
+    their GPU, each priced with the run's own flat D2D / pinned D2H / host copy."""
+    rows = calibrate.run(("h200", "shm-d2h"))["rows"]
+    h100 = [r for r in rows if r["case"].startswith("H100 ")]
+    assert sorted(r["case"] for r in h100) == [
+        "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
+        "H100 host GPU trainer -> shm -> CPU receiver, into (ring, pinned, 2026-12-05)",
+        "H100 host GPU trainer -> shm -> CPU receiver, shared (push, 2026-12-05)"]
+    for r in h100:
+        assert "own run" in r["links_from"], r
+    assert any(r["case"].startswith("H200 cuda_ipc ring") for r in rows)
+
+
 NIXL_TP = "cpu-nixl-tp-2026-12-04"
 
 

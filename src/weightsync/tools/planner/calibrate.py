@@ -15,9 +15,10 @@ from 2 trainer ranks into 2 TP-2 workers with and without box-by-box staging
 (:data:`NIXL_TP_RUNS`, ``cpu-nixl-tp-2026-12-04``: ``p2p``, ``cut``), and the ``shm``
 paths with torch shared memory on either side: the CPU runs ``cpu-2026-12-04-s16``
 (``shm-shared``: ``ring`` with ``shared="trainer"``; ``shm-push``: ``shared="receivers"``)
-and ``gpu-h200-2026-12-04-s16/shm_d2h.json`` (:data:`SHM_D2H_RUNS`: a GPU trainer into a
-CPU receiver on the H200 host, ``h200-host``, ``trainer_device="gpu"``, through the
-pinned ring or pushed). GPU model shapes are taken from the
+and ``gpu-h200-2026-12-04-s16/shm_d2h.json`` and ``gpu-h100-2026-12-05/shm_d2h.json``
+(:data:`SHM_D2H_RUNS`: a GPU trainer into a CPU receiver on one GPU host, ``h200-host``
+with the run's own D2H and host-copy rates, ``trainer_device="gpu"``, through the pinned
+ring or pushed). GPU model shapes are taken from the
 benchmark scripts themselves (``benchmarks/gpu_bench.py``, ``benchmarks/multi_gpu.py``,
 loaded by path).
 
@@ -377,11 +378,13 @@ def _cpu_cases(root: str) -> list[dict]:
 
 
 def _h200_cases(root: str) -> list[dict]:
-    """The ``cuda_ipc`` ring on one H200; the device-memory rate from the run's own flat
-    D2D copy of the same bytes (``d2d``), where it recorded one."""
+    """The ``cuda_ipc`` ring on one H200 (and one H100 run); the device-memory rate from the
+    run's own flat D2D copy of the same bytes (``d2d``), where it recorded one."""
     rows = []
     for folder, name in (("gpu-h200-2026-11-29", "bench_final.json"),
-                         ("gpu-h200-2026-12-01", "gpu_bench.json")):
+                         ("gpu-h200-2026-12-01", "gpu_bench.json"),
+                         ("gpu-h100-2026-12-05", "gpu_bench.json"),
+                         ("gpu-h100-2026-12-05", "gpu_bench_zc.json")):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -401,8 +404,9 @@ def _h200_cases(root: str) -> list[dict]:
                 return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
                                 placement="colocated", bucket_size=cfg["bucket_size"],
                                 strategies=("ring",))
-            rows += _rows(f"H200 cuda_ipc ring {cfg['bucket_size'] >> 20} MiB "
-                          f"({cfg['sync']}, {folder[-10:]})", "ring", scenario,
+            how = cfg["sync"] + (", receive_into" if cfg.get("consume") == "into" else "")
+            rows += _rows(f"{folder.split('-')[1].upper()} cuda_ipc ring "
+                          f"{cfg['bucket_size'] >> 20} MiB ({how}, {folder[-10:]})", "ring", scenario,
                           e["median_ms"] / 1e3, f"{folder}/{name} median_ms",
                           "h200-8gpu-400g", sets, where)
     return rows
@@ -608,7 +612,8 @@ def _nixl_tp_cases(root: str) -> list[dict]:
 #: runs of the code with pushes: (folder, file). The earlier runs of that script (12-04,
 #: 12-04-d2h) ran before pushes and before the receivers' copy threads took the host's
 #: cores, and are not modelled.
-SHM_D2H_RUNS = (("gpu-h200-2026-12-04-s16", "shm_d2h.json"),)
+SHM_D2H_RUNS = (("gpu-h200-2026-12-04-s16", "shm_d2h.json"),
+                ("gpu-h100-2026-12-05", "shm_d2h.json"))   # an H100 host of the same kind
 
 #: shm_d2h's consumers the model has: the receiver lands the model in its own tensors
 #: through the ring (``into``) or the trainer writes into them (``shared``: push).
@@ -660,7 +665,8 @@ def _shm_d2h_cases(root: str) -> list[dict]:
                                 bucket_size=args["bucket_mb"] << 20, strategies=("ring",),
                                 trainer_device="gpu", shared=_D2H_CONSUMERS[run["consumer"]])
             how = "ring, pinned" if run["consumer"] == "into" else "push"
-            rows += _rows(f"H200 host GPU trainer -> shm -> CPU receiver, {run['consumer']} "
+            host = folder.split("-")[1].upper()
+            rows += _rows(f"{host} host GPU trainer -> shm -> CPU receiver, {run['consumer']} "
                           f"({how}, {folder[9:]})", "ring", scenario, run["median_ms"] / 1e3,
                           f"{folder}/{name} median_ms", "h200-host", sets, where)
     return rows
