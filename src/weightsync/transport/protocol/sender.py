@@ -402,8 +402,11 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             return
         pieces = state.builder.add(name, tensor.shape, dtype_name(dtype))
         state.tensors += 1
-        if pieces and pieces[0][1].is_chunk:
-            # a tensor in chunks is cast and made contiguous once, not once per chunk
+        if pieces and pieces[0][1].is_chunk and (tensor.device.type != "cpu"
+                                                 or self._tx_buffer_on_cpu()):
+            # a tensor in chunks is cast and made contiguous once, not once per chunk (a
+            # CPU tensor bound for device buckets is left to the backend, which moves it
+            # to the device first and casts it there)
             tensor = chunk_source(tensor, dtype)
         for index, meta in pieces:
             if state.published < len(state.builder.closed):
@@ -413,6 +416,9 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                 await self._blocking(self._tx_wait_free, state.open_slot, state)
             self._copy_piece(self._tx_buffer(state.open_slot), meta, tensor, dtype)
             state.nbytes += meta.nbytes
+
+    def _tx_buffer_on_cpu(self) -> bool:
+        return torch.device(self.config.device).type == "cpu"
 
     @staticmethod
     def _copy_piece(buf: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor,
