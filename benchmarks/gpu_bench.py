@@ -117,7 +117,7 @@ class Worker:
         if not self.cuda:
             cfg = {k: v for k, v in cfg.items() if k not in (
                 "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes",
-                "rx_stream_waits")}
+                "rx_stream_waits", "graph_branches")}
         self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
@@ -441,6 +441,10 @@ VARIANTS = (
      {"rx_stream_waits": True, "zero_copy": True}),
     ("--views-buckets", "1024", "zero-copy and ring, new tensor objects every sync",
      {"views": True}),
+    ("--into-branches-buckets", "", "ring, receive_into, copy graphs in each of --branches "
+     "chains", {"consume": "into", "graph_branches": "each"}),
+    ("--into-zero-copy-branches-buckets", "", "zero-copy, receive_into, copy graphs in each "
+     "of --branches chains", {"consume": "into", "zero_copy": True, "graph_branches": "each"}),
 )
 
 
@@ -456,6 +460,8 @@ def main() -> None:
     for flag, default, what, _ in VARIANTS:
         ap.add_argument(flag, default=default, help=f"MiB, sync=event: {what}")
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
+    ap.add_argument("--branches", default="2,4",
+                    help="graph_branches of the *-branches rows (comma-separated)")
     ap.add_argument("--scale", type=int, default=1, help="divide every dimension")
     ap.add_argument("--cpu-smoke", action="store_true", help="plumbing check: shm on CPU")
     ap.add_argument("--profile", action="store_true", help="cProfile two configurations")
@@ -501,6 +507,10 @@ def main() -> None:
                            "sync": "event", **extra}
                     if cfg.get("ref_first_bytes") == "bucket":
                         cfg["ref_first_bytes"] = cfg["bucket_size"]
+                    if cfg.get("graph_branches") == "each":
+                        configs += [{**cfg, "graph_branches": int(k)}
+                                    for k in args.branches.split(",") if k]
+                        continue
                     configs += [{**cfg, "zero_copy": zc} for zc in
                                 ((True, False) if extra.get("views") else (cfg["zero_copy"],))]
         for k, cfg in enumerate(configs):
@@ -575,6 +585,8 @@ def report(out: dict) -> str:
                 f" (first batch {first // MiB} MiB)"
         if c.get("views"):
             name += " (new views)"
+        if c.get("graph_branches"):
+            name += f" ({c['graph_branches']} graph branches)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "
                      f"{e['cold_ms']:.1f} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
                      f"{base / e['median_ms']:.1f} | {e['ring_bytes'] / GiB:.2f} GiB | "

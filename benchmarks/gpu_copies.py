@@ -10,6 +10,9 @@ spent issuing it:
   ring's pack/unpack do);
 - ``foreach``: ``torch._foreach_copy_(dsts, srcs)`` (multi-tensor kernels);
 - ``graph-loop`` / ``graph-foreach``: the same captured once as a CUDA graph and replayed;
+- ``branches-K``: the per-tensor copies as weightsync's receivers replay them
+  (``GraphedCopies`` with ``branches=K``: a graph of K independent chains of copies), for
+  each K of ``--branches``;
 - ``pack``/``unpack`` ``loop``/``foreach``: the ring's two copies, tensors into and out of
   the slices of a ``--slot-mib`` slot, a slot at a time.
 
@@ -30,7 +33,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE]
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "src")]
 
 import torch  # noqa: E402
 
@@ -92,7 +95,22 @@ def _exporter(layers: int, q, done) -> None:
     done.wait(600)
 
 
-def ipc_copies(layers: int, reps: int, dsts: list) -> dict:
+def branched(dsts: list, srcs: list, k: int):
+    """weightsync's own replayed copies (``GraphedCopies``), captured with ``k`` branches."""
+    from weightsync.transport.backends.cuda_ipc.ops import GraphedCopies
+    run = GraphedCopies(torch.device("cuda", 0), k)
+
+    def pairs() -> list:
+        return list(zip(dsts, srcs))
+    run(pairs)   # queued one by one
+    run(pairs)   # captured, replayed
+    torch.cuda.synchronize()
+    if run.graph is None:
+        raise RuntimeError("not captured")
+    return lambda: run(pairs)
+
+
+def ipc_copies(layers: int, reps: int, dsts: list, branches: list) -> dict:
     import torch.multiprocessing as tmp
     ctx = tmp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
@@ -107,6 +125,8 @@ def ipc_copies(layers: int, reps: int, dsts: list) -> dict:
                 d.copy_(s, non_blocking=True)
         out["ipc-loop"] = timed(loop, reps)
         out["ipc-graph-loop"] = timed(graphed(loop), reps)
+        for k in branches:
+            out[f"ipc-branches-{k}"] = timed(branched(dsts, srcs, k), reps)
         torch.cuda.synchronize()
         out["ipc_exact"] = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
         del srcs
@@ -122,6 +142,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--slot-mib", type=int, default=2048)
+    ap.add_argument("--branches", default="1,2,4",
+                    help="graph branches of the branches-K rows (comma-separated)")
     ap.add_argument("--ipc", action="store_true",
                     help="also copy from another process's tensors mapped through CUDA IPC")
     args = ap.parse_args()
@@ -159,6 +181,14 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a capture that fails is a result too
             res[name] = {"error": repr(exc)}
         print(name, json.dumps(res[name]), flush=True)
+    branches = [int(k) for k in args.branches.split(",") if k]
+    for k in branches:
+        for d in dsts:
+            d.zero_()
+        res[f"branches-{k}"] = timed(branched(dsts, srcs, k), args.reps)
+        torch.cuda.synchronize()
+        res[f"branches-{k}"]["exact"] = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+        print(f"branches-{k}", json.dumps(res[f"branches-{k}"]), flush=True)
 
     slot_bytes = args.slot_mib * MiB
     slot = torch.empty(slot_bytes, device=dev, dtype=torch.uint8)
@@ -197,7 +227,7 @@ def main() -> None:
     dsts_ok = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     res["foreach_exact"] = dsts_ok
     if args.ipc:
-        res.update(ipc_copies(args.layers, args.reps, dsts))
+        res.update(ipc_copies(args.layers, args.reps, dsts, branches))
         print("ipc", json.dumps({k: v for k, v in res.items() if k.startswith("ipc")}),
               flush=True)
     flat_ms = res["flat"]["ms"]

@@ -387,6 +387,16 @@ def test_options_and_construction(monkeypatch):
             CudaIpcOptions(**{name: "yes"})
     with pytest.raises(ValueError, match="ref_first_bytes"):
         CudaIpcOptions(ref_first_bytes=-5)
+    for bad in (0, 17, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="graph_branches"):
+            CudaIpcOptions(graph_branches=bad)
+    assert CudaIpcOptions().graph_branches == 1
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "4")
+    assert CudaIpcOptions().graph_branches == 4
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "0")
+    with pytest.raises(ValueError, match="graph_branches"):
+        CudaIpcOptions()
+    monkeypatch.delenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES")
     defaults = CudaIpcOptions()
     assert (defaults.stream_waits, defaults.rx_stream_waits, defaults.links) == \
         (False, False, True) and defaults.ref_first_bytes is None
@@ -405,6 +415,40 @@ def test_options_and_construction(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailable):
             CheckpointEngineRegistry.new("cuda_ipc", role="trainer")
+
+
+def test_spread_balances_copies_over_branches_by_bytes():
+    from weightsync.transport.backends.cuda_ipc.ops import GraphedCopies, spread
+    assert spread([], 3) == []
+    assert spread([5, 5, 5], 1) == [0, 0, 0]
+    # each copy goes to the lane with the fewest bytes so far (ties: the lowest lane)
+    assert spread([100, 10, 10, 10, 10, 200, 1], 2) == [0, 1, 1, 1, 1, 1, 0]
+    lanes = spread([64, 8, 8, 64, 8, 8, 64, 8, 8] * 30, 4)
+    loads = [0] * 4
+    for n, lane in zip([64, 8, 8, 64, 8, 8, 64, 8, 8] * 30, lanes):
+        loads[lane] += n
+    assert max(loads) - min(loads) <= 64 and set(lanes) == {0, 1, 2, 3}
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="branches"):
+            GraphedCopies(torch.device("cpu"), bad)
+
+
+def test_receivers_build_copy_programs_with_their_graph_branches(fake_ops, monkeypatch):
+    """The receiver's ``graph_branches`` reaches every copy runner its programs use."""
+    asked = []
+    real = FakeOps.copy_runner
+    monkeypatch.setattr(FakeOps, "copy_runner",
+                        lambda self, branches=1: (asked.append(branches), real(self))[1])
+    ts, rs = _group(1, 1, zero_copy=True, min_ref_bytes=0, graph_branches=3)
+    try:
+        params = make_tensors(0, bucket_size=BUCKET)
+        dests = [_destinations(0)]
+        for step in range(2):
+            sent, got = _sync_into(ts, rs, lambda i: params, step, dests)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+        assert asked and set(asked) == {3}
+    finally:
+        _finalize(ts + rs)
 
 
 def _ring_case(mix, mutant, receivers=2, steps=4):

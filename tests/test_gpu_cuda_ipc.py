@@ -127,13 +127,13 @@ async def _race_rollout(engine, cycles, into=False):
 
 
 def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=False,
-                 into=False):
+                 into=False, branches=1):
     import asyncio
     try:
         engine = CheckpointEngineRegistry.new(
             "cuda_ipc", role=role, bucket_size=BUCKET, timeout=60, device="cuda",
             num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync, rx_stream_waits=rxw,
-            stream_waits=kept)
+            stream_waits=kept, graph_branches=branches)
         if mutant:  # drop every wait of the engine (streams and events)
             engine._sync = lambda *a, **k: None
             engine._wait_event = lambda *a, **k: None
@@ -149,14 +149,15 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=
         conn.send({"fatal": traceback.format_exc()})
 
 
-def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False, into=False):
+def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False, into=False,
+              branches=1):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_race_worker,
                         args=(role, zero_copy, sync, mutant, scenario, child, kept, rxw,
-                              into),
+                              into, branches),
                         daemon=True)
         p.start()
         pipes.append(parent)
@@ -229,6 +230,20 @@ def test_slow_streams_never_corrupt_replayed_copies_into_the_callers_tensors(sce
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_slow_streams_never_corrupt_copy_graphs_with_branches(scenario, zero_copy):
+    """``graph_branches=3``: each replayed program's graph runs its copies in 3 chains;
+    the bytes stay right behind slow kernels on either side (every chain starts after the
+    bucket's fill and ends before the slot's release)."""
+    trainer, rollout = _run_race(zero_copy, "event", scenario, into=True, branches=3)
+    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
+    bad, progs = rollout["bad"]
+    assert bad == []
+    assert progs == [(3, True)] * (4 if zero_copy else RACE_TENSORS), progs
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero_copy,sync,scenario", [
     (False, "event", "slow_producer"), (False, "event", "slow_consumer"),
     (True, "event", "slow_producer"), (False, "host", "slow_producer"),
@@ -247,12 +262,14 @@ def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
 
 
 @pytest.mark.timeout(120)
-def test_graphed_copies_queue_then_capture_then_replay_the_current_bytes():
+@pytest.mark.parametrize("branches", [1, 3])
+def test_graphed_copies_queue_then_capture_then_replay_the_current_bytes(branches):
     from weightsync.transport.backends.cuda_ipc.ops import GraphedCopies
 
-    src = [torch.arange(n, dtype=torch.float32, device="cuda") for n in (5, 4096, 1 << 20)]
+    src = [torch.arange(n, dtype=torch.float32, device="cuda")
+           for n in (5, 4096, 1 << 20, 1 << 26, 3, 1 << 24)]
     dst = [torch.zeros_like(s) for s in src]
-    run = GraphedCopies(torch.device("cuda", 0))
+    run = GraphedCopies(torch.device("cuda", 0), branches)
     asked = []
 
     def pairs():
@@ -263,7 +280,10 @@ def test_graphed_copies_queue_then_capture_then_replay_the_current_bytes():
             for s in src:
                 s.add_(1)         # the copies must take the bytes as they are at each call
             run(pairs)
+            # read on the same stream with no host wait: after every branch of the graph
+            sums = torch.stack([d.double().sum() for d in dst])
             torch.cuda.current_stream().synchronize()
+            assert torch.equal(sums, torch.stack([s.double().sum() for s in src])), k
             assert all(torch.equal(d, s) for d, s in zip(dst, src)), k
             assert (run.graph is not None) == (k >= 1)
     assert len(asked) == 2        # the pairs are looked at to queue once and to capture once

@@ -108,6 +108,9 @@ class CudaIpcOptions:
     the trainer's setting wins): ``"event"`` orders bucket
     handoffs with interprocess CUDA events that the other side polls (no thread blocks on a
     stream per bucket); ``"host"`` synchronizes the producing / consuming stream instead.
+    ``graph_branches`` (env ``WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES``, receiver side, 1 to 16,
+    default 1): a ``receive_into`` copy program, once captured as a CUDA graph, runs its
+    copies in that many independent chains (see :class:`~weightsync.transport.backends.cuda_ipc.ops.GraphedCopies`).
     """
 
     zero_copy: bool = field(default_factory=lambda: env_value("CUDA_IPC_ZERO_COPY", parse_bool, False))
@@ -119,6 +122,8 @@ class CudaIpcOptions:
     sync: str = field(default_factory=lambda: env_value("CUDA_IPC_SYNC", str, "event"))
     stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, False))
+    graph_branches: int = field(
+        default_factory=lambda: env_value("CUDA_IPC_GRAPH_BRANCHES", int, 1))
     links: bool = field(default_factory=lambda: env_value("CUDA_IPC_LINKS", parse_bool, True))
     rx_stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
@@ -129,6 +134,10 @@ class CudaIpcOptions:
         for name in ("zero_copy", "stream_waits", "links", "rx_stream_waits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.graph_branches, bool) or not isinstance(self.graph_branches, int) \
+                or not 1 <= self.graph_branches <= 16:
+            raise ValueError(f"graph_branches must be an int from 1 to 16, got "
+                             f"{self.graph_branches!r}")
         for name in ("min_ref_bytes", "ref_batch_bytes", "ref_first_bytes"):
             value = getattr(self, name)
             if value is None and name != "min_ref_bytes":
@@ -214,7 +223,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  ref_batch_bytes: Optional[int] = None, ref_first_bytes: Optional[int] = None,
                  sync: Optional[str] = None,
                  stream_waits: Optional[bool] = None, links: Optional[bool] = None,
-                 rx_stream_waits: Optional[bool] = None, **kwargs: Any) -> None:
+                 rx_stream_waits: Optional[bool] = None, graph_branches: Optional[int] = None,
+                 **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
@@ -222,7 +232,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  "ref_batch_bytes": ref_batch_bytes, "ref_first_bytes": ref_first_bytes,
                  "sync": sync,
                  "stream_waits": stream_waits, "links": links,
-                 "rx_stream_waits": rx_stream_waits}
+                 "rx_stream_waits": rx_stream_waits, "graph_branches": graph_branches}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
@@ -569,7 +579,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         return entries
 
     def _rx_copy_runner(self) -> Any:
-        return self._ops.copy_runner()
+        return self._ops.copy_runner(self.options.graph_branches)
 
     def _rx_release(self, stream: int, msg: BucketMsg) -> None:
         if msg.index >= REF_INDEX_BASE:

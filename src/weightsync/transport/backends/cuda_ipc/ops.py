@@ -24,7 +24,7 @@ from weightsync.core.errors import BackendUnavailable
 from weightsync.transport.tensors import resolve_device
 
 __all__ = ["IpcOps", "CudaIpcOps", "GraphedCopies", "storage_bytes", "parse_descriptor",
-           "format_descriptor"]
+           "format_descriptor", "spread"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +115,11 @@ class IpcOps:
         for dst, src in pairs:
             self.copy(dst, src, stream)
 
-    def copy_runner(self) -> Callable[[Callable[[], list]], None]:
+    def copy_runner(self, branches: int = 1) -> Callable[[Callable[[], list]], None]:
         """A callable that queues ``copy_many(pairs(), current stream)`` for a receiver's
         replayed copy program; it is handed the same pairs (same memory) on every call,
-        so a device may replay them without looking at them again."""
+        so a device may replay them without looking at them again (``branches``: how
+        many independent chains a device may run them in, see :class:`GraphedCopies`)."""
         def run(pairs: Callable[[], list]) -> None:
             self.copy_many(pairs(), self.current_stream())
         return run
@@ -226,8 +227,8 @@ class CudaIpcOps(IpcOps):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
-    def copy_runner(self) -> Callable[[Callable[[], list]], None]:
-        return GraphedCopies(self.device)
+    def copy_runner(self, branches: int = 1) -> Callable[[Callable[[], list]], None]:
+        return GraphedCopies(self.device, branches)
 
     def sync(self, stream: Any) -> None:
         stream.synchronize()
@@ -268,16 +269,35 @@ class CudaIpcOps(IpcOps):
             logger.debug("ipc_collect failed", exc_info=True)
 
 
+def spread(sizes: list[int], lanes: int) -> list[int]:
+    """The lane of each copy of ``sizes`` bytes, in order: each goes to the lane with the
+    fewest bytes so far (ties: the lowest lane), so the lanes end close together."""
+    load = [0] * max(1, lanes)
+    out = []
+    for n in sizes:
+        lane = min(range(len(load)), key=load.__getitem__)
+        out.append(lane)
+        load[lane] += n
+    return out
+
+
 class GraphedCopies:
     """A receiver's replayed copies on the current stream. The first call queues them one
     by one; the second captures them once as a CUDA graph, and every call from then on
-    replays it: one launch, no per-tensor host work, and no gap between the copies on the
-    GPU (on the H200, 291 copies of a 16 GB model: 8.41 ms one by one, 8.07 ms as a graph,
-    host 2.7 vs 0.1 ms; ``benchmarks/gpu_copies.py``). The caller guarantees the pairs
-    cover the same memory on every call. If capture fails, copies go one by one."""
+    replays it: one launch, no per-tensor host work (on the H200, 291 copies of a 16 GB
+    model: 8.41 ms one by one, 8.07 ms as a graph, host 2.7 vs 0.1 ms;
+    ``benchmarks/gpu_copies.py``). With ``branches`` > 1 the graph forks into that many
+    independent chains of copies (balanced by bytes) that join at its end, so one copy's
+    last, partly idle wave overlaps the next copy's start; the graph as a whole is still
+    one unit of the current stream, before and after which everything stays ordered. The
+    caller guarantees the pairs cover the same memory on every call, and no two write the
+    same bytes. If capture fails, copies go one by one."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, branches: int = 1) -> None:
+        if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+            raise ValueError(f"branches must be an int >= 1, got {branches!r}")
         self.device = device
+        self.branches = branches
         self.graph: Any = None
         self.calls = 0
         self.capturable = True
@@ -296,13 +316,26 @@ class GraphedCopies:
     def _capture(self, pairs: list) -> Any:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(self.device)
+        n = min(self.branches, len(pairs))
+        lanes = [side] + [torch.cuda.Stream(self.device) for _ in range(n - 1)]
+        which = spread([d.numel() * d.element_size() for d, _ in pairs], n)
         try:
             with torch.cuda.stream(side):
                 # thread-local: the pump threads poll events while this captures
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    for dst, src in pairs:
-                        dst.copy_(src, non_blocking=True)
+                    if n > 1:            # fork: the other lanes join the capture
+                        fork = torch.cuda.Event()
+                        fork.record(side)
+                        for lane in lanes[1:]:
+                            lane.wait_event(fork)
+                    for (dst, src), lane in zip(pairs, which):
+                        with torch.cuda.stream(lanes[lane]):
+                            dst.copy_(src, non_blocking=True)
+                    for lane in lanes[1:]:   # join: the graph ends after every lane
+                        joined = torch.cuda.Event()
+                        joined.record(lane)
+                        side.wait_event(joined)
                 finally:
                     graph.capture_end()
         except (RuntimeError, TypeError) as exc:
