@@ -390,9 +390,9 @@ def test_options_and_construction(monkeypatch):
     for bad in (0, 17, True, 2.0, "2"):
         with pytest.raises(ValueError, match="graph_branches"):
             CudaIpcOptions(graph_branches=bad)
-    assert CudaIpcOptions().graph_branches == 1
-    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "4")
     assert CudaIpcOptions().graph_branches == 4
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "1")
+    assert CudaIpcOptions().graph_branches == 1
     monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "0")
     with pytest.raises(ValueError, match="graph_branches"):
         CudaIpcOptions()

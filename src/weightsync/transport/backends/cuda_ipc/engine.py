@@ -109,8 +109,10 @@ class CudaIpcOptions:
     handoffs with interprocess CUDA events that the other side polls (no thread blocks on a
     stream per bucket); ``"host"`` synchronizes the producing / consuming stream instead.
     ``graph_branches`` (env ``WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES``, receiver side, 1 to 16,
-    default 1): a ``receive_into`` copy program, once captured as a CUDA graph, runs its
-    copies in that many independent chains (see :class:`~weightsync.transport.backends.cuda_ipc.ops.GraphedCopies`).
+    default 4): a ``receive_into`` copy program, once captured as a CUDA graph, runs its
+    copies in that many independent chains (see :class:`~weightsync.transport.backends.cuda_ipc.ops.GraphedCopies`;
+    on one H200, 291 copies of a 16 GB model: 8.06 ms in one chain, 7.58 ms in 4, the
+    flat copy's rate).
     """
 
     zero_copy: bool = field(default_factory=lambda: env_value("CUDA_IPC_ZERO_COPY", parse_bool, False))
@@ -123,7 +125,7 @@ class CudaIpcOptions:
     stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_STREAM_WAITS", parse_bool, False))
     graph_branches: int = field(
-        default_factory=lambda: env_value("CUDA_IPC_GRAPH_BRANCHES", int, 1))
+        default_factory=lambda: env_value("CUDA_IPC_GRAPH_BRANCHES", int, 4))
     links: bool = field(default_factory=lambda: env_value("CUDA_IPC_LINKS", parse_bool, True))
     rx_stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
