@@ -384,7 +384,8 @@ def _h200_cases(root: str) -> list[dict]:
     for folder, name in (("gpu-h200-2026-11-29", "bench_final.json"),
                          ("gpu-h200-2026-12-01", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05", "gpu_bench.json"),
-                         ("gpu-h100-2026-12-05", "gpu_bench_zc.json")):
+                         ("gpu-h100-2026-12-05", "gpu_bench_zc.json"),
+                         ("gpu-h200-2026-12-05", "gpu_bench.json")):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
