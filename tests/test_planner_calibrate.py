@@ -295,6 +295,27 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     assert any(r["case"].startswith("H200 cuda_ipc ring") for r in rows)
 
 
+def test_ring_rows_are_priced_with_their_own_codes_host_costs():
+    """Runs of the code with replayed copy programs (12-05, H100 and H200) are checked with
+    that code's host costs (its own timeline); runs of the code of 11-29 keep the preset's
+    (measured on that code). Each case is then within +-25 %."""
+    rows = [r for r in calibrate.run(("h200",))["rows"] if r["links"] == "run"]
+    later = [r for r in rows if r["case"].endswith("2026-12-05)")]
+    earlier = [r for r in rows if not r["case"].endswith("2026-12-05)")]
+    assert sorted(r["case"] for r in later) == [
+        "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
+        "H200 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
+        "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)"]
+    assert earlier and all("tensor_us" not in r["links_from"] for r in earlier)
+    for r in later:
+        assert "software tensor_us 19 " in r["links_from"], r
+        assert r["within_goal"], r
+    # the later code's ring is limited by the GPU's memory, the earlier code's by its host
+    assert all(r["limited_by"].startswith("deliver: device_mem") for r in later)
+    assert all("software" in r["limited_by"] for r in earlier)
+
+
 NIXL_TP = "cpu-nixl-tp-2026-12-04"
 
 

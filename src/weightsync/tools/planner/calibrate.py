@@ -377,9 +377,23 @@ def _cpu_cases(root: str) -> list[dict]:
     return rows
 
 
+#: Host costs of the ``cuda_ipc`` ring's code from session 14 on (replayed layouts and copy
+#: programs), as that code's own host timeline measured them on the H200 host
+#: (``gpu-h200-2026-12-04-programs/gpu_bench_run7.txt``, ring 4 GiB, ``receive_into``: the
+#: trainer packs 291 tensors into 4 buckets in 5.8 ms of host time between its waits for
+#: free slots, and publishes each in 0.04-0.14 ms: ~19 us a tensor, ~0.15 ms a bucket).
+#: The presets keep the costs of the code of 11-29 (~70 us a tensor, 0.93 ms a bucket),
+#: which the runs of that code (11-29, 12-01) are checked with.
+RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
+#: Runs of that later code, by folder.
+_RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05"})
+
+
 def _h200_cases(root: str) -> list[dict]:
     """The ``cuda_ipc`` ring on one H200 (and one H100 run); the device-memory rate from the
-    run's own flat D2D copy of the same bytes (``d2d``), where it recorded one."""
+    run's own flat D2D copy of the same bytes (``d2d``), where it recorded one, and the
+    host costs of the run's own code (:data:`RING_SOFTWARE_1204` for the code of 12-04 on,
+    else the preset's)."""
     rows = []
     for folder, name in (("gpu-h200-2026-11-29", "bench_final.json"),
                          ("gpu-h200-2026-12-01", "gpu_bench.json"),
@@ -396,6 +410,10 @@ def _h200_cases(root: str) -> list[dict]:
         if d2d.get("flat_ms"):
             sets["links.device_mem.GBps"] = d2d["bytes"] / (d2d["flat_ms"] / 1e3) / 1e9
             where["links.device_mem.GBps"] = "flat D2D copy, own run"
+        if folder in _RING_1204_RUNS:
+            sets.update(RING_SOFTWARE_1204)
+            for key in RING_SOFTWARE_1204:
+                where[key] = "the code's own timeline (gpu-h200-2026-12-04-programs run 7)"
         for e in doc["engine"]:
             cfg = e["cfg"]
             if cfg["zero_copy"]:
