@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "src")]
@@ -131,8 +132,11 @@ class Worker:
     def _instrument(self) -> None:
         """Timeline of one sync: wrap engine methods to log (monotonic time, event)."""
         self.log: list = []
+        if self.cuda and self.role == "rollout":
+            self._gpu_marks()
         names = ("_publish", "_publish_refs", "_tx_wait_free", "_finish_stream", "_await_acks",
-                 "_rx_fetch", "_layout", "_rx_release", "_rx_finish_stream")
+                 "_rx_fetch", "_layout", "_rx_program", "_rx_release", "_rx_finish_stream",
+                 "_report")
         for name in names:
             fn = getattr(self.engine, name, None)
             if fn is None:
@@ -148,6 +152,51 @@ class Worker:
                 finally:
                     self.log.append((time.perf_counter(), "<" + _name))
             setattr(self.engine, name, wrapped)
+
+    def _gpu_marks(self) -> None:
+        """GPU span of a receive's copies: a CUDA event before the first copy program
+        runs and one when the stream's end is handled (behind every copy)."""
+        self.gpu_marks: list = []
+        self.replays: list = []
+        make = self.engine._rx_copy_runner
+        fin = self.engine._rx_finish_stream
+
+        def runner_factory():
+            run = make()
+
+            def marked(pairs):
+                self.replays.append((run, pairs))
+                if not self.gpu_marks:
+                    self.gpu_marks.append(torch.cuda.Event(enable_timing=True))
+                    self.gpu_marks[0].record()
+                return run(pairs)
+            return marked
+
+        def finish(*a, **k):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.gpu_marks.append(end)
+            return fin(*a, **k)
+        self.engine._rx_copy_runner = runner_factory
+        self.engine._rx_finish_stream = finish
+
+    def gpu_span_ms(self) -> Optional[float]:
+        marks, self.gpu_marks = getattr(self, "gpu_marks", []), []
+        replays, self.replays = getattr(self, "replays", []), []
+        if len(marks) < 2:
+            return None
+        marks[-1].synchronize()
+        self.replay_ms = None
+        if replays:   # the same programs again, back to back, nothing else running
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for run, pairs in replays:
+                run(pairs)
+            b.record()
+            b.synchronize()
+            self.replay_ms = a.elapsed_time(b)
+        return marks[0].elapsed_time(marks[-1])
 
     def op_engine_close(self) -> dict:
         self.engine.finalize()
@@ -263,7 +312,8 @@ class Worker:
         self._profiled(self._receive(conn, version))
         sync()
         out = {"peak": self._peak(base), "checksum": self.checksum(), **self.times,
-               "log": list(self.log)}
+               "log": list(self.log), "gpu_span_ms": self.gpu_span_ms(),
+               "replay_ms": getattr(self, "replay_ms", None)}
         self._tidy()
         return out
 
@@ -363,6 +413,8 @@ class Driver:
         sent["rx_peak"] = got.get("peak", 0)
         sent["rx_times"] = {k: got[k] for k in ("first_ms", "loop_ms") if k in got}
         sent["rx_log"] = got.get("log", [])
+        sent["rx_gpu_span_ms"] = got.get("gpu_span_ms")
+        sent["rx_replay_ms"] = got.get("replay_ms")
         return sent
 
     def close(self) -> None:
@@ -411,10 +463,16 @@ def run_engine(d: Driver, cfg: dict, warm: int, seed0: int, trace: str = "") -> 
     warm_ms = [x["ms"] for x in runs[1:]]
     transient = max(x["peak"] + x["rx_peak"] for x in runs[1:])
     last = {"log": runs[-1].get("log", []), "rx_log": runs[-1].get("rx_log", [])}
+    spans = [x.get("rx_gpu_span_ms") for x in runs[1:] if x.get("rx_gpu_span_ms")]
+    replays = [x.get("rx_replay_ms") for x in runs[1:] if x.get("rx_replay_ms")]
     return {"cfg": cfg, "cold_ms": runs[0]["ms"], "warm_ms": warm_ms,
             "median_ms": statistics.median(warm_ms), "all_ok": all(x["ok"] for x in runs),
             "ring_bytes": ring, "transient_bytes": transient, "extra_bytes": ring + transient,
-            "metrics": runs[-1]["metrics"], "last": last}
+            "metrics": runs[-1]["metrics"], "last": last,
+            # --timeline: the receiver's copies on the GPU, first program to the end
+            "rx_gpu_span_ms": statistics.median(spans) if spans else None,
+            # the same copy programs replayed right after, back to back, in the receiver
+            "rx_replay_ms": statistics.median(replays) if replays else None}
 
 
 #: Rows beside the plain ones: (option, default MiB, what, engine config of the row).

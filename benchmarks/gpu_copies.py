@@ -42,13 +42,17 @@ from gpu_bench import model_shapes  # noqa: E402
 MiB = 1 << 20
 
 
-def timed(fn, reps: int) -> dict:
+def timed(fn, reps: int, idle_ms: float = 0.0) -> dict:
+    """Median GPU ms of ``fn`` (CUDA events), and the host time to issue it; with
+    ``idle_ms`` the GPU is left idle that long before each timed call (as between syncs)."""
     fn()  # warm (allocations, kernel selection)
     torch.cuda.synchronize()
     gpu, host = [], []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        if idle_ms:
+            time.sleep(idle_ms / 1e3)
         t0 = time.perf_counter()
         start.record()
         fn()
@@ -84,15 +88,29 @@ def slots(sizes: list[int], slot_bytes: int) -> list[list[tuple[int, int, int]]]
     return out + ([cur] if cur else [])
 
 
-def _exporter(layers: int, q, done) -> None:
+def _exporter(layers: int, q, done, poll=None, handle_q=None) -> None:
     """Child process: the model's tensors, each its own allocation, shared through CUDA
-    IPC (torch.multiprocessing), alive until ``done`` is set."""
+    IPC (torch.multiprocessing), alive until ``done`` is set. While ``poll`` is set it
+    polls the copier's interprocess event (its handle from ``handle_q``) as a ``cuda_ipc``
+    trainer polls a receiver's "done" event: ``query()``, then a sleep of 10-100 us."""
     shapes = model_shapes(layers)
     ts = [torch.randn(s, device="cuda", dtype=torch.float32).to(torch.bfloat16)
           for _, s in shapes]
     torch.cuda.synchronize()
     q.put(ts)
-    done.wait(600)
+    if poll is None:
+        done.wait(600)
+        return
+    event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), handle_q.get(timeout=300))
+    while not done.is_set():
+        if not poll.wait(0.05):
+            continue
+        delay = 10e-6
+        while poll.is_set():
+            if event.query():
+                delay = 10e-6
+            time.sleep(delay)
+            delay = min(2 * delay, 100e-6)
 
 
 def branched(dsts: list, srcs: list, k: int):
@@ -110,11 +128,47 @@ def branched(dsts: list, srcs: list, k: int):
     return lambda: run(pairs)
 
 
+def batches(sizes: list[int], first: int) -> list[list[int]]:
+    """Tensor indices in the zero-copy batches of ``cuda_ipc`` (the first closes at
+    ``first`` bytes, each next one at twice the last's limit)."""
+    out, cur, nbytes, limit = [], [], 0, first
+    for i, n in enumerate(sizes):
+        cur.append(i)
+        nbytes += n
+        if nbytes >= limit:
+            out.append(cur)
+            cur, nbytes, limit = [], 0, limit * 2
+    return out + ([cur] if cur else [])
+
+
+def timed_polled(fn, reps: int, poll_event) -> dict:
+    """As :func:`timed`, but the host waits for each call as a ``cuda_ipc`` receiver does:
+    ``poll_event`` (interprocess) recorded behind the copies and polled with 10-100 us
+    sleeps (the GPU time is still measured by CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    gpu = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        poll_event.record()
+        delay = 10e-6
+        while not poll_event.query():
+            time.sleep(delay)
+            delay = min(2 * delay, 100e-6)
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return {"ms": statistics.median(gpu), "all_ms": gpu, "issue_ms": 0.0}
+
+
 def ipc_copies(layers: int, reps: int, dsts: list, branches: list) -> dict:
     import torch.multiprocessing as tmp
     ctx = tmp.get_context("spawn")
-    q, done = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=_exporter, args=(layers, q, done), daemon=True)
+    q, done, poll, handle_q = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=_exporter, args=(layers, q, done, poll, handle_q), daemon=True)
     p.start()
     out = {}
     try:
@@ -127,6 +181,27 @@ def ipc_copies(layers: int, reps: int, dsts: list, branches: list) -> dict:
         out["ipc-graph-loop"] = timed(graphed(loop), reps)
         for k in branches:
             out[f"ipc-branches-{k}"] = timed(branched(dsts, srcs, k), reps)
+        # as a zero-copy sync lands them: one graph per batch (1 GiB first, doubling),
+        # launched back to back; then the same while the exporter polls an event of ours
+        # (as the trainer polls the receiver's "done" event), and with our host polling
+        parts = [branched([dsts[i] for i in b], [srcs[i] for i in b], 4)
+                 for b in batches([d.numel() * d.element_size() for d in dsts], 1 << 30)]
+
+        def in_batches() -> None:
+            for part in parts:
+                part()
+        out["ipc-batches-4"] = timed(in_batches, reps)
+        one = branched(dsts, srcs, 4)
+        done_event = torch.cuda.Event(interprocess=True)
+        handle_q.put(done_event.ipc_handle())
+        out["ipc-branches-4-host-polls"] = timed_polled(one, reps, done_event)
+        out["ipc-batches-4-host-polls"] = timed_polled(in_batches, reps, done_event)
+        poll.set()
+        time.sleep(0.2)
+        out["ipc-branches-4-peer-polls"] = timed_polled(one, reps, done_event)
+        out["ipc-batches-4-peer-polls"] = timed_polled(in_batches, reps, done_event)
+        poll.clear()
+        out["ipc-branches-4-again"] = timed(one, reps)
         torch.cuda.synchronize()
         out["ipc_exact"] = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
         del srcs
@@ -144,6 +219,14 @@ def main() -> None:
     ap.add_argument("--slot-mib", type=int, default=2048)
     ap.add_argument("--branches", default="1,2,4",
                     help="graph branches of the branches-K rows (comma-separated)")
+    ap.add_argument("--idle-ms", default="",
+                    help="also time the flat copy and the 4-branch graph after the GPU sat "
+                         "idle this long (comma-separated ms): clocks that drop while idle")
+    ap.add_argument("--only-ipc", action="store_true",
+                    help="only the --ipc rows (with zero-copy batches and event polling) "
+                         "and the flat copy")
+    ap.add_argument("--only-idle", action="store_true",
+                    help="only the flat copy, the 4-branch graph and the --idle-ms rows")
     ap.add_argument("--ipc", action="store_true",
                     help="also copy from another process's tensors mapped through CUDA IPC")
     args = ap.parse_args()
@@ -172,6 +255,32 @@ def main() -> None:
 
     res = {"bytes": nbytes, "tensors": len(shapes), "gpu": torch.cuda.get_device_name(0),
            "torch": torch.__version__}
+    if args.only_ipc:
+        res.update(ipc_copies(args.layers, args.reps, dsts, [4]))
+        res["flat"] = timed(flat, args.reps)
+        for k, v in res.items():
+            if isinstance(v, dict) and "ms" in v:
+                print(f"  {k:28s} {v['ms']:8.2f} ms  {v['ms'] / res['flat']['ms']:5.2f} x")
+        print("ipc exact:", res.get("ipc_exact"))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_copies_ipc.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    if args.only_idle:
+        res["flat"] = timed(flat, args.reps)
+        print("flat", json.dumps(res["flat"]), flush=True)
+        four = branched(dsts, srcs, 4)
+        res["branches-4"] = timed(four, args.reps)
+        print("branches-4", json.dumps(res["branches-4"]), flush=True)
+        for idle in [float(x) for x in args.idle_ms.split(",") if x]:
+            for name, fn in (("flat", flat), ("branches-4", four)):
+                key = f"{name}-idle{idle:g}ms"
+                res[key] = timed(fn, args.reps, idle)
+                print(key, json.dumps(res[key]), flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_copies_idle.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     for name, fn in (("flat", flat), ("loop", loop), ("foreach", foreach)):
         res[name] = timed(fn, args.reps)
         print(name, json.dumps(res[name]), flush=True)
