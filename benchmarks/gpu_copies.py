@@ -88,7 +88,8 @@ def slots(sizes: list[int], slot_bytes: int) -> list[list[tuple[int, int, int]]]
     return out + ([cur] if cur else [])
 
 
-def _exporter(layers: int, q, done, poll=None, handle_q=None) -> None:
+def _exporter(layers: int, q, done, poll=None, handle_q=None, rewrite=None,
+              rewritten=None) -> None:
     """Child process: the model's tensors, each its own allocation, shared through CUDA
     IPC (torch.multiprocessing), alive until ``done`` is set. While ``poll`` is set it
     polls the copier's interprocess event (its handle from ``handle_q``) as a ``cuda_ipc``
@@ -103,7 +104,14 @@ def _exporter(layers: int, q, done, poll=None, handle_q=None) -> None:
         return
     event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), handle_q.get(timeout=300))
     while not done.is_set():
-        if not poll.wait(0.05):
+        if rewrite is not None and rewrite.is_set():   # new values, as a trainer's step
+            for t in ts:
+                t.normal_()
+            torch.cuda.synchronize()
+            rewrite.clear()
+            rewritten.set()
+            continue
+        if not poll.wait(0.01):
             continue
         delay = 10e-6
         while poll.is_set():
@@ -168,7 +176,9 @@ def ipc_copies(layers: int, reps: int, dsts: list, branches: list) -> dict:
     import torch.multiprocessing as tmp
     ctx = tmp.get_context("spawn")
     q, done, poll, handle_q = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Queue()
-    p = ctx.Process(target=_exporter, args=(layers, q, done, poll, handle_q), daemon=True)
+    rewrite, rewritten = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_exporter, args=(layers, q, done, poll, handle_q, rewrite,
+                                            rewritten), daemon=True)
     p.start()
     out = {}
     try:
@@ -202,6 +212,24 @@ def ipc_copies(layers: int, reps: int, dsts: list, branches: list) -> dict:
         out["ipc-batches-4-peer-polls"] = timed_polled(in_batches, reps, done_event)
         poll.clear()
         out["ipc-branches-4-again"] = timed(one, reps)
+
+        def after_rewrite(fn):   # the exporter writes new values into every source first
+            gpu = []
+            for _ in range(reps):
+                rewritten.clear()
+                rewrite.set()
+                if not rewritten.wait(60):
+                    raise RuntimeError("the exporter did not rewrite its tensors")
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                gpu.append(a.elapsed_time(b))
+            return {"ms": statistics.median(gpu), "all_ms": gpu, "issue_ms": 0.0}
+        out["ipc-branches-4-after-peer-writes"] = after_rewrite(one)
+        out["ipc-batches-4-after-peer-writes"] = after_rewrite(in_batches)
+        out["ipc-branches-4-again2"] = timed(one, reps)
         torch.cuda.synchronize()
         out["ipc_exact"] = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
         del srcs
