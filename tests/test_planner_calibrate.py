@@ -288,6 +288,7 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     assert sorted(r["case"] for r in h100) == [
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s20)",
         "H100 host GPU trainer -> shm -> CPU receiver, into (ring, pinned, 2026-12-05)",
         "H100 host GPU trainer -> shm -> CPU receiver, shared (push, 2026-12-05)"]
     for r in h100:
@@ -300,11 +301,12 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
     that code's host costs (its own timeline); runs of the code of 11-29 keep the preset's
     (measured on that code). Each case is then within +-25 %."""
     rows = [r for r in calibrate.run(("h200",))["rows"] if r["links"] == "run"]
-    later = [r for r in rows if r["case"].endswith("2026-12-05)")]
-    earlier = [r for r in rows if not r["case"].endswith("2026-12-05)")]
+    later = [r for r in rows if "2026-12-05" in r["case"]]
+    earlier = [r for r in rows if "2026-12-05" not in r["case"]]
     assert sorted(r["case"] for r in later) == [
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s20)",
         "H200 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)"]
     assert earlier and all("tensor_us" not in r["links_from"] for r in earlier)

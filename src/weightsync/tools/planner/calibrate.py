@@ -386,7 +386,8 @@ def _cpu_cases(root: str) -> list[dict]:
 #: which the runs of that code (11-29, 12-01) are checked with.
 RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
 #: Runs of that later code, by folder.
-_RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05"})
+_RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
+                             "gpu-h100-2026-12-05-s20"})
 
 
 def _h200_cases(root: str) -> list[dict]:
@@ -399,7 +400,8 @@ def _h200_cases(root: str) -> list[dict]:
                          ("gpu-h200-2026-12-01", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05", "gpu_bench_zc.json"),
-                         ("gpu-h200-2026-12-05", "gpu_bench.json")):
+                         ("gpu-h200-2026-12-05", "gpu_bench.json"),
+                         ("gpu-h100-2026-12-05-s20", "gpu_bench.json")):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -425,7 +427,7 @@ def _h200_cases(root: str) -> list[dict]:
                                 strategies=("ring",))
             how = cfg["sync"] + (", receive_into" if cfg.get("consume") == "into" else "")
             rows += _rows(f"{folder.split('-')[1].upper()} cuda_ipc ring "
-                          f"{cfg['bucket_size'] >> 20} MiB ({how}, {folder[-10:]})", "ring", scenario,
+                          f"{cfg['bucket_size'] >> 20} MiB ({how}, {folder[len('gpu-h200-'):]})", "ring", scenario,
                           e["median_ms"] / 1e3, f"{folder}/{name} median_ms",
                           "h200-8gpu-400g", sets, where)
     return rows
