@@ -12,6 +12,13 @@ Every sync is checked: the trainer draws fresh weights before it, and both sides
 per-tensor checksums after it. Usage: ``python benchmarks/gpu_bench.py --out DIR``;
 ``--layers 2`` gives a quick small run. Results: ``DIR/gpu_bench.json`` and a table on
 stdout. The parent process never touches CUDA.
+
+Experiments (environment): ``GPU_BENCH_SETTLE_MS`` sleeps between the trainer's draw of
+fresh weights (~70 ms of kernels) and the sync: right after those kernels the receiver's
+copies ran ~1 ms slower on one H100 (BENCHMARKS.md, session 20). With ``--timeline`` the
+receiver times its copies on the GPU and replays them after each sync
+(``rx_gpu_span_ms``, ``rx_replay_ms``); ``GPU_BENCH_DEFER=1`` holds a zero-copy sync's copy
+programs until the end message, ``GPU_BENCH_QUIET=trainer,rollout`` delays the end's polling.
 """
 
 from __future__ import annotations
@@ -167,6 +174,10 @@ class Worker:
         runs and one when the stream's end is handled (behind every copy)."""
         self.gpu_marks: list = []
         self.replays: list = []
+        self.deferred: list = []
+        # GPU_BENCH_DEFER=1: hold every copy program of a sync until the trainer's end
+        # message is handled, then launch them back to back (both hosts then only wait)
+        defer = os.environ.get("GPU_BENCH_DEFER") == "1"
         make = self.engine._rx_copy_runner
         fin = self.engine._rx_finish_stream
 
@@ -175,6 +186,9 @@ class Worker:
 
             def marked(pairs):
                 self.replays.append((run, pairs))
+                if defer:   # experiment: every program runs at the stream's end (below)
+                    self.deferred.append((run, pairs))
+                    return None
                 if not self.gpu_marks:
                     self.gpu_marks.append(torch.cuda.Event(enable_timing=True))
                     self.gpu_marks[0].record()
@@ -182,6 +196,12 @@ class Worker:
             return marked
 
         def finish(*a, **k):
+            if self.deferred:
+                self.gpu_marks.append(torch.cuda.Event(enable_timing=True))
+                self.gpu_marks[0].record()
+                for run, pairs in self.deferred:
+                    run(pairs)
+                self.deferred = []
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.gpu_marks.append(end)
@@ -421,6 +441,9 @@ class Driver:
 
     def sync_once(self, seed: int, baseline_bucket: int = 0) -> dict:
         want = self.call("trainer", "prep", seed=seed)["checksum"]
+        # experiment: let the GPU settle after the trainer's prep (random fill and checksum,
+        # ~70 ms of kernels) before the sync: GPU_BENCH_SETTLE_MS
+        time.sleep(float(os.environ.get("GPU_BENCH_SETTLE_MS", "0")) / 1e3)
         rop, top = ("baseline_recv", "baseline_send") if baseline_bucket else ("recv", "send")
         self.conns["rollout"].send({"op": rop, **({} if baseline_bucket else {"version": seed})})
         self.get("rollout")  # listening
