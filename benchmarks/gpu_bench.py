@@ -107,12 +107,25 @@ class Worker:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
         dst = torch.empty_like(src)
         flat = timed(lambda: dst.copy_(src), reps)
+        # the same copy right after a draw of fresh weights and its checksum, as every sync
+        # of this bench starts (the copies of a sync ran ~1 ms slower there on one H100)
+        after = []
+        for i in range(max(3, reps // 2)):
+            self.fill(777 + i)
+            self.checksum()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            after.append(a.elapsed_time(b))
         del src, dst
         copy = {n: torch.empty_like(p) for n, p in self.params.items()}
         per_tensor = timed(lambda: [copy[n].copy_(p) for n, p in self.params.items()], 5)
         del copy
         torch.cuda.empty_cache()
-        return {"bytes": nbytes, "flat_ms": flat, "per_tensor_ms": per_tensor}
+        return {"bytes": nbytes, "flat_ms": flat, "per_tensor_ms": per_tensor,
+                "flat_after_draw_ms": statistics.median(after)}
 
     def op_engine_prepare(self, cfg: dict) -> dict:
         from weightsync import CheckpointEngineRegistry
@@ -662,9 +675,12 @@ def timeline(last: dict) -> str:
 def report(out: dict) -> str:
     a = out["d2d"]["flat_ms"]
     base = min(b["median_ms"] for b in out["baseline"]) if out["baseline"] else float("nan")
+    after = out["d2d"].get("flat_after_draw_ms")
     lines = [f"model {out['d2d']['bytes'] / 1e9:.2f} GB bf16; (a) flat D2D copy {a:.2f} ms "
              f"({2 * out['d2d']['bytes'] / a / 1e9:.2f} TB/s read+write), per-tensor copy "
-             f"{out['d2d']['per_tensor_ms']:.2f} ms",
+             f"{out['d2d']['per_tensor_ms']:.2f} ms"
+             + (f"; the flat copy right after a draw of fresh weights {after:.2f} ms (a "
+                "sync's own conditions unless GPU_BENCH_SETTLE_MS)" if after else ""),
              "| config | sync | bucket | cold ms | warm median ms | (b)/(a) | (c)/(b) "
              "| ring | peak transient | extra / bucket | checks |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
