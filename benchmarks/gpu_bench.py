@@ -138,7 +138,7 @@ class Worker:
         if not self.cuda:
             cfg = {k: v for k, v in cfg.items() if k not in (
                 "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes",
-                "rx_stream_waits", "graph_branches")}
+                "rx_stream_waits", "graph_branches", "fill_graphs")}
         self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
@@ -560,6 +560,8 @@ VARIANTS = (
      "chains", {"consume": "into", "graph_branches": "each"}),
     ("--into-zero-copy-branches-buckets", "", "zero-copy, receive_into, copy graphs in each "
      "of --branches chains", {"consume": "into", "zero_copy": True, "graph_branches": "each"}),
+    ("--into-fill-graphs-buckets", "", "ring, receive_into, the trainer fills slots through "
+     "replayed programs (fill_graphs)", {"consume": "into", "fill_graphs": True}),
 )
 
 
@@ -705,6 +707,8 @@ def report(out: dict) -> str:
             name += " (new views)"
         if c.get("graph_branches"):
             name += f" ({c['graph_branches']} graph branches)"
+        if c.get("fill_graphs"):
+            name += " (fill programs)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "
                      f"{e['cold_ms']:.1f} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
                      f"{base / e['median_ms']:.1f} | {e['ring_bytes'] / GiB:.2f} GiB | "

@@ -391,6 +391,12 @@ def test_options_and_construction(monkeypatch):
         with pytest.raises(ValueError, match="graph_branches"):
             CudaIpcOptions(graph_branches=bad)
     assert CudaIpcOptions().graph_branches == 4
+    with pytest.raises(ValueError, match="fill_graphs"):
+        CudaIpcOptions(fill_graphs="yes")
+    assert CudaIpcOptions().fill_graphs is False
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_FILL_GRAPHS", "1")
+    assert CudaIpcOptions().fill_graphs is True
+    monkeypatch.delenv("WEIGHTSYNC_CUDA_IPC_FILL_GRAPHS")
     monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "1")
     assert CudaIpcOptions().graph_branches == 1
     monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "0")
@@ -451,13 +457,21 @@ def test_receivers_build_copy_programs_with_their_graph_branches(fake_ops, monke
         _finalize(ts + rs)
 
 
-def _ring_case(mix, mutant, receivers=2, steps=4):
+def _ring_case(mix, mutant, receivers=2, steps=4, fill=False):
     """Kept parameters updated in place on the trainer's (late) stream, read late by the
-    receivers; with ``mix`` a fresh temporary follows every few of them."""
+    receivers; with ``mix`` a fresh temporary follows every few of them. ``fill``: the
+    kept ones go through fill programs (``fill_graphs``) instead of the ring stream, and
+    ``rings`` holds each sync's ``fill_graph_tensors``."""
     base = [(n, t.contiguous().clone()) for n, t in make_tensors(0, bucket_size=BUCKET, tiny=40)]
     params = dict(base)
-    ts, rs = _group(1, receivers, sync="event", stream_waits=True)
+    ts, rs = _group(1, receivers, sync="event", stream_waits=not fill, fill_graphs=fill)
     trainer = ts[0]
+    if fill and mutant:   # the held copies issued after the bucket's "filled" record
+        def late_publish(slot, msg, _t=trainer):
+            _t._tx_done(slot, msg.version)
+            _t._flush_fill(slot, msg.index)
+            _t._tx_control().push_many(_t._receiver_boxes(), msg)
+        trainer._tx_publish = late_publish
     host_waits = []
     real_wait = trainer._wait_event
     trainer._wait_event = lambda *a, **k: (host_waits.append((k.get("phase"), a[0])),
@@ -482,9 +496,12 @@ def _ring_case(mix, mutant, receivers=2, steps=4):
             sent, got = _sync(ts, rs, items, step, on_stream=True)
             assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
             done = [events[-1] for events in trainer._drained]   # the receivers' ends
-            rings.append((sent[0]["ring_tensors"],
-                          sum(p == "send" and e not in done for p, e in host_waits),
-                          sum(e in done for _, e in host_waits)))
+            if fill:
+                rings.append(sent[0]["fill_graph_tensors"])
+            else:
+                rings.append((sent[0]["ring_tensors"],
+                              sum(p == "send" and e not in done for p, e in host_waits),
+                              sum(e in done for _, e in host_waits)))
             for g in got:
                 for name, (t, _) in g.items():
                     want = values[name].contiguous() if name in values else \
@@ -511,6 +528,41 @@ def test_kept_tensors_go_on_the_ring_and_the_trainer_host_never_waits(fake_ops, 
         if not mix:
             assert waits == 0, rings         # no host wait for the receivers' slot reads
         assert ends == 2, rings              # only for each one's end of the sync
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mix", [False, True], ids=["kept", "kept+temporaries"])
+def test_kept_tensors_fill_their_slots_through_replayed_programs(fake_ops, monkeypatch, mix):
+    """``fill_graphs``: from the second sync on, kept parameters' copies into a slot are
+    held and issued at the bucket's publish by one program per (slot, bucket), which is
+    handed the same memory on every call (what lets a GPU replay it as a graph);
+    temporaries are still copied at once. Bytes exact at every step, read late."""
+    calls = {}
+    real = FakeOps.copy_runner
+
+    def runner(self, branches=1):
+        inner, key = real(self, branches), len(calls)
+        calls[key] = []
+
+        def run(pairs):
+            got = pairs()
+            calls[key].append(tuple((d.data_ptr(), s.data_ptr(), d.numel()) for d, s in got))
+            inner(lambda: got)
+        return run
+    monkeypatch.setattr(FakeOps, "copy_runner", runner)
+    bad, held = _ring_case(mix, mutant=False, fill=True, steps=5)
+    assert bad == []
+    assert held[0] == 0 and all(h >= 40 for h in held[1:]), held
+    assert calls and all(len(set(memory)) == 1 for memory in calls.values()), calls
+    assert max(len(memory) for memory in calls.values()) == 4   # syncs 2-5 replay
+
+
+@pytest.mark.timeout(120)
+def test_fill_program_checks_catch_copies_issued_after_the_fill_event(fake_ops):
+    """Held copies issued after the bucket's "filled" record: receivers read the slot
+    before they land (what makes the test above able to fail)."""
+    bad, _ = _ring_case(False, mutant=True, fill=True)
+    assert bad, "no corruption with the fill program behind the event"
 
 
 @pytest.mark.timeout(120)

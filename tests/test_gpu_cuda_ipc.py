@@ -77,7 +77,7 @@ def _sleep(cycles):
         torch.cuda._sleep(cycles)
 
 
-async def _race_trainer(engine, zero_copy, cycles, kept=False):
+async def _race_trainer(engine, zero_copy, cycles, kept=False, steps=3):
     n = BUCKET // 4  # each tensor fills a whole bucket with its own value
     params = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda")
               for i in range(RACE_TENSORS)}
@@ -87,20 +87,25 @@ async def _race_trainer(engine, zero_copy, cycles, kept=False):
             _sleep(cycles)
             yield f"t{i}", torch.full((n,), 1000 * step + i, dtype=torch.int32, device="cuda")
 
+    held = []
     with torch.cuda.stream(torch.cuda.Stream()):
-        for step in range(3):
+        for step in range(steps):
             if zero_copy or kept:  # an in-place update behind a slow kernel, then send the
-                # parameters themselves (by reference, or, kept, on the ring stream)
+                # parameters themselves (by reference, or, kept, on the ring stream or
+                # through fill programs)
                 for i, p in enumerate(params.values()):
                     _sleep(cycles)
                     p.fill_(1000 * step + i)
-                await engine.send_weights(list(params.items()), version=step)
+                out = await engine.send_weights(list(params.items()), version=step)
             else:
-                await engine.send_weights(fresh(step), version=step)
-    return []
+                out = await engine.send_weights(fresh(step), version=step)
+            held.append(out.get("fill_graph_tensors", 0))
+    graphs = [getattr(run, "graph", None) is not None
+              for _, run in engine.__dict__.get("_fill_progs", {}).values()]
+    return {"held": held, "graphs": graphs}
 
 
-async def _race_rollout(engine, cycles, into=False):
+async def _race_rollout(engine, cycles, into=False, steps=3):
     """Returns the corrupt (step, name) pairs; with ``into`` (``receive_into``, whose
     copies the engine replays: a CUDA graph from the second sync on) also each replayed
     program's (runs, graph captured)."""
@@ -109,7 +114,7 @@ async def _race_rollout(engine, cycles, into=False):
     dests = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda")
              for i in range(RACE_TENSORS)}
     with torch.cuda.stream(torch.cuda.Stream()):
-        for step in range(3):
+        for step in range(steps):
             kept = {}
             stream = engine.receive_into(dests, version=step) if into else \
                 engine.receive_weights(version=step)
@@ -127,13 +132,13 @@ async def _race_rollout(engine, cycles, into=False):
 
 
 def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=False,
-                 into=False, branches=1):
+                 into=False, branches=1, fill=False):
     import asyncio
     try:
         engine = CheckpointEngineRegistry.new(
             "cuda_ipc", role=role, bucket_size=BUCKET, timeout=60, device="cuda",
             num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync, rx_stream_waits=rxw,
-            stream_waits=kept, graph_branches=branches)
+            stream_waits=kept and not fill, graph_branches=branches, fill_graphs=fill)
         if mutant:  # drop every wait of the engine (streams and events)
             engine._sync = lambda *a, **k: None
             engine._wait_event = lambda *a, **k: None
@@ -141,8 +146,9 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=
         conn.send(engine.prepare())
         engine.init_process_group(**conn.recv())
         prod, cons = SCENARIOS[scenario]
-        job = _race_trainer(engine, zero_copy, prod, kept) if role == "trainer" else \
-            _race_rollout(engine, cons, into)
+        steps = 4 if fill else 3
+        job = _race_trainer(engine, zero_copy, prod, kept, steps) if role == "trainer" else \
+            _race_rollout(engine, cons, into, steps)
         conn.send({"bad": asyncio.run(job)})
         engine.finalize()
     except BaseException:
@@ -150,14 +156,14 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=
 
 
 def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False, into=False,
-              branches=1):
+              branches=1, fill=False):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_race_worker,
                         args=(role, zero_copy, sync, mutant, scenario, child, kept, rxw,
-                              into, branches),
+                              into, branches, fill),
                         daemon=True)
         p.start()
         pipes.append(parent)
@@ -231,6 +237,23 @@ def test_slow_streams_never_corrupt_replayed_copies_into_the_callers_tensors(sce
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("into", [False, True])
+def test_slow_streams_never_corrupt_fill_programs(scenario, into):
+    """``fill_graphs``: parameters updated in place behind slow kernels and sent again fill
+    their slots through programs (graphs with 3 branches from their second use); the bytes
+    stay right whatever side is slow."""
+    trainer, rollout = _run_race(False, "event", scenario, kept=True, into=into, branches=3,
+                                 fill=True)
+    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
+    bad = rollout["bad"][0] if into else rollout["bad"]
+    assert bad == []
+    held, graphs = trainer["bad"]["held"], trainer["bad"]["graphs"]
+    assert held[0] == 0 and all(h == RACE_TENSORS for h in held[1:]), held
+    assert graphs and all(graphs), graphs     # captured at the third sync, replayed at the 4th
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("zero_copy", [False, True])
 def test_slow_streams_never_corrupt_copy_graphs_with_branches(scenario, zero_copy):
     """``graph_branches=3``: each replayed program's graph runs its copies in 3 chains;
@@ -250,12 +273,12 @@ def test_slow_streams_never_corrupt_copy_graphs_with_branches(scenario, zero_cop
     (False, "host", "slow_consumer"), (False, "event", "slow_consumer-kept"),
     (False, "event", "slow_producer-kept"), (False, "event", "slow_producer-rxw"),
     (True, "event", "slow_producer-rxw"), (False, "event", "slow_consumer-into"),
-    (True, "event", "slow_producer-into")])
+    (True, "event", "slow_producer-into"), (False, "event", "slow_consumer-fill")])
 def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
-    scenario, kept, rxw, into = scenario.split("-")[0], scenario.endswith("-kept"), \
-        scenario.endswith("-rxw"), scenario.endswith("-into")
-    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept, rxw=rxw,
-                                 into=into)
+    scenario, kept, rxw, into, fill = scenario.split("-")[0], scenario.endswith("-kept"), \
+        scenario.endswith("-rxw"), scenario.endswith("-into"), scenario.endswith("-fill")
+    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept or fill,
+                                 rxw=rxw, into=into, fill=fill)
     assert "fatal" not in rollout, rollout
     bad = rollout["bad"][0] if into else rollout["bad"]
     assert bad, f"no corruption without stream waits ({scenario})"

@@ -112,7 +112,13 @@ class CudaIpcOptions:
     default 4): a ``receive_into`` copy program, once captured as a CUDA graph, runs its
     copies in that many independent chains (see :class:`~weightsync.transport.backends.cuda_ipc.ops.GraphedCopies`;
     on one H200, 291 copies of a 16 GB model: 8.06 ms in one chain, 7.58 ms in 4, the
-    flat copy's rate).
+    flat copy's rate). ``fill_graphs`` (env ``WEIGHTSYNC_CUDA_IPC_FILL_GRAPHS``, trainer side,
+    ``"event"`` ordering without checksums, default off: not yet measured on a GPU): the
+    copies of tensors whose bytes outlive their item (parameters from the second sync on,
+    see the module doc) into a ring slot are held until the bucket is published, then issued
+    as one replayed program on the caller's stream (a CUDA graph in ``graph_branches``
+    chains from its second use on), as receivers land ``receive_into``'s copies; any other
+    tensor is still copied at once.
     """
 
     zero_copy: bool = field(default_factory=lambda: env_value("CUDA_IPC_ZERO_COPY", parse_bool, False))
@@ -129,11 +135,13 @@ class CudaIpcOptions:
     links: bool = field(default_factory=lambda: env_value("CUDA_IPC_LINKS", parse_bool, True))
     rx_stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
+    fill_graphs: bool = field(
+        default_factory=lambda: env_value("CUDA_IPC_FILL_GRAPHS", parse_bool, False))
 
     def __post_init__(self) -> None:
         if self.sync not in ("event", "host"):
             raise ValueError(f"sync must be 'event' or 'host', got {self.sync!r}")
-        for name in ("zero_copy", "stream_waits", "links", "rx_stream_waits"):
+        for name in ("zero_copy", "stream_waits", "links", "rx_stream_waits", "fill_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.graph_branches, bool) or not isinstance(self.graph_branches, int) \
@@ -226,7 +234,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  sync: Optional[str] = None,
                  stream_waits: Optional[bool] = None, links: Optional[bool] = None,
                  rx_stream_waits: Optional[bool] = None, graph_branches: Optional[int] = None,
-                 **kwargs: Any) -> None:
+                 fill_graphs: Optional[bool] = None, **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
@@ -234,7 +242,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  "ref_batch_bytes": ref_batch_bytes, "ref_first_bytes": ref_first_bytes,
                  "sync": sync,
                  "stream_waits": stream_waits, "links": links,
-                 "rx_stream_waits": rx_stream_waits, "graph_branches": graph_branches}
+                 "rx_stream_waits": rx_stream_waits, "graph_branches": graph_branches,
+                 "fill_graphs": fill_graphs}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
@@ -264,6 +273,12 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._deferred: list[tuple] = []    # the open bucket's copies of kept tensors
         self._deferred_bytes = 0
         self._batch_bytes = max(self.config.bucket_size // 8, 1)
+        # fill_graphs: the open bucket's held copies, and per (slot, bucket) the program
+        # that issues them (its pairs' memory, its runner)
+        self._on_graph = False
+        self._graph_pairs: list[tuple] = []
+        self._fill_progs: dict[tuple, tuple] = {}
+        self._graph_count = 0
         self._init_refs()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -372,8 +387,9 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._tx_stream = self._ops.current_stream()
         self._tx_version = version
         self._ring_count = 0
+        self._graph_count = 0
         self._clear_refs()
-        ring = self._ring is not None        # the lasting tracker matters only for the ring
+        ring = self._tracks_lasting()        # the lasting tracker: the ring, fill programs
         if ring:
             self._lasting.begin()
         try:
@@ -386,6 +402,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             self._clear_refs()
             self._chunk_src = ()
             self._deferred, self._deferred_bytes = [], 0
+            self._graph_pairs = []
         if ring:
             self._lasting.finish()
         return report
@@ -406,20 +423,30 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                              "init_process_group again", peer=exc.peer, phase="send",
                              version=version) from None
 
+    def _tracks_lasting(self) -> bool:
+        """Whether sends ask which tensors outlive their item: for the ring stream, or for
+        fill programs (``"event"`` ordering, no checksum: the bucket is read on the GPU)."""
+        return self._ring is not None or (self.options.fill_graphs and self._events
+                                          and not self.config.checksum)
+
     def _tx_direct_ok(self, state: Any, name: str, tensor: torch.Tensor,
                       dtype: torch.dtype) -> bool:
         """The protocol's per-tensor hook (for a tensor that goes into the buckets): no
-        tensor skips them here; decide whether this one is copied on the ring (see the
-        module doc)."""
-        self._on_ring = self._ring is not None and tensor.device == self._ops.device \
+        tensor skips them here; decide whether this one is copied on the ring or held for
+        the bucket's fill program (see the module doc)."""
+        lasting = self._tracks_lasting() and tensor.device == self._ops.device \
             and tensor.is_contiguous() and dtype == tensor.dtype \
             and self._lasting.lasting(name, tensor, version=state.version)
+        self._on_ring = lasting and self._ring is not None
+        self._on_graph = lasting and self._ring is None
         self._ring_count += self._on_ring
+        self._graph_count += self._on_graph
         return False
 
     def _report(self, state: Any, seconds: float) -> dict[str, Any]:
         out = super()._report(state, seconds)
         out["ring_tensors"] = self._ring_count   # copied on the ring stream (stream waits)
+        out["fill_graph_tensors"] = self._graph_count   # copied by fill programs
         return out
 
     def _stream_wait(self, stream: Any, event: Any) -> None:
@@ -500,8 +527,27 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             self._deferred_bytes += dst.numel() * dst.element_size()
             if self._deferred_bytes >= self._batch_bytes:
                 self._flush_ring()
+        elif self._on_graph:     # its bytes outlive the item: held until the publish
+            self._graph_pairs.append((dst, src))
         else:
             self._ops.copy(dst, src, None)
+
+    def _flush_fill(self, slot: int, index: int) -> None:
+        """Issue the held copies of bucket ``index`` into ``slot`` on the caller's stream,
+        through the program of that slot and bucket: the same one while they cover the same
+        memory (a CUDA graph from its second use on), else a new one."""
+        pairs, self._graph_pairs = self._graph_pairs, []
+        if not pairs:
+            return
+        memory = tuple((d.data_ptr(), s.data_ptr(), d.numel() * d.element_size(), d.dtype,
+                        s.dtype) for d, s in pairs)
+        prog = self._fill_progs.get((slot, index))
+        if prog is None or prog[0] != memory:
+            if len(self._fill_progs) > 4096:
+                self._fill_progs.clear()
+            prog = self._fill_progs[(slot, index)] = (
+                memory, self._ops.copy_runner(self.options.graph_branches))
+        self._ops.run_copies(prog[1], lambda: pairs, self._tx_stream)
 
     def _flush_ring(self) -> None:
         """Queue the deferred copies on the ring, behind the caller's stream as it is now
@@ -529,6 +575,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             self._ops.record(self._filled[slot], self._tx_stream)
 
     def _tx_publish(self, slot: int, msg: BucketMsg) -> None:
+        self._flush_fill(slot, msg.index)
         self._tx_done(slot, msg.version)
         self._tx_control().push_many(self._receiver_boxes(), msg)
 
@@ -629,6 +676,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             acker.close()
         self._ackers = {}
         self._dst_views = {}
+        self._fill_progs, self._graph_pairs = {}, []
         self._bufs, self._rx_bufs = [], {}
         self._filled, self._drained, self._rx_filled, self._rx_drained = [], [], {}, {}
         self._ring = self._mark = self._fence = None   # slots kept until the ring is done

@@ -124,6 +124,12 @@ class IpcOps:
             self.copy_many(pairs(), self.current_stream())
         return run
 
+    def run_copies(self, runner: Callable[[Callable[[], list]], None],
+                   pairs: Callable[[], list], stream: Any) -> None:
+        """Run a :meth:`copy_runner` with ``stream`` current (the trainer's fill programs
+        run on the caller's stream from the engine's own thread)."""
+        runner(pairs)
+
     def sync(self, stream: Any) -> None:
         """Block until the work queued on ``stream`` is done."""
 
@@ -229,6 +235,11 @@ class CudaIpcOps(IpcOps):
 
     def copy_runner(self, branches: int = 1) -> Callable[[Callable[[], list]], None]:
         return GraphedCopies(self.device, branches)
+
+    def run_copies(self, runner: Callable[[Callable[[], list]], None],
+                   pairs: Callable[[], list], stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            runner(pairs)
 
     def sync(self, stream: Any) -> None:
         stream.synchronize()
