@@ -29,6 +29,12 @@ their reads in one of two ways:
   stream once the trainer has polled the receivers' events on the host, so the export's
   later writes stay ordered after the copy.
 
+With ``fill_graphs`` (and no ring stream) such lasting tensors are instead held until their
+bucket is published, then copied into the slot on the caller's stream by one program per
+slot and bucket, replayed as a CUDA graph once it has covered the same memory twice; the
+bucket's "filled" event is recorded behind it. The slot was freed on the host before the
+bucket's first copy, as for any other tensor.
+
 On the trainer no stream of the caller ever waits on another process's event: only the
 ring stream does, so a dead receiver can stall the ring, never the trainer's own work
 (receivers opt into such waits with ``rx_stream_waits``, see :class:`CudaIpcOptions`). The ring's
