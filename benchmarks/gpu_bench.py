@@ -109,23 +109,16 @@ class Worker:
         flat = timed(lambda: dst.copy_(src), reps)
         # the same copy right after a draw of fresh weights and its checksum, as every sync
         # of this bench starts (the copies of a sync ran ~1 ms slower there on one H100)
-        after = []
-        for i in range(max(3, reps // 2)):
-            self.fill(777 + i)
-            self.checksum()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src)
-            b.record()
-            b.synchronize()
-            after.append(a.elapsed_time(b))
+        seeds = iter(range(777, 1000))
+        after = timed(lambda: dst.copy_(src), max(3, reps // 2), warm=0,
+                      before=lambda: (self.fill(next(seeds)), self.checksum()))
         del src, dst
         copy = {n: torch.empty_like(p) for n, p in self.params.items()}
         per_tensor = timed(lambda: [copy[n].copy_(p) for n, p in self.params.items()], 5)
         del copy
         torch.cuda.empty_cache()
         return {"bytes": nbytes, "flat_ms": flat, "per_tensor_ms": per_tensor,
-                "flat_after_draw_ms": statistics.median(after)}
+                "flat_after_draw_ms": after}
 
     def op_engine_prepare(self, cfg: dict) -> dict:
         from weightsync import CheckpointEngineRegistry
@@ -381,12 +374,15 @@ class Worker:
         return out
 
 
-def timed(fn, reps: int) -> float:
-    """Median milliseconds of ``fn`` on the GPU (CUDA events, two warm-ups)."""
-    for _ in range(2):
+def timed(fn, reps: int, before=None, warm: int = 2) -> float:
+    """Median milliseconds of ``fn`` on the GPU (CUDA events, ``warm`` warm-ups); ``before``
+    runs ahead of each timed call, untimed."""
+    for _ in range(warm):
         fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()

@@ -42,13 +42,16 @@ from gpu_bench import model_shapes  # noqa: E402
 MiB = 1 << 20
 
 
-def timed(fn, reps: int, idle_ms: float = 0.0) -> dict:
+def timed(fn, reps: int, idle_ms: float = 0.0, before=None) -> dict:
     """Median GPU ms of ``fn`` (CUDA events), and the host time to issue it; with
-    ``idle_ms`` the GPU is left idle that long before each timed call (as between syncs)."""
+    ``idle_ms`` the GPU is left idle that long before each timed call (as between syncs);
+    ``before`` runs ahead of each timed call, untimed."""
     fn()  # warm (allocations, kernel selection)
     torch.cuda.synchronize()
     gpu, host = [], []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         if idle_ms:
@@ -213,20 +216,14 @@ def ipc_copies(layers: int, reps: int, dsts: list, branches: list) -> dict:
         poll.clear()
         out["ipc-branches-4-again"] = timed(one, reps)
 
-        def after_rewrite(fn):   # the exporter writes new values into every source first
-            gpu = []
-            for _ in range(reps):
-                rewritten.clear()
-                rewrite.set()
-                if not rewritten.wait(60):
-                    raise RuntimeError("the exporter did not rewrite its tensors")
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                gpu.append(a.elapsed_time(b))
-            return {"ms": statistics.median(gpu), "all_ms": gpu, "issue_ms": 0.0}
+        def rewrite_sources() -> None:   # the exporter writes new values into them
+            rewritten.clear()
+            rewrite.set()
+            if not rewritten.wait(60):
+                raise RuntimeError("the exporter did not rewrite its tensors")
+
+        def after_rewrite(fn):
+            return timed(fn, reps, before=rewrite_sources)
         out["ipc-branches-4-after-peer-writes"] = after_rewrite(one)
         out["ipc-batches-4-after-peer-writes"] = after_rewrite(in_batches)
         out["ipc-branches-4-again2"] = timed(one, reps)
