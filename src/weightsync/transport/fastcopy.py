@@ -28,7 +28,7 @@ _memmove = ctypes.memmove
 
 
 def can_memmove(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+    return (dst.is_cpu and src.is_cpu and dst.dtype == src.dtype
             and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel()
             and not src.is_conj() and not src.is_neg())
 

@@ -66,7 +66,7 @@ def resolve_device(device: Any) -> torch.device:
 
 def plain_cpu(t: torch.Tensor) -> bool:
     """A dense, contiguous CPU tensor whose bytes can be moved as they are."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+    return (t.is_cpu and t.layout == torch.strided and t.is_contiguous()
             and not t.is_conj() and not t.is_neg())
 
 

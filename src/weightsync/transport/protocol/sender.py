@@ -425,7 +425,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                     dtype: torch.dtype) -> None:
         if meta.nbytes == 0:
             return
-        if not meta.is_chunk and tensor.dtype == dtype and buf.device.type == "cpu" \
+        if not meta.is_chunk and tensor.dtype == dtype and buf.is_cpu \
                 and plain_cpu(tensor):
             # the hot path of small tensors: bytes to bytes, no views made, no torch thread
             # pool (see fastcopy); the plan put exactly this many bytes at this offset
