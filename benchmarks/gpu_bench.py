@@ -32,7 +32,6 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "src")]
@@ -195,16 +194,18 @@ class Worker:
                 if defer:   # experiment: every program runs at the stream's end (below)
                     self.deferred.append((run, pairs))
                     return None
-                if not self.gpu_marks:
-                    self.gpu_marks.append(torch.cuda.Event(enable_timing=True))
-                    self.gpu_marks[0].record()
+                mark_once()
                 return run(pairs)
             return marked
 
-        def finish(*a, **k):
-            if self.deferred:
+        def mark_once():
+            if not self.gpu_marks:
                 self.gpu_marks.append(torch.cuda.Event(enable_timing=True))
                 self.gpu_marks[0].record()
+
+        def finish(*a, **k):
+            if self.deferred:
+                mark_once()
                 for run, pairs in self.deferred:
                     run(pairs)
                 self.deferred = []
@@ -215,31 +216,24 @@ class Worker:
         self.engine._rx_copy_runner = runner_factory
         self.engine._rx_finish_stream = finish
 
-    def gpu_span_ms(self) -> Optional[float]:
+    def gpu_times(self) -> dict:
+        """The last receive's copies on the GPU (``gpu_span_ms``), then the same programs
+        replayed at once, back to back (``replay_ms``) and launched 0.4 ms apart as in a
+        sync (``replay_spaced_ms``); empty without ``--timeline`` on a GPU."""
         marks, self.gpu_marks = getattr(self, "gpu_marks", []), []
         replays, self.replays = getattr(self, "replays", []), []
         if len(marks) < 2:
-            return None
+            return {}
         marks[-1].synchronize()
-        self.replay_ms = None
-        if replays:   # the same programs again, back to back, nothing else running
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+
+        def replay(gap: float) -> None:
             for run, pairs in replays:
                 run(pairs)
-            b.record()
-            b.synchronize()
-            self.replay_ms = a.elapsed_time(b)
-            torch.cuda.synchronize()   # again, launched 0.4 ms apart as in a sync
-            a.record()
-            for run, pairs in replays:
-                run(pairs)
-                time.sleep(0.0004)
-            b.record()
-            b.synchronize()
-            self.replay_spaced_ms = a.elapsed_time(b)
-        return marks[0].elapsed_time(marks[-1])
+                time.sleep(gap)
+        return {"gpu_span_ms": marks[0].elapsed_time(marks[-1]),
+                "replay_ms": timed(lambda: replay(0.0), 1, torch.cuda.synchronize, warm=0),
+                "replay_spaced_ms": timed(lambda: replay(0.0004), 1, torch.cuda.synchronize,
+                                          warm=0)}
 
     def op_engine_close(self) -> dict:
         self.engine.finalize()
@@ -355,9 +349,7 @@ class Worker:
         self._profiled(self._receive(conn, version))
         sync()
         out = {"peak": self._peak(base), "checksum": self.checksum(), **self.times,
-               "log": list(self.log), "gpu_span_ms": self.gpu_span_ms(),
-               "replay_ms": getattr(self, "replay_ms", None),
-               "replay_spaced_ms": getattr(self, "replay_spaced_ms", None)}
+               "log": list(self.log), **self.gpu_times()}
         self._tidy()
         return out
 
@@ -421,6 +413,9 @@ class Driver:
         ctx = mp.get_context("spawn")
         a, b = ctx.Pipe()
         self.timeout = timeout
+        # experiment: let the GPU settle after the trainer's prep (random fill and checksum,
+        # ~70 ms of kernels) before each sync
+        self.settle_s = float(os.environ.get("GPU_BENCH_SETTLE_MS", "0")) / 1e3
         self.conns, self.procs = {}, []
         for role, peer in (("trainer", a), ("rollout", b)):
             parent, child = ctx.Pipe()
@@ -450,9 +445,7 @@ class Driver:
 
     def sync_once(self, seed: int, baseline_bucket: int = 0) -> dict:
         want = self.call("trainer", "prep", seed=seed)["checksum"]
-        # experiment: let the GPU settle after the trainer's prep (random fill and checksum,
-        # ~70 ms of kernels) before the sync: GPU_BENCH_SETTLE_MS
-        time.sleep(float(os.environ.get("GPU_BENCH_SETTLE_MS", "0")) / 1e3)
+        time.sleep(self.settle_s)
         rop, top = ("baseline_recv", "baseline_send") if baseline_bucket else ("recv", "send")
         self.conns["rollout"].send({"op": rop, **({} if baseline_bucket else {"version": seed})})
         self.get("rollout")  # listening
@@ -463,9 +456,8 @@ class Driver:
         sent["rx_peak"] = got.get("peak", 0)
         sent["rx_times"] = {k: got[k] for k in ("first_ms", "loop_ms") if k in got}
         sent["rx_log"] = got.get("log", [])
-        sent["rx_gpu_span_ms"] = got.get("gpu_span_ms")
-        sent["rx_replay_ms"] = got.get("replay_ms")
-        sent["rx_replay_spaced_ms"] = got.get("replay_spaced_ms")
+        for key in ("gpu_span_ms", "replay_ms", "replay_spaced_ms"):
+            sent["rx_" + key] = got.get(key)
         return sent
 
     def close(self) -> None:
@@ -514,18 +506,17 @@ def run_engine(d: Driver, cfg: dict, warm: int, seed0: int, trace: str = "") -> 
     warm_ms = [x["ms"] for x in runs[1:]]
     transient = max(x["peak"] + x["rx_peak"] for x in runs[1:])
     last = {"log": runs[-1].get("log", []), "rx_log": runs[-1].get("rx_log", [])}
-    spans = [x.get("rx_gpu_span_ms") for x in runs[1:] if x.get("rx_gpu_span_ms")]
-    replays = [x.get("rx_replay_ms") for x in runs[1:] if x.get("rx_replay_ms")]
-    spaced = [x.get("rx_replay_spaced_ms") for x in runs[1:] if x.get("rx_replay_spaced_ms")]
+    gpu = {}
+    for key in ("rx_gpu_span_ms", "rx_replay_ms", "rx_replay_spaced_ms"):
+        got = [x[key] for x in runs[1:] if x.get(key)]
+        gpu[key] = statistics.median(got) if got else None
     return {"cfg": cfg, "cold_ms": runs[0]["ms"], "warm_ms": warm_ms,
             "median_ms": statistics.median(warm_ms), "all_ok": all(x["ok"] for x in runs),
             "ring_bytes": ring, "transient_bytes": transient, "extra_bytes": ring + transient,
             "metrics": runs[-1]["metrics"], "last": last,
-            # --timeline: the receiver's copies on the GPU, first program to the end
-            "rx_gpu_span_ms": statistics.median(spans) if spans else None,
-            # the same copy programs replayed right after, back to back, in the receiver
-            "rx_replay_ms": statistics.median(replays) if replays else None,
-            "rx_replay_spaced_ms": statistics.median(spaced) if spaced else None}
+            # --timeline, on a GPU: the receiver's copies (first program to the end), and the
+            # same programs replayed right after, back to back and spaced (Worker.gpu_times)
+            **gpu}
 
 
 #: Rows beside the plain ones: (option, default MiB, what, engine config of the row).

@@ -42,10 +42,20 @@ from gpu_bench import model_shapes  # noqa: E402
 MiB = 1 << 20
 
 
-def timed(fn, reps: int, idle_ms: float = 0.0, before=None) -> dict:
+def poll_done(event) -> None:
+    """Wait for ``event`` as ``cuda_ipc`` waits for another process's copies: ``query()``,
+    then a sleep of 10 us doubling to 100 us."""
+    delay = 10e-6
+    while not event.query():
+        time.sleep(delay)
+        delay = min(2 * delay, 100e-6)
+
+
+def timed(fn, reps: int, idle_ms: float = 0.0, before=None, wait=None) -> dict:
     """Median GPU ms of ``fn`` (CUDA events), and the host time to issue it; with
     ``idle_ms`` the GPU is left idle that long before each timed call (as between syncs);
-    ``before`` runs ahead of each timed call, untimed."""
+    ``before`` runs ahead of each timed call, untimed; ``wait`` is how the host waits for
+    it (default: the end event's ``synchronize``)."""
     fn()  # warm (allocations, kernel selection)
     torch.cuda.synchronize()
     gpu, host = [], []
@@ -61,6 +71,8 @@ def timed(fn, reps: int, idle_ms: float = 0.0, before=None) -> dict:
         fn()
         end.record()
         host.append((time.perf_counter() - t0) * 1e3)
+        if wait is not None:
+            wait()
         end.synchronize()
         gpu.append(start.elapsed_time(end))
     return {"ms": statistics.median(gpu), "all_ms": gpu, "issue_ms": statistics.median(host)}
@@ -114,14 +126,9 @@ def _exporter(layers: int, q, done, poll=None, handle_q=None, rewrite=None,
             rewrite.clear()
             rewritten.set()
             continue
-        if not poll.wait(0.01):
-            continue
-        delay = 10e-6
-        while poll.is_set():
-            if event.query():
-                delay = 10e-6
-            time.sleep(delay)
-            delay = min(2 * delay, 100e-6)
+        if poll.wait(0.01):
+            poll_done(event)   # the copier records it behind each timed call
+            time.sleep(10e-6)
 
 
 def branched(dsts: list, srcs: list, k: int):
@@ -154,25 +161,9 @@ def batches(sizes: list[int], first: int) -> list[list[int]]:
 
 def timed_polled(fn, reps: int, poll_event) -> dict:
     """As :func:`timed`, but the host waits for each call as a ``cuda_ipc`` receiver does:
-    ``poll_event`` (interprocess) recorded behind the copies and polled with 10-100 us
-    sleeps (the GPU time is still measured by CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    gpu = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        poll_event.record()
-        delay = 10e-6
-        while not poll_event.query():
-            time.sleep(delay)
-            delay = min(2 * delay, 100e-6)
-        end.synchronize()
-        gpu.append(start.elapsed_time(end))
-    return {"ms": statistics.median(gpu), "all_ms": gpu, "issue_ms": 0.0}
+    ``poll_event`` (interprocess) recorded behind the copies and polled (the GPU time is
+    still measured by CUDA events)."""
+    return timed(fn, reps, wait=lambda: (poll_event.record(), poll_done(poll_event)))
 
 
 def ipc_copies(layers: int, reps: int, dsts: list, branches: list) -> dict:
@@ -287,9 +278,7 @@ def main() -> None:
             if isinstance(v, dict) and "ms" in v:
                 print(f"  {k:28s} {v['ms']:8.2f} ms  {v['ms'] / res['flat']['ms']:5.2f} x")
         print("ipc exact:", res.get("ipc_exact"))
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_copies_ipc.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write(args.out, "gpu_copies_ipc.json", res)
         return
     if args.only_idle:
         res["flat"] = timed(flat, args.reps)
@@ -302,9 +291,7 @@ def main() -> None:
                 key = f"{name}-idle{idle:g}ms"
                 res[key] = timed(fn, args.reps, idle)
                 print(key, json.dumps(res[key]), flush=True)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_copies_idle.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write(args.out, "gpu_copies_idle.json", res)
         return
     for name, fn in (("flat", flat), ("loop", loop), ("foreach", foreach)):
         res[name] = timed(fn, args.reps)
@@ -372,8 +359,12 @@ def main() -> None:
             print(f"  {k:16s} {v['ms']:8.2f} ms  {v['ms'] / flat_ms:5.2f} x  "
                   f"(host issue {v['issue_ms']:.2f} ms)")
     print("foreach exact:", dsts_ok)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_copies.json"), "w") as f:
+    write(args.out, "gpu_copies.json", res)
+
+
+def write(folder: str, name: str, res: dict) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "w") as f:
         json.dump(res, f, indent=1)
 
 

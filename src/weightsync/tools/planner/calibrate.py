@@ -426,8 +426,9 @@ def _h200_cases(root: str) -> list[dict]:
                                 placement="colocated", bucket_size=cfg["bucket_size"],
                                 strategies=("ring",))
             how = cfg["sync"] + (", receive_into" if cfg.get("consume") == "into" else "")
-            rows += _rows(f"{folder.split('-')[1].upper()} cuda_ipc ring "
-                          f"{cfg['bucket_size'] >> 20} MiB ({how}, {folder[len('gpu-h200-'):]})", "ring", scenario,
+            gpu, when = folder.split("-", 2)[1:]     # gpu-h100-2026-12-05[-s20]
+            rows += _rows(f"{gpu.upper()} cuda_ipc ring {cfg['bucket_size'] >> 20} MiB "
+                          f"({how}, {when})", "ring", scenario,
                           e["median_ms"] / 1e3, f"{folder}/{name} median_ms",
                           "h200-8gpu-400g", sets, where)
     return rows

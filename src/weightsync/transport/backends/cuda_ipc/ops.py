@@ -127,7 +127,8 @@ class IpcOps:
     def run_copies(self, runner: Callable[[Callable[[], list]], None],
                    pairs: Callable[[], list], stream: Any) -> None:
         """Run a :meth:`copy_runner` with ``stream`` current (the trainer's fill programs
-        run on the caller's stream from the engine's own thread)."""
+        run on the caller's stream from the engine's own thread). Here, with no device
+        streams to switch, the runner queues on :meth:`current_stream`."""
         runner(pairs)
 
     def sync(self, stream: Any) -> None:
