@@ -282,6 +282,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         # fill_graphs: the open bucket's held copies, and per (slot, bucket) the program
         # that issues them (its pairs' memory, its runner)
         self._on_graph = False
+        self._tracking = False              # this sync asks the lasting tracker
         self._graph_pairs: list[tuple] = []
         self._fill_progs: dict[tuple, tuple] = {}
         self._graph_count = 0
@@ -395,7 +396,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._ring_count = 0
         self._graph_count = 0
         self._clear_refs()
-        ring = self._tracks_lasting()        # the lasting tracker: the ring, fill programs
+        # the lasting tracker: for the ring or fill programs (asked once per sync)
+        ring = self._tracking = self._tracks_lasting()
         if ring:
             self._lasting.begin()
         try:
@@ -440,7 +442,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         """The protocol's per-tensor hook (for a tensor that goes into the buckets): no
         tensor skips them here; decide whether this one is copied on the ring or held for
         the bucket's fill program (see the module doc)."""
-        lasting = self._tracks_lasting() and tensor.device == self._ops.device \
+        lasting = self._tracking and tensor.device == self._ops.device \
             and tensor.is_contiguous() and dtype == tensor.dtype \
             and self._lasting.lasting(name, tensor, version=state.version)
         self._on_ring = lasting and self._ring is not None
