@@ -467,9 +467,11 @@ def _ring_case(mix, mutant, receivers=2, steps=4, fill=False):
     ts, rs = _group(1, receivers, sync="event", stream_waits=not fill, fill_graphs=fill)
     trainer = ts[0]
     if fill and mutant:   # the held copies issued after the bucket's "filled" record
+        trainer._batch_bytes = 1 << 62   # (all of a bucket's copies held to its publish)
+
         def late_publish(slot, msg, _t=trainer):
             _t._tx_done(slot, msg.version)
-            _t._flush_fill(slot, msg.index)
+            _t._flush_fill(slot)
             _t._tx_control().push_many(_t._receiver_boxes(), msg)
         trainer._tx_publish = late_publish
     host_waits = []
@@ -536,9 +538,12 @@ def test_kept_tensors_fill_their_slots_through_replayed_programs(fake_ops, monke
     """``fill_graphs``: from the second sync on, kept parameters' copies into a slot are
     held and issued at the bucket's publish by one program per (slot, bucket), which is
     handed the same memory on every call (what lets a GPU replay it as a graph);
-    temporaries are still copied at once. Bytes exact at every step, read late."""
-    calls = {}
+    temporaries are still copied at once. A bucket's copies go out in batches, the first
+    ones while the bucket is still being packed. Bytes exact at every step, read late."""
+    calls, order = {}, []
     real = FakeOps.copy_runner
+    from weightsync.transport.backends.cuda_ipc import engine as eng
+    real_publish = eng.CudaIpcEngine._tx_publish
 
     def runner(self, branches=1):
         inner, key = real(self, branches), len(calls)
@@ -547,14 +552,23 @@ def test_kept_tensors_fill_their_slots_through_replayed_programs(fake_ops, monke
         def run(pairs):
             got = pairs()
             calls[key].append(tuple((d.data_ptr(), s.data_ptr(), d.numel()) for d, s in got))
+            order.append("batch")
             inner(lambda: got)
         return run
+
+    def publish(self, slot, msg):
+        order.append("publish")
+        return real_publish(self, slot, msg)
     monkeypatch.setattr(FakeOps, "copy_runner", runner)
+    monkeypatch.setattr(eng.CudaIpcEngine, "_tx_publish", publish)
     bad, held = _ring_case(mix, mutant=False, fill=True, steps=5)
     assert bad == []
     assert held[0] == 0 and all(h >= 40 for h in held[1:]), held
     assert calls and all(len(set(memory)) == 1 for memory in calls.values()), calls
     assert max(len(memory) for memory in calls.values()) == 4   # syncs 2-5 replay
+    # batches issued between two publishes: a bucket's first ones before its own publish
+    runs = [len(b) for b in "".join("b" if o == "batch" else "|" for o in order).split("|")]
+    assert max(runs) >= 2, order
 
 
 @pytest.mark.timeout(120)
