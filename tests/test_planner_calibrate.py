@@ -308,7 +308,12 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s20)",
         "H200 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
-        "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)"]
+        "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
+        "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s21)",
+        "H200 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, 2026-12-05-s21)",
+        "H200 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, "
+        "2026-12-05-s21)",
+        "H200 cuda_ipc ring 4096 MiB (event, receive_into, settled 200 ms, 2026-12-05-s21)"]
     assert earlier and all("tensor_us" not in r["links_from"] for r in earlier)
     for r in later:
         assert "software tensor_us 19 " in r["links_from"], r

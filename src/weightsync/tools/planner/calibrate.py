@@ -387,7 +387,7 @@ def _cpu_cases(root: str) -> list[dict]:
 RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
-                             "gpu-h100-2026-12-05-s20"})
+                             "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21"})
 
 
 def _h200_cases(root: str) -> list[dict]:
@@ -401,7 +401,9 @@ def _h200_cases(root: str) -> list[dict]:
                          ("gpu-h100-2026-12-05", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05", "gpu_bench_zc.json"),
                          ("gpu-h200-2026-12-05", "gpu_bench.json"),
-                         ("gpu-h100-2026-12-05-s20", "gpu_bench.json")):
+                         ("gpu-h100-2026-12-05-s20", "gpu_bench.json"),
+                         ("gpu-h200-2026-12-05-s21", "call1/settle0/gpu_bench.json"),
+                         ("gpu-h200-2026-12-05-s21", "call1/settle200/gpu_bench.json")):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -425,7 +427,9 @@ def _h200_cases(root: str) -> list[dict]:
                 return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
                                 placement="colocated", bucket_size=cfg["bucket_size"],
                                 strategies=("ring",))
-            how = cfg["sync"] + (", receive_into" if cfg.get("consume") == "into" else "")
+            how = cfg["sync"] + (", receive_into" if cfg.get("consume") == "into" else "") \
+                + (", fill programs" if cfg.get("fill_graphs") else "") \
+                + (", settled 200 ms" if "settle200" in name else "")
             gpu, when = folder.split("-", 2)[1:]     # gpu-h100-2026-12-05[-s20]
             rows += _rows(f"{gpu.upper()} cuda_ipc ring {cfg['bucket_size'] >> 20} MiB "
                           f"({how}, {when})", "ring", scenario,
