@@ -548,7 +548,10 @@ VARIANTS = (
     ("--into-zero-copy-branches-buckets", "", "zero-copy, receive_into, copy graphs in each "
      "of --branches chains", {"consume": "into", "zero_copy": True, "graph_branches": "each"}),
     ("--into-fill-graphs-buckets", "", "ring, receive_into, the trainer fills slots through "
-     "replayed programs (fill_graphs)", {"consume": "into", "fill_graphs": True}),
+     "replayed programs (fill_graphs, the default since session 21)",
+     {"consume": "into", "fill_graphs": True}),
+    ("--into-no-fill-graphs-buckets", "", "ring, receive_into, fill_graphs=False (the "
+     "trainer copies each tensor into its slot at once)", {"consume": "into", "fill_graphs": False}),
 )
 
 
@@ -694,8 +697,8 @@ def report(out: dict) -> str:
             name += " (new views)"
         if c.get("graph_branches"):
             name += f" ({c['graph_branches']} graph branches)"
-        if c.get("fill_graphs"):
-            name += " (fill programs)"
+        if c.get("fill_graphs") is not None:
+            name += " (fill programs)" if c["fill_graphs"] else " (no fill programs)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "
                      f"{e['cold_ms']:.1f} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
                      f"{base / e['median_ms']:.1f} | {e['ring_bytes'] / GiB:.2f} GiB | "

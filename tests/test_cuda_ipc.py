@@ -393,9 +393,9 @@ def test_options_and_construction(monkeypatch):
     assert CudaIpcOptions().graph_branches == 4
     with pytest.raises(ValueError, match="fill_graphs"):
         CudaIpcOptions(fill_graphs="yes")
-    assert CudaIpcOptions().fill_graphs is False
-    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_FILL_GRAPHS", "1")
     assert CudaIpcOptions().fill_graphs is True
+    monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_FILL_GRAPHS", "0")
+    assert CudaIpcOptions().fill_graphs is False
     monkeypatch.delenv("WEIGHTSYNC_CUDA_IPC_FILL_GRAPHS")
     monkeypatch.setenv("WEIGHTSYNC_CUDA_IPC_GRAPH_BRANCHES", "1")
     assert CudaIpcOptions().graph_branches == 1

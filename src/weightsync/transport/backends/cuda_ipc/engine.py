@@ -122,12 +122,15 @@ class CudaIpcOptions:
     copies in that many independent chains (see :class:`~weightsync.transport.backends.cuda_ipc.ops.GraphedCopies`;
     on one H200, 291 copies of a 16 GB model: 8.06 ms in one chain, 7.58 ms in 4, the
     flat copy's rate). ``fill_graphs`` (env ``WEIGHTSYNC_CUDA_IPC_FILL_GRAPHS``, trainer side,
-    ``"event"`` ordering without checksums, default off): the copies of tensors whose
+    ``"event"`` ordering without checksums, default on): the copies of tensors whose
     bytes outlive their item (parameters from the second sync on, see the module doc) into
     a ring slot are held in batches of an eighth of a bucket (the last one until the
     bucket's publish), each issued as one replayed program on the caller's stream (a CUDA
     graph in ``graph_branches`` chains from its second use on), as receivers land
-    ``receive_into``'s copies; any other tensor is still copied at once.
+    ``receive_into``'s copies; any other tensor is still copied at once. On one H200
+    (16 GB bf16, 4 GiB buckets) the ring took 17.9 ms from the fourth sync on with them,
+    18.8 ms without; the third sync, where the programs are captured, pays about 25 ms
+    once.
     """
 
     zero_copy: bool = field(default_factory=lambda: env_value("CUDA_IPC_ZERO_COPY", parse_bool, False))
@@ -145,7 +148,7 @@ class CudaIpcOptions:
     rx_stream_waits: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
     fill_graphs: bool = field(
-        default_factory=lambda: env_value("CUDA_IPC_FILL_GRAPHS", parse_bool, False))
+        default_factory=lambda: env_value("CUDA_IPC_FILL_GRAPHS", parse_bool, True))
 
     def __post_init__(self) -> None:
         if self.sync not in ("event", "host"):
