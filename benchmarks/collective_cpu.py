@@ -4,6 +4,8 @@ the same bytes; prints the medians and the per-step ratio (`WORKLOAD=qwen2`: the
 config-built Qwen2 shapes instead; the flat broadcast stays 1 GiB). `SRC=<a src folder>` runs
 another tree's weightsync (e.g. a `git archive` of an older commit) for a before/after on
 the same box state; engine environment variables (WEIGHTSYNC_COLLECTIVE_*) apply as usual.
+`TRACE=DIR`: every gloo broadcast the engine posts, and when it was seen complete, in the
+last sync, as DIR/trace_<rank>.txt (ms from the sync's start, post/done, MiB).
 
     .venv/bin/python benchmarks/collective_cpu.py
 """
@@ -44,10 +46,30 @@ def main(rank, port, q, qs):
     else:
         kw = qs.get()
     eng.init_process_group(**kw)
+    LOG, T0 = [], [0.0]
+    if os.environ.get("TRACE"):
+        class W:   # a gloo work, logging when it is first seen complete
+            def __init__(s, w, n): s.w, s.n, s.done = w, n, False
+            def is_completed(s):
+                c = s.w.is_completed()
+                if c and not s.done: s.done = True; LOG.append((time.perf_counter() - T0[0], "done", s.n))
+                return c
+            def wait(s, *a):
+                r = s.w.wait(*a)
+                s.is_completed()
+                return r
+        class G:   # the engine's group, logging each broadcast it posts
+            def __init__(s, g): s.g = g
+            def broadcast(s, t, root):
+                LOG.append((time.perf_counter() - T0[0], "post", t.numel()))
+                return W(s.g.broadcast(t, root), t.numel())
+            def __getattr__(s, k): return getattr(s.g, k)
+        for k in list(eng._groups): eng._groups[k] = G(eng._groups[k])
     loop = asyncio.new_event_loop()
     async def rx(v):
         async for _ in eng.receive_into(params, version=v): pass
     def sync(v):
+        LOG.clear(); T0[0] = time.perf_counter()
         c = time.process_time(); t = time.perf_counter()
         if rank == 0: loop.run_until_complete(eng.send_weights(params.items(), version=v))
         else: loop.run_until_complete(rx(v))
@@ -65,6 +87,9 @@ def main(rank, port, q, qs):
     import statistics
     r["cpu_flat"] = statistics.median(c for k, c in CPU if k == "flat"); r["cpu_sync"] = statistics.median(c for k, c in CPU if k == "sync")
     print(rank, r, flush=True)
+    if os.environ.get("TRACE"):
+        with open(os.path.join(os.environ["TRACE"], f"trace_{rank}.txt"), "w") as f:
+            for t, k, n in LOG: f.write(f"{t*1e3:8.2f} {k} {n>>20}\n")
     eng.finalize()
 if __name__ == "__main__":
     import socket
