@@ -518,3 +518,27 @@ def test_a_hosts_cores_price_copies_and_a_cpu_bound_broadcast():
     assert many.bottleneck.limit_seconds < 0.85 * two.bottleneck.limit_seconds
     with pytest.raises(PlannerError, match="links.cores"):
         load_links("h100-8gpu-400g", {"cores": 2})
+
+
+def test_collective_direct_size_is_the_engines_and_moves_the_cpu_broadcast(capsys):
+    """``collective_direct_min`` defaults to the engine's own
+    (``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``): 12 MiB tensors go as their own broadcasts at the
+    default, unpacked, so the 2-core host does not pay their pack and unpack copies; at 16
+    MiB (the default before 2026-12-05) it does. ``--collective-direct-mb`` sets it, and a
+    negative one is refused naming the field."""
+    from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
+    model = model_from_tensors("mid", [(f"l{i}.w", (3072, 2048)) for i in range(32)])
+    links = load_links("cpu-2core", {"links.device_mem.GBps": 10.0, "collective.GBps": 4.0})
+
+    def secs(**kw):
+        p = predict(Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
+                             strategies=("broadcast",), **kw))
+        return p.results["broadcast"].bottleneck.limit_seconds
+    assert Scenario(model=model, links=links, trainer_gpus=1, replicas=1).collective_direct_min \
+        == COLLECTIVE_DIRECT_MIN == 8 << 20
+    nbytes = 32 * 3072 * 2048 * 2
+    assert secs() == pytest.approx(nbytes / 4e9, rel=0.05)
+    assert secs(collective_direct_min=16 << 20) == pytest.approx(nbytes / 4e9 + nbytes / 10e9,
+                                                                 rel=0.05)
+    rc, out, err = run_cli(capsys, "--model", "kimi-k2", "--collective-direct-mb", "-1")
+    assert rc != 0 and "collective_direct_min" in err and "Traceback" not in err

@@ -59,6 +59,7 @@ from weightsync.transport.protocol.ownership import owner_of
 from weightsync.transport.fastcopy import AUTO_MAX_THREADS, SPLIT_MIN
 # the shm receiver's own rule for splitting its copies out of a bucket
 from weightsync.transport.backends.shm.engine import SPLIT_BYTES, SPLIT_MIN_THREADS
+from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
 from weightsync.tools.planner.compiled import rank_boxes
 from weightsync.tools.planner.linkmodel import Loads, PhaseResult, StrategyResult
 from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
@@ -68,7 +69,6 @@ __all__ = ["predict_bucketed", "owners_of", "exchanges", "COALESCE_BYTES",
            "COLLECTIVE_DIRECT_MIN", "copy_threads"]
 
 COALESCE_BYTES = 16 << 20          # export_weights(coalesce_bytes=...) default
-COLLECTIVE_DIRECT_MIN = 16 << 20   # WEIGHTSYNC_COLLECTIVE_DIRECT_MIN default (CPU only)
 
 
 def _nbytes(pt: PlannedTensor, dtype: str | None = None) -> int:
@@ -237,7 +237,7 @@ def _direct_min(sc: Scenario, pl: Placement, strategy: str) -> int:
             return 0
         ok = links.direct_min_bytes and sc.workers <= links.direct_max_receivers
         return links.direct_min_bytes if ok else 0
-    return COLLECTIVE_DIRECT_MIN
+    return sc.collective_direct_min
 
 
 def _streams(sc: Scenario, pts, owners: list[int], dmin: int,

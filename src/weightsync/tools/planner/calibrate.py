@@ -341,7 +341,10 @@ CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
 #: what each CPU method is in the model: (strategy, fields of the Links replaced, fields of
 #: the Scenario). ``@readme`` methods are not modelled (torch's default threads in the
 #: receivers' copies, which the model does not price).
-_CPU_METHODS = {"shm": ("ring", {}, {}), "collective": ("broadcast", {}, {}),
+#: Every run in :data:`CPU_RUNS` sent ``collective``'s direct tensors from 16 MiB, the
+#: default until 2026-12-05 (8 MiB since).
+_CPU_METHODS = {"shm": ("ring", {}, {}),
+                "collective": ("broadcast", {}, {"collective_direct_min": 16 << 20}),
                 "shm-buckets": ("ring", {"direct_min_bytes": 0}, {}),
                 "shm-direct": ("ring", {"direct_max_receivers": 64}, {}),
                 "shm-shared": ("ring", {}, {"shared": "trainer"}),

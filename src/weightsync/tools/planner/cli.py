@@ -12,6 +12,7 @@ import json
 import sys
 
 from weightsync.core.config import DEFAULT_BUCKET_SIZE
+from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
 
 __all__ = ["add_arguments", "run", "scenario_from_args"]
 
@@ -69,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="bucket size of broadcast/ring in MiB "
                          f"(default {DEFAULT_BUCKET_SIZE >> 20})")
     lk.add_argument("--max-read-mb", type=float, help="p2p: cap one READ (default: none)")
+    lk.add_argument("--collective-direct-mb", type=float,
+                    help="broadcast on a host links file (collective on CPU): tensors of at "
+                         "least this many MiB go as their own broadcast, unpacked "
+                         "(WEIGHTSYNC_COLLECTIVE_DIRECT_MIN; default "
+                         f"{COLLECTIVE_DIRECT_MIN >> 20}; 0: none)")
     lk.add_argument("--serve", choices=("auto", "staging"), default="auto",
                     help="p2p: where trainer ranks serve from (WEIGHTSYNC_NIXL_SERVE; "
                          "default auto: their own storage where no cast is needed)")
@@ -108,6 +114,9 @@ def scenario_from_args(args: argparse.Namespace):
         raise PlannerError("bucket_size", f"must be > 0 MiB, got {args.bucket_mb}")
     if args.max_read_mb is not None and args.max_read_mb <= 0:
         raise PlannerError("max_read_bytes", f"must be > 0 MiB, got {args.max_read_mb}")
+    direct = args.collective_direct_mb
+    if direct is not None and direct < 0:
+        raise PlannerError("collective_direct_min", f"must be >= 0 MiB, got {direct}")
     sets = dict(args.link_set)
     links = load_links(args.links, sets)
     rlinks = load_links(args.rollout_links, sets) if args.rollout_links else None
@@ -122,6 +131,8 @@ def scenario_from_args(args: argparse.Namespace):
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
                     pipelined=not args.no_pipeline, serve=args.serve,
                     shared=args.shared, trainer_device=args.trainer_device,
+                    collective_direct_min=COLLECTIVE_DIRECT_MIN if direct is None
+                    else int(direct * 2**20),
                     strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                     label=args.label)
 

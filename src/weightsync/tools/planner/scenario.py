@@ -18,6 +18,7 @@ from typing import Optional
 from weightsync.core.config import DEFAULT_BUCKET_SIZE
 from weightsync.tools.planner.errors import PlannerError
 from weightsync.tools.planner.links import Links
+from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
 from weightsync.tools.planner.model import ModelSpec
 
 __all__ = ["Scenario", "Placement", "Device", "STRATEGIES", "PLACEMENTS", "SHARED",
@@ -77,6 +78,9 @@ class Scenario:
     notes: tuple[str, ...] = field(default=())
     shared: str = "none"            # ring on a host (shm): see SHARED
     trainer_device: str = "cpu"     # host links: see TRAINER_DEVICES
+    #: broadcast on a host (``collective`` on CPU): tensors of at least this many bytes go
+    #: as their own broadcast, unpacked (``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``; 0: none)
+    collective_direct_min: int = COLLECTIVE_DIRECT_MIN
 
     def __post_init__(self) -> None:
         _positive(self.trainer_gpus, "trainer.gpus")
@@ -89,6 +93,7 @@ class Scenario:
             raise PlannerError("trainer.tp", f"trainer.gpus {self.trainer_gpus} is not divisible "
                                              f"by trainer.tp x trainer.ep = {self.trainer_group}")
         _positive(self.bucket_size, "bucket_size")
+        _positive(self.collective_direct_min, "collective_direct_min", 0)
         if self.max_read_bytes is not None:
             _positive(self.max_read_bytes, "max_read_bytes")
         if self.serve not in ("auto", "staging"):

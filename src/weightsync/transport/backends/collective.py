@@ -7,7 +7,7 @@ buffers: the trainer fills bucket k+1 while bucket k is on the wire. A receiver 
 broadcast of a bucket into its own slot only after its consumer released that slot, so no
 buffer is overwritten while read. Headers travel on one socket per receiver (set up in
 ``init_process_group`` through the store), so after the first sync only bucket indices do.
-On CPU, a contiguous tensor of at least ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN`` bytes (16 MiB;
+On CPU, a contiguous tensor of at least ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN`` bytes (8 MiB;
 0 turns it off) is broadcast as it is, from the trainer's tensor into the receiver's
 (its own tensor with ``receive_into``): no packing or unpacking copy. A CPU receiver
 posts the broadcast of the next bucket or direct tensor whose header is already here while
@@ -79,6 +79,11 @@ logger = logging.getLogger(__name__)
 _CAUSE_GRACE_S = 2.0  # how long a broken broadcast waits to learn from whom (see below)
 _CHECK_EVERY_S = 0.05  # how often a broadcast's wait looks at the control channel
 
+
+#: ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``'s default: 8 MiB (16 MiB until 2026-12-05; paired on
+#: this 2-core box, 1 GiB synthetic: 0.77-0.82 x one flat gloo broadcast against 0.73-0.80,
+#: better in 5 of 5 pairs; Qwen2-0.5B shapes 0.76-0.80 against 0.69-0.70, BENCHMARKS.md)
+COLLECTIVE_DIRECT_MIN = 8 << 20
 
 def _wait_at_most(work: Any, seconds: float) -> None:
     """Block on a gloo ``work`` (without the GIL) until it completes or ``seconds`` pass.
@@ -156,7 +161,7 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._rx_ready: dict[tuple[int, int], Any] = {}
         self._rx_inflight: dict[int, list[tuple[Any, BucketMsg]]] = {}
         # CPU: tensors at least this big are broadcast as they are (0: never)
-        self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", 16 << 20)
+        self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", COLLECTIVE_DIRECT_MIN)
         self._direct_window = direct_window("WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")
         # CPU receivers: broadcasts in flight at once (gloo runs a group's operations on
         # two threads; 1 posts each only after the last completed)
