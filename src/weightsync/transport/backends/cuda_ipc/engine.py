@@ -285,8 +285,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._deferred: list[tuple] = []    # the open bucket's copies of kept tensors
         self._deferred_bytes = 0
         self._batch_bytes = max(self.config.bucket_size // 8, 1)
-        # fill_graphs: the open bucket's held copies, and per (slot, bucket) the program
-        # that issues them (its pairs' memory, its runner)
+        # fill_graphs: the open batch's held copies, and per (slot, bucket of the sync,
+        # batch) the program that issues them (its pairs' memory, its runner)
         self._on_graph = False
         self._tracking = False              # this sync asks the lasting tracker
         self._graph_pairs: list[tuple] = []
