@@ -57,7 +57,8 @@ def kill_trainer_0(engine, role, rank):
 
 
 def corrupt_rollout_0(engine, role, rank):
-    """Flip one byte of every bucket rollout rank 0 receives (after transport, before use)."""
+    """Flip one byte of every bucket rollout rank 0 receives (after transport, before use),
+    fetched or posted ahead."""
     if role != "rollout" or rank != 0:
         return
     orig = engine._rx_fetch
@@ -69,6 +70,23 @@ def corrupt_rollout_0(engine, role, rank):
         return buf
 
     engine._rx_fetch = fetch
+    # a bucket whose broadcast a receiver posted ahead (collective on CPU) lands through
+    # _rx_fetch_post and _rx_complete instead: flip it there, once its bytes are in
+    orig_post, orig_complete, posted = engine._rx_fetch_post, engine._rx_complete, {}
+
+    def post(stream, msg):
+        out = orig_post(stream, msg)
+        if out is not None:
+            posted[id(msg)] = out[0]
+        return out
+
+    def complete(stream, msg, handle):
+        orig_complete(stream, msg, handle)
+        buf = posted.pop(id(msg), None)
+        if buf is not None and msg.nbytes:
+            buf[msg.nbytes // 2] ^= 0x5A
+
+    engine._rx_fetch_post, engine._rx_complete = post, complete
 
 
 def never_init_rollout_1(engine, role, rank):
