@@ -79,11 +79,11 @@ logger = logging.getLogger(__name__)
 _CAUSE_GRACE_S = 2.0  # how long a broken broadcast waits to learn from whom (see below)
 _CHECK_EVERY_S = 0.05  # how often a broadcast's wait looks at the control channel
 
-
 #: ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``'s default: 8 MiB (16 MiB until 2026-12-05; paired on
 #: this 2-core box, 1 GiB synthetic: 0.77-0.82 x one flat gloo broadcast against 0.73-0.80,
 #: better in 5 of 5 pairs; Qwen2-0.5B shapes 0.76-0.80 against 0.69-0.70, BENCHMARKS.md)
 COLLECTIVE_DIRECT_MIN = 8 << 20
+
 
 def _wait_at_most(work: Any, seconds: float) -> None:
     """Block on a gloo ``work`` (without the GIL) until it completes or ``seconds`` pass.
@@ -161,7 +161,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._rx_ready: dict[tuple[int, int], Any] = {}
         self._rx_inflight: dict[int, list[tuple[Any, BucketMsg]]] = {}
         # CPU: tensors at least this big are broadcast as they are (0: never)
-        self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", COLLECTIVE_DIRECT_MIN)
+        self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN",
+                                            COLLECTIVE_DIRECT_MIN)
         self._direct_window = direct_window("WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")
         # CPU receivers: broadcasts in flight at once (gloo runs a group's operations on
         # two threads; 1 posts each only after the last completed)
