@@ -11,9 +11,12 @@ bucket, aligned up to ``alignment``:
 * ``n == 0``: the tensor takes no space (offset 0, nbytes 0) in the open bucket;
 * it fits behind the cursor: it goes there;
 * ``n <= bucket_size``: the open bucket is closed and the tensor starts a new one;
-* ``n > bucket_size``: the open bucket is closed (if not empty) and the tensor is cut into
-  chunks of ``bucket_size`` bytes, one per bucket; its last chunk leaves room for the
-  next tensors. Memory per bucket therefore stays bounded whatever the tensor size.
+* ``n > bucket_size``: the tensor is cut into chunks: the first fills the open bucket from
+  the cursor to its end, each next one a whole bucket; its last chunk leaves room for the
+  next tensors. Memory per bucket therefore stays bounded whatever the tensor size, and
+  every bucket a chunk closes is full. (Up to 2026-12-05 the open bucket was closed first
+  and every chunk started a bucket: with tensors of 1.4 buckets, buckets alternated full
+  and 40 % full, and a ring of two slots stalled on every full one.)
 """
 
 from __future__ import annotations
@@ -190,7 +193,7 @@ class WeightPlan:
 def plan_signature(bucket_size: int, buckets: Iterable[Bucket]) -> str:
     """Stable hash of a layout: equal across processes and Python runs."""
     h = hashlib.sha256()
-    h.update(f"weightsync-plan-v2|{int(bucket_size)}|".encode())
+    h.update(f"weightsync-plan-v3|{int(bucket_size)}|".encode())
     for b in buckets:
         h.update(b.digest.encode())
     return h.hexdigest()[:32]
@@ -200,10 +203,13 @@ class PlanBuilder:
     """Lays tensors into buckets one at a time (streaming; bounded memory).
 
     ``add`` returns the pieces of the tensor as ``(bucket_index, TensorMeta)``; every
-    bucket index below ``open_index`` is closed and can be published.
+    bucket index below ``open_index`` is closed and can be published. ``fill_open=False``
+    lays out as the code before 2026-12-05 did (a tensor bigger than a bucket closes the
+    open bucket first); only the planner uses it, to predict runs of that code.
     """
 
-    def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
+    def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT, *,
+                 fill_open: bool = True) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive int, got {bucket_size!r}")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -212,6 +218,7 @@ class PlanBuilder:
             raise ValueError(f"bucket_size {bucket_size} must be a multiple of {alignment}")
         self.bucket_size = bucket_size
         self.alignment = alignment
+        self.fill_open = bool(fill_open)
         self.open_index = 0
         self._cursor = 0
         self._entries: list[TensorMeta] = []
@@ -231,16 +238,21 @@ class PlanBuilder:
             return self._place(TensorMeta(name, shape, dtype, 0, 0, 0, 0))
         if start + nbytes <= self.bucket_size:
             return self._place(TensorMeta(name, shape, dtype, start, nbytes, 0, nbytes))
-        if self._entries:
-            self._close()
         if nbytes <= self.bucket_size:
-            return self._place(TensorMeta(name, shape, dtype, 0, nbytes, 0, nbytes))
-        pieces = []
-        for off in range(0, nbytes, self.bucket_size):
-            size = min(self.bucket_size, nbytes - off)
-            pieces += self._place(TensorMeta(name, shape, dtype, 0, size, off, nbytes))
-            if size == self.bucket_size:
+            if self._entries:
                 self._close()
+            return self._place(TensorMeta(name, shape, dtype, 0, nbytes, 0, nbytes))
+        if start >= self.bucket_size or (self._entries and not self.fill_open):
+            self._close()
+            start = 0
+        pieces, off = [], 0
+        while off < nbytes:
+            size = min(self.bucket_size - start, nbytes - off)
+            pieces += self._place(TensorMeta(name, shape, dtype, start, size, off, nbytes))
+            off += size
+            if start + size == self.bucket_size:
+                self._close()
+            start = 0
         return pieces
 
     def _place(self, meta: TensorMeta) -> list[tuple[int, TensorMeta]]:
@@ -335,9 +347,12 @@ def build_plan(
     tensors: Iterable[tuple[str, Sequence[int], str | torch.dtype]],
     bucket_size: int,
     alignment: int = DEFAULT_ALIGNMENT,
+    *,
+    fill_open: bool = True,
 ) -> WeightPlan:
-    """Plan for a whole sequence of ``(name, shape, dtype)`` at once."""
-    builder = PlanBuilder(bucket_size, alignment)
+    """Plan for a whole sequence of ``(name, shape, dtype)`` at once (``fill_open``: see
+    :class:`PlanBuilder`)."""
+    builder = PlanBuilder(bucket_size, alignment, fill_open=fill_open)
     seen: set[str] = set()
     for name, shape, dtype in tensors:
         if name in seen:
