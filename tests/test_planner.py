@@ -278,8 +278,8 @@ def test_bucketed_strategies_use_build_plan(monkeypatch, moe_dir):
     seen = []
     real = bucketed_mod.build_plan
 
-    def spy(tensors, bucket_size, *a):
-        out = real(tensors, bucket_size, *a)
+    def spy(tensors, bucket_size, *a, **kw):
+        out = real(tensors, bucket_size, *a, **kw)
         seen.append((len(out.buckets), bucket_size))
         return out
     monkeypatch.setattr(bucketed_mod, "build_plan", spy)

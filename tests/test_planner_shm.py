@@ -12,6 +12,7 @@ import pytest
 from weightsync.tools.cli import main
 from weightsync.tools.planner import (PlannerError, Scenario, load_links, model_from_tensors,
                                       predict)
+from weightsync.tools.planner.bucketed import slot_pipeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,3 +143,31 @@ def test_cli_options_and_their_errors(capsys):
     with pytest.raises(PlannerError, match="links.d2h"):
         load_links("cpu-2core", {"device": "gpu", "links.nic": {"GBps": 1},
                                  "links.d2h": {"GBps": 1}})
+
+
+def test_a_ring_of_two_slots_stalls_on_uneven_buckets():
+    """The slot pipeline (``slot_pipeline``): equal buckets cost the fluid time plus one
+    bucket; a full bucket behind a small one makes the trainer wait for the full one before
+    it to drain, so full/small alternation runs at two full buckets per pair; a faster
+    side (a GPU trainer's device-to-host copies) waits less."""
+    r, full, small = 1e9, 1e6, 0.4e6
+    assert slot_pipeline([full] * 10, r, r, 2, 0.0) == pytest.approx(11 * full / r)
+    pairs = slot_pipeline([full, small] * 10, r, r, 2, 0.0)
+    assert pairs == pytest.approx(10 * 2 * full / r + small / r)
+    assert slot_pipeline([full, small] * 10, r, r, 3, 0.0) < 0.8 * pairs   # a third slot
+    assert slot_pipeline([full, small] * 10, 4 * r, r, 2, 0.0) < 0.8 * pairs  # a fast filler
+    # a message (publish or acknowledgement) lies on the path between every two buckets
+    t, h = full / r, 1e-4
+    assert slot_pipeline([full] * 10, r, r, 2, h) == pytest.approx(11 * t + 9 * h)
+
+
+def test_tensors_of_one_and_a_half_buckets_cost_the_old_layout_its_stalls():
+    """Tensors of 1.4 buckets: the layout before 2026-12-05 (``fill_open=False``) closed the
+    open bucket before each, so buckets alternated full and 40 % full and the two-slot ring
+    stalled; today's layout fills every bucket and costs what the fluid model says."""
+    model = model_from_tensors("mlp", [(f"w{i}", (7 * MiB // 10,)) for i in range(20)])
+    new = ring(host_links(), model=model, bucket_size=MiB)
+    old = ring(host_links(), model=model, bucket_size=MiB, fill_open=False)
+    assert new.dest_reads[0] < old.dest_reads[0]                     # fewer buckets
+    assert old.seconds > 1.25 * new.seconds
+    assert "slots" in old.bottleneck.limit and "slots" not in new.bottleneck.limit

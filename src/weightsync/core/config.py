@@ -14,10 +14,11 @@ import torch
 
 from weightsync.core.plan import DEFAULT_ALIGNMENT, dtype_from_name
 
-__all__ = ["EngineConfig", "DEFAULT_BUCKET_SIZE", "DEFAULT_TIMEOUT", "env_value", "parse_bool",
+__all__ = ["EngineConfig", "DEFAULT_BUCKET_SIZE", "DEFAULT_NUM_SLOTS", "DEFAULT_TIMEOUT", "env_value", "parse_bool",
            "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS"]
 
 DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
+DEFAULT_NUM_SLOTS = 2
 DEFAULT_TIMEOUT = 300.0
 _ROLES = (None, "trainer", "rollout")
 
@@ -72,7 +73,7 @@ class EngineConfig:
     timeout: float = field(default_factory=lambda: env_value("TIMEOUT", float, DEFAULT_TIMEOUT))
     device: str = "cpu"
     dtype: Optional[torch.dtype] = None
-    num_slots: int = field(default_factory=lambda: env_value("NUM_SLOTS", int, 2))
+    num_slots: int = field(default_factory=lambda: env_value("NUM_SLOTS", int, DEFAULT_NUM_SLOTS))
     checksum: bool = field(default_factory=lambda: env_value("CHECKSUM", parse_bool, False))
     role: Optional[str] = None
     host: str = field(default_factory=lambda: env_value("HOST", str, "127.0.0.1"))

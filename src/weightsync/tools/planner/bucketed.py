@@ -66,7 +66,7 @@ from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
 from weightsync.tools.planner.scenario import Placement, Scenario
 
 __all__ = ["predict_bucketed", "owners_of", "exchanges", "COALESCE_BYTES",
-           "COLLECTIVE_DIRECT_MIN", "copy_threads"]
+           "COLLECTIVE_DIRECT_MIN", "copy_threads", "slot_pipeline"]
 
 COALESCE_BYTES = 16 << 20          # export_weights(coalesce_bytes=...) default
 
@@ -256,14 +256,49 @@ def _streams(sc: Scenario, pts, owners: list[int], dmin: int,
             s["bucketed"].append(i)
     for s in per.values():
         plan = build_plan([(pts[i].name, pts[i].shape, pts[i].src_dtype) for i in s["bucketed"]],
-                          sc.bucket_size)
+                          sc.bucket_size, fill_open=sc.fill_open)
+        index = {pts[i].name: i for i in s["bucketed"]}
         where: dict[str, set] = defaultdict(set)
         for b in plan.buckets:
             for e in b.entries:
                 where[e.name].add(b.index)
         s["buckets_of"] = {i: where[pts[i].name] for i in s["bucketed"]}
         s["buckets"] = len(plan.buckets)
+        # what each bucket holds, in order: (tensor, bytes of it in the bucket)
+        s["layout"] = [[(index[e.name], e.nbytes) for e in b.entries] for b in plan.buckets]
     return per
+
+
+def slot_pipeline(sizes: list[float], fill_rate: float, drain_rate: float, slots: int,
+                  handoff: float) -> float:
+    """Seconds a ring of ``slots`` buckets takes to pass buckets of ``sizes`` bytes when
+    the trainer fills each at ``fill_rate`` bytes/s and a receiver drains it at
+    ``drain_rate``: bucket k is filled once bucket k-1 is and the drain of bucket
+    k-``slots`` (the one in its slot) is acknowledged; it is drained once it is published
+    and bucket k-1 is drained; each message (publish, acknowledgement) takes ``handoff``
+    seconds. Equal buckets keep the slower side busy; uneven ones make it wait (with two
+    slots and equal rates, a full bucket behind a small one: the trainer waits for the full
+    one before it to drain)."""
+    fill_end = drain_end = 0.0
+    drained: list[float] = []
+    for k, n in enumerate(sizes):
+        start = fill_end
+        if k >= slots:
+            start = max(start, drained[k - slots] + handoff)
+        fill_end = start + n / fill_rate
+        drain_end = max(fill_end + handoff, drain_end) + n / drain_rate
+        drained.append(drain_end)
+    return drain_end
+
+
+def _ring_sizes(streams: dict[int, dict], step: list[int], owners: list[int]) -> list[list[int]]:
+    """Per owner of a step's tensors, the bytes each of its buckets carries of them."""
+    mine = set(step)
+    out = []
+    for o in sorted({owners[i] for i in step}):
+        sizes = [sum(n for i, n in b if i in mine) for b in streams[o]["layout"]]
+        out.append([n for n in sizes if n])
+    return out
 
 
 def _shared_read_rate(sc: Scenario) -> float:
@@ -373,14 +408,21 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
             loads.work(pl.who(dev), len(step) * sw["tensor_us"])
     # pipeline fill: the stages that are not the bottleneck, for one bucket (pack, unpack);
     # a GPU trainer packs by device-to-host copies, a receiver may unpack over its threads
-    copy_rate = pl.links_of(pl.trainer[0]).link("device_mem").rate
-    pack = sc.links.link("d2h").rate if gpu else copy_rate
-    threads = _rx_split_threads(sc, pl) if strategy == "ring" else 1
-    unpack = _split_rate(sc, threads) if threads > 1 else copy_rate
+    pack, unpack = _pack_unpack(sc, pl, strategy)
     loads.latency = lat + sw["control_us"] + first / pack + first / unpack
     if pushing and first_step:  # every receiver's offer (LandMsg) before the first tensor
         loads.latency += sw["control_us"]
     return loads, serial, what, side
+
+
+def _pack_unpack(sc: Scenario, pl: Placement, strategy: str) -> tuple[float, float]:
+    """Bytes/s of one side alone: the trainer's pack into a slot (a GPU trainer's by
+    device-to-host copies) and a receiver's copy out of it (over its threads, if split)."""
+    copy_rate = pl.links_of(pl.trainer[0]).link("device_mem").rate
+    pack = sc.links.link("d2h").rate if sc.trainer_device == "gpu" else copy_rate
+    threads = _rx_split_threads(sc, pl) if strategy == "ring" else 1
+    unpack = _split_rate(sc, threads) if threads > 1 else copy_rate
+    return pack, unpack
 
 
 def _applicable(sc: Scenario, pl: Placement, strategy: str) -> str:
@@ -411,6 +453,7 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
     kept = [[kept_bytes(pt, g) for pt in pts] for g in range(sc.replica_size)]
     steps = exchanges(sc, pts)
     gathered = gathers(sc)
+    host_ring = strategy == "ring" and pl.host and not push
     total_g = total_d = 0.0
     worst: dict[str, PhaseResult] = {}
     totals = {"gather": Loads(pl), "deliver": Loads(pl, sc.links.collective_cap)}
@@ -420,8 +463,11 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
                                              kept, first_step=k == 0)
         parts.append(("deliver", loads, serial, what))
         totals["deliver"].absorb(side)
+        ring = _ring_sizes(streams, step, owners) if host_ring else []
         for name, ld, ser, what in parts:
             r = ld.result(name)
+            if name == "deliver" and ring:
+                _ring_bound(r, ring, sc, pl)
             r.seconds += ser
             if ser > r.limit_seconds:
                 r.limit, r.limit_seconds = _SERIAL[what], ser
@@ -436,6 +482,34 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
         res.add_links(ld)
     _finish(res, sc, pl, pts, owners, streams, steps, worst, total_g, total_d)
     return res
+
+
+def _ring_bound(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placement) -> None:
+    """What uneven buckets cost a host ring beyond the fluid model: each owner's stalls
+    (:func:`slot_pipeline` of its buckets against the same bytes in as many equal buckets).
+    The slower side runs at the rate the fluid model gives it (the owner's bytes over the
+    phase's seconds), the other side that much faster as it is alone (pack vs unpack).
+    Equal buckets add nothing; full buckets behind part-full ones do."""
+    fluid = r.limit_seconds
+    if fluid <= 0:
+        return
+    handoff = pl.links_of(pl.trainer[0]).software["control_us"]     # seconds
+    pack, unpack = _pack_unpack(sc, pl, "ring")
+    stall = 0.0
+    for sizes in ring:
+        if len(sizes) < 2:
+            continue
+        total = sum(sizes)
+        rate = total / fluid
+        fill, drain = rate * pack / min(pack, unpack), rate * unpack / min(pack, unpack)
+        even = [total / len(sizes)] * len(sizes)
+        stall = max(stall, slot_pipeline(sizes, fill, drain, sc.num_slots, handoff)
+                    - slot_pipeline(even, fill, drain, sc.num_slots, handoff))
+    if stall > 0.01 * fluid:        # under 1 %: a last part-full bucket, no matter
+        r.seconds += stall
+        r.limit_seconds += stall
+        r.limit += (f"; the ring's {sc.num_slots} slots stall on buckets of uneven size "
+                    f"(+{stall * 1e3:.3g} ms)")
 
 
 def _finish(res, sc, pl, pts, owners, streams, steps, worst, total_g, total_d) -> None:

@@ -294,8 +294,15 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
           check: Optional[Callable] = None, repeat_of: Optional[str] = None) -> list[dict]:
     """One case: with the links its run recorded (counted) and with the preset alone (not
     counted); only the preset's, counted, when the run recorded no limit. ``repeat_of``:
-    its group of repeats (:func:`_repeat_of`), if any."""
+    its group of repeats (:func:`_repeat_of`), if any. Buckets are laid out as the code of
+    every recorded run did (``Scenario.fill_open=False``: all ran before 2026-12-05's
+    layout)."""
     rows = []
+    made = scenario
+
+    def scenario(links: Links) -> Scenario:
+        # every recorded run predates today's bucket layout (PlanBuilder's fill_open)
+        return dataclasses.replace(made(links), fill_open=False)
     if sets:
         row = _row(case, strategy, scenario(load_links(preset, sets)), measured, source, check)
         row.update(links="run", links_from=_describe(sets, where), counted=True)

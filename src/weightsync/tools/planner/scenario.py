@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from weightsync.core.config import DEFAULT_BUCKET_SIZE
+from weightsync.core.config import DEFAULT_BUCKET_SIZE, DEFAULT_NUM_SLOTS
 from weightsync.tools.planner.errors import PlannerError
 from weightsync.tools.planner.links import Links
 from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
@@ -81,6 +81,12 @@ class Scenario:
     #: broadcast on a host (``collective`` on CPU): tensors of at least this many bytes go
     #: as their own broadcast, unpacked (``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``; 0: none)
     collective_direct_min: int = COLLECTIVE_DIRECT_MIN
+    #: buckets of a trainer rank's ring (``WEIGHTSYNC_NUM_SLOTS``)
+    num_slots: int = DEFAULT_NUM_SLOTS
+    #: bucket layout (:class:`weightsync.core.plan.PlanBuilder`): ``True``, today's (a tensor
+    #: bigger than a bucket starts in the open bucket's free space); ``False``, the code's
+    #: before 2026-12-05 (it closed the open bucket first), for predicting runs of that code
+    fill_open: bool = True
 
     def __post_init__(self) -> None:
         _positive(self.trainer_gpus, "trainer.gpus")
@@ -94,6 +100,7 @@ class Scenario:
                                              f"by trainer.tp x trainer.ep = {self.trainer_group}")
         _positive(self.bucket_size, "bucket_size")
         _positive(self.collective_direct_min, "collective_direct_min", 0)
+        _positive(self.num_slots, "num_slots")
         if self.max_read_bytes is not None:
             _positive(self.max_read_bytes, "max_read_bytes")
         if self.serve not in ("auto", "staging"):
