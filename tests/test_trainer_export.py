@@ -224,6 +224,27 @@ def _many_worker(rank: int, world: int, port: int, path: str) -> None:
               "equal": all(got[i] is not None and got[i].dtype == fulls[i].dtype
                            and torch.equal(got[i], fulls[i]) for i in mine),
               "cats": cats[0], "owned": len(mine)}
+    # one tensor per owner in an exchange (as a big tensor has one to itself): whole
+    # shards of 16-byte multiples arrive end to end and need no concatenation; odd-sized
+    # ones (padded regions) still do
+    alone = [((10, 8), torch.float32, 0, torch.bfloat16), ((6, 16), torch.float32, 1, None),
+             ((5,), torch.int8, 0, None), ((9, 4), torch.float32, 0, None)]
+    for k, pair in enumerate((alone[:2], alone[2:])):
+        fulls, dts, dtypes = [], [], []
+        for shape, dtype, dim, cast in pair:
+            full = (torch.randn(shape, generator=g) * 50).to(dtype)
+            fulls.append(full if cast is None else full.to(cast))
+            dts.append(distribute_tensor(full, mesh, [Shard(dim)]))
+            dtypes.append(cast)
+        cats[0] = 0
+        torch.cat = counted
+        try:
+            got = fsdp.gather_many_to_owners(dts, [0, 1], dtypes, mesh.get_group())
+        finally:
+            torch.cat = real_cat
+        result[f"alone{k}_equal"] = got[rank] is not None and \
+            got[rank].dtype == fulls[rank].dtype and torch.equal(got[rank], fulls[rank])
+        result[f"alone{k}_cats"] = cats[0]
     with open(os.path.join(path, f"m{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -231,7 +252,8 @@ def _many_worker(rank: int, world: int, port: int, path: str) -> None:
 
 def test_fsdp2_exchange_writes_shards_straight_into_the_send_buffer(tmp_path):
     """Every owner gets its tensors bit-exact (cast where asked) and the send side makes no
-    concatenation: the only ``torch.cat`` left is the owner's, one per tensor it owns."""
+    concatenation: the only ``torch.cat`` left is the owner's, one per tensor it owns when
+    it owns several in one exchange, none when it owns one of whole shards."""
     import socket
 
     import torch.multiprocessing as mp
@@ -245,3 +267,7 @@ def test_fsdp2_exchange_writes_shards_straight_into_the_send_buffer(tmp_path):
         r = json.loads((tmp_path / f"m{rank}.json").read_text())
         assert r["none_elsewhere"] and r["equal"], r
         assert r["cats"] == r["owned"], r
+        assert r["alone0_equal"] and r["alone0_cats"] == 0, r
+        # rank 0's int8 shard (3 bytes in a 16-byte region) is concatenated; rank 1's
+        # float32 shard (5 rows x 4 x 4 = 80 bytes) is not
+        assert r["alone1_equal"] and r["alone1_cats"] == (1 if rank == 0 else 0), r

@@ -8,7 +8,9 @@ same order (it is a collective on the DTensor's mesh group). Layouts other than 
 mesh with one ``Shard`` placement fall back to ``full_tensor()`` on every rank.
 :func:`gather_many_to_owners` moves many such tensors in one ``all_to_all``; both send
 the same padded shards, the latter written straight into its send buffer (each shard cast,
-laid out and padded in one copy).
+laid out and padded in one copy). An owner whose only tensor of an exchange is that
+tensor (a big one has an exchange to itself) receives it whole, in place: no
+concatenation.
 
 Called by :mod:`weightsync.trainer.export` only.
 """
@@ -161,12 +163,18 @@ def gather_many_to_owners(dts: list, owners: list[int], dtypes: list,
                            input_split_sizes=in_splits, group=group)
     results: list[Optional[torch.Tensor]] = [None] * len(dts)
     offset = 0
+    alone = sum(m[0] == me for m in metas) == 1
     for i, (owner, region, dim, size, rest, n, dtype, nbytes) in enumerate(metas):
         if owner != me:
             continue
-        pieces = [out[s * per_source + offset: s * per_source + offset + nbytes]
-                  for s in range(world)]
+        if alone and region == nbytes:
+            # this rank's only tensor of the exchange: the sources' shards arrived end to
+            # end, in rank order (each exactly its region), so they are the full tensor
+            flat = out[: world * nbytes]
+        else:
+            flat = torch.cat([out[s * per_source + offset: s * per_source + offset + nbytes]
+                              for s in range(world)])
         offset += region
-        full = torch.cat(pieces).view(dtype).view((world * size,) + rest)[:n]
+        full = flat.view(dtype).view((world * size,) + rest)[:n]
         results[i] = full.movedim(0, dim) if dim else full
     return results
