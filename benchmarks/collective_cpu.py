@@ -5,7 +5,9 @@ config-built Qwen2 shapes instead; the flat broadcast stays 1 GiB). `SRC=<a src 
 another tree's weightsync (e.g. a `git archive` of an older commit) for a before/after on
 the same box state; engine environment variables (WEIGHTSYNC_COLLECTIVE_*) apply as usual.
 `TRACE=DIR`: every gloo broadcast the engine posts, and when it was seen complete, in the
-last sync, as DIR/trace_<rank>.txt (ms from the sync's start, post/done, MiB).
+last sync, as DIR/trace_<rank>.txt (ms from the sync's start, post/done, MiB). `THREADS=1`:
+each process's CPU seconds per thread name (``/proc/self/task``), per flat broadcast and
+per sync, averaged over the 16 pairs.
 
     .venv/bin/python benchmarks/collective_cpu.py
 """
@@ -14,6 +16,20 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 sys.path.insert(0, os.environ.get("SRC", "/work/main/src"))
 N = 1 << 30
 CPU = []
+def tasks():
+    """CPU seconds so far of each of this process's threads: {(tid, name): s}."""
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            st = open(f"/proc/self/task/{t}/stat").read()
+        except FileNotFoundError:
+            continue
+        f = st[st.rindex(")") + 2:].split()
+        out[(t, st[st.index("(") + 1:st.rindex(")")])] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+def add_use(into, a, b, share):
+    for (tid, name), v in b.items():
+        into[name] = into.get(name, 0.0) + (v - a.get((tid, name), 0.0)) * share
 def flat(pg, buf, k=5):
     ts = []
     for _ in range(k):
@@ -78,8 +94,12 @@ def main(rank, port, q, qs):
     sync(1)
     r["flat_engine_idle"] = flat(pg, buf)
     ts = []; fs = []
+    use = {"flat": {}, "sync": {}}
     for v in range(2, 18):
-        fs.append(flat(pg, buf, 1)); ts.append(sync(v))
+        a = tasks(); fs.append(flat(pg, buf, 1)); b = tasks(); ts.append(sync(v)); c = tasks()
+        add_use(use["flat"], a, b, 1 / 16); add_use(use["sync"], b, c, 1 / 16)
+    if os.environ.get("THREADS"):
+        r["cpu_s_per_thread"] = {k: {n: round(x, 3) for n, x in d.items() if x > 0.002} for k, d in use.items()}
     import statistics; r["sync_med"] = statistics.median(ts); r["flat_paired"] = statistics.median(fs)
     r["ratio"] = statistics.median(f / t for f, t in zip(fs, ts))
     time.sleep(0.5)

@@ -4,6 +4,9 @@ sides) plus one for the rest. Shows what gloo itself charges per operation on th
 floor for `collective`'s direct tensors. Two processes, TCPStore(port=0), one torch thread.
 
     .venv/bin/python benchmarks/gloo_ops_cpu.py      # env MIN (bytes, default 16 MiB), AHEAD (2)
+
+``TRACE=DIR``: every operation's post and completion in the last split run, as
+DIR/rawtrace_<rank>.txt (ms from its start, post/done, MiB), as ``collective_cpu.py`` writes.
 """
 import datetime, math, os, statistics, sys, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -37,19 +40,29 @@ def main(rank: int, port: int, q) -> None:
         pg.broadcast(flat, 0).wait()
         return time.perf_counter() - t
 
+    log = []
+
     def many() -> float:
+        log.clear()
         t, inflight = time.perf_counter(), []
         for p in parts:
-            inflight.append(pg.broadcast(p, 0))
+            log.append((time.perf_counter() - t, "post", p.numel() >> 20))
+            inflight.append((pg.broadcast(p, 0), p.numel() >> 20))
             while len(inflight) >= AHEAD:
-                inflight.pop(0).wait()
-        for w in inflight:
+                w, n = inflight.pop(0)
+                w.wait()
+                log.append((time.perf_counter() - t, "done", n))
+        for w, n in inflight:
             w.wait()
+            log.append((time.perf_counter() - t, "done", n))
         return time.perf_counter() - t
     rows = {"flat": [], "ops": []}
     for _ in range(7):
         rows["flat"].append(one())
         rows["ops"].append(many())
+    if os.environ.get("TRACE"):
+        with open(os.path.join(os.environ["TRACE"], f"rawtrace_{rank}.txt"), "w") as fh:
+            fh.writelines(f"{a * 1e3:8.2f} {k} {n}\n" for a, k, n in log)
     if rank == 0:
         f, o = statistics.median(rows["flat"]), statistics.median(rows["ops"])
         q.put({"min_bytes": MIN, "ahead": AHEAD, "ops": len(parts), "flat_s": round(f, 4),

@@ -200,12 +200,18 @@ def _many_worker(rank: int, world: int, port: int, path: str) -> None:
              ((9, 5), torch.float32, 0, torch.bfloat16), ((3, 11), torch.bfloat16, 1, None),
              ((1, 4), torch.float32, 0, None), ((13,), torch.bool, 0, None),
              ((6, 7), torch.float64, 1, torch.float16), ((4, 2), torch.int64, 0, None)]
-    fulls, dts, dtypes = [], [], []
-    for shape, dtype, dim, cast in cases:
-        full = (torch.randn(shape, generator=g) * 50).to(dtype)
-        fulls.append(full if cast is None else full.to(cast))
-        dts.append(distribute_tensor(full, mesh, [Shard(dim)]))
-        dtypes.append(cast)
+
+    def sharded(cases):
+        """(expected full tensors, their DTensors, export casts) of (shape, dtype, dim, cast)"""
+        fulls, dts, dtypes = [], [], []
+        for shape, dtype, dim, cast in cases:
+            full = (torch.randn(shape, generator=g) * 50).to(dtype)
+            fulls.append(full if cast is None else full.to(cast))
+            dts.append(distribute_tensor(full, mesh, [Shard(dim)]))
+            dtypes.append(cast)
+        return fulls, dts, dtypes
+
+    fulls, dts, dtypes = sharded(cases)
     owners = [i % world for i in range(len(cases))]
     cats = [0]
     real_cat = torch.cat
@@ -230,12 +236,7 @@ def _many_worker(rank: int, world: int, port: int, path: str) -> None:
     alone = [((10, 8), torch.float32, 0, torch.bfloat16), ((6, 16), torch.float32, 1, None),
              ((5,), torch.int8, 0, None), ((9, 4), torch.float32, 0, None)]
     for k, pair in enumerate((alone[:2], alone[2:])):
-        fulls, dts, dtypes = [], [], []
-        for shape, dtype, dim, cast in pair:
-            full = (torch.randn(shape, generator=g) * 50).to(dtype)
-            fulls.append(full if cast is None else full.to(cast))
-            dts.append(distribute_tensor(full, mesh, [Shard(dim)]))
-            dtypes.append(cast)
+        fulls, dts, dtypes = sharded(pair)
         cats[0] = 0
         torch.cat = counted
         try:
