@@ -171,3 +171,11 @@ def test_tensors_of_one_and_a_half_buckets_cost_the_old_layout_its_stalls():
     assert new.dest_reads[0] < old.dest_reads[0]                     # fewer buckets
     assert old.seconds > 1.25 * new.seconds
     assert "slots" in old.bottleneck.limit and "slots" not in new.bottleneck.limit
+    # a third slot absorbs most of it (weightsync plan --num-slots, WEIGHTSYNC_NUM_SLOTS)
+    three = ring(host_links(), model=model, bucket_size=MiB, fill_open=False, num_slots=3)
+    assert new.seconds <= three.seconds < old.seconds
+    with pytest.raises(PlannerError, match="num_slots"):
+        ring(host_links(), model=model, num_slots=0)
+    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--links", "cpu-2core",
+               "--strategies", "ring", "--num-slots", "3"])
+    assert rc == 0

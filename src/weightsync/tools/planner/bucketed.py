@@ -15,7 +15,10 @@ one step and every stream runs at once.
 
 Delivery of one step: the owner packs its bucketed bytes into slots (a copy), the bytes
 cross the wire and each receiver copies what it keeps out of the bucket, all pipelined
-(one fluid phase plus the fill of one bucket). ``collective`` ``ring`` (NCCL): a chain
+(one fluid phase plus the fill of one bucket). A host ring (``shm``) adds what its
+``num_slots`` slots stall on buckets of uneven size (:func:`slot_pipeline`: a fill waits
+for the drain of the bucket in its slot); the GPU ring's and the broadcast's are not
+modelled. ``collective`` ``ring`` (NCCL): a chain
 through the receivers, node by node, channels spread over every receiving GPU's NIC;
 ``star`` (gloo): the root sends each receiver its own copy, at most ``collective.GBps``
 per stream. ``ring``: receivers read the slots in place (shared memory: a copy through
@@ -467,7 +470,7 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
         for name, ld, ser, what in parts:
             r = ld.result(name)
             if name == "deliver" and ring:
-                _ring_bound(r, ring, sc, pl)
+                _ring_stalls(r, ring, sc, pl)
             r.seconds += ser
             if ser > r.limit_seconds:
                 r.limit, r.limit_seconds = _SERIAL[what], ser
@@ -484,7 +487,7 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
     return res
 
 
-def _ring_bound(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placement) -> None:
+def _ring_stalls(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placement) -> None:
     """What uneven buckets cost a host ring beyond the fluid model: each owner's stalls
     (:func:`slot_pipeline` of its buckets against the same bytes in as many equal buckets).
     The slower side runs at the rate the fluid model gives it (the owner's bytes over the

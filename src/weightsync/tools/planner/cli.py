@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from weightsync.core.config import DEFAULT_BUCKET_SIZE
+from weightsync.core.config import DEFAULT_BUCKET_SIZE, DEFAULT_NUM_SLOTS
 from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
 
 __all__ = ["add_arguments", "run", "scenario_from_args"]
@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lk.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_SIZE / 2**20,
                     help="bucket size of broadcast/ring in MiB "
                          f"(default {DEFAULT_BUCKET_SIZE >> 20})")
+    lk.add_argument("--num-slots", type=int, default=DEFAULT_NUM_SLOTS,
+                    help="buckets of a trainer rank's ring (WEIGHTSYNC_NUM_SLOTS; default "
+                         f"{DEFAULT_NUM_SLOTS}); a host ring (shm) stalls less on uneven "
+                         "buckets with more")
     lk.add_argument("--max-read-mb", type=float, help="p2p: cap one READ (default: none)")
     lk.add_argument("--collective-direct-mb", type=float,
                     help="broadcast on a host links file (collective on CPU): tensors of at "
@@ -130,7 +134,7 @@ def scenario_from_args(args: argparse.Namespace):
                     ep=args.ep, src_dtype=args.src_dtype, dst_dtype=args.dst_dtype,
                     fp8_at=args.fp8_at, trainer_shard=args.trainer_shard,
                     trainer_tp=args.trainer_tp, trainer_ep=args.trainer_ep,
-                    placement=args.placement, bucket_size=bucket,
+                    placement=args.placement, bucket_size=bucket, num_slots=args.num_slots,
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
                     pipelined=not args.no_pipeline, serve=args.serve,
                     shared=args.shared, trainer_device=args.trainer_device,
