@@ -297,17 +297,15 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     its group of repeats (:func:`_repeat_of`), if any. Buckets are laid out as the code of
     every recorded run did (``Scenario.fill_open=False``: all ran before 2026-12-05's
     layout)."""
-    rows = []
-    made = scenario
+    def recorded(links: Links) -> Scenario:   # laid out as the run's code did
+        return dataclasses.replace(scenario(links), fill_open=False)
 
-    def scenario(links: Links) -> Scenario:
-        # every recorded run predates today's bucket layout (PlanBuilder's fill_open)
-        return dataclasses.replace(made(links), fill_open=False)
+    rows = []
     if sets:
-        row = _row(case, strategy, scenario(load_links(preset, sets)), measured, source, check)
+        row = _row(case, strategy, recorded(load_links(preset, sets)), measured, source, check)
         row.update(links="run", links_from=_describe(sets, where), counted=True)
         rows.append(row)
-    row = _row(case, strategy, scenario(load_links(preset)), measured, source, check)
+    row = _row(case, strategy, recorded(load_links(preset)), measured, source, check)
     row.update(links="preset", counted=not sets,
                links_from=f"preset {preset}" + ("" if sets else " (the run recorded no limit)"))
     rows.append(row)

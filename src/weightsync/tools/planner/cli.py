@@ -118,12 +118,12 @@ def scenario_from_args(args: argparse.Namespace):
         raise PlannerError("bucket_size", f"must be > 0 MiB, got {args.bucket_mb}")
     if args.max_read_mb is not None and args.max_read_mb <= 0:
         raise PlannerError("max_read_bytes", f"must be > 0 MiB, got {args.max_read_mb}")
-    # the engine's direct size (the Scenario's default) unless given
-    direct = {} if args.collective_direct_mb is None else \
-        {"collective_direct_min": int(args.collective_direct_mb * 2**20)}
     if args.collective_direct_mb is not None and args.collective_direct_mb < 0:
         raise PlannerError("collective_direct_min",
                            f"must be >= 0 MiB, got {args.collective_direct_mb}")
+    # the engine's direct size (the Scenario's default) unless given
+    direct = {} if args.collective_direct_mb is None else \
+        {"collective_direct_min": int(args.collective_direct_mb * 2**20)}
     sets = dict(args.link_set)
     links = load_links(args.links, sets)
     rlinks = load_links(args.rollout_links, sets) if args.rollout_links else None
