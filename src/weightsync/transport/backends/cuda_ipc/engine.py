@@ -80,7 +80,6 @@ from weightsync.transport.protocol.sender import BucketedEngine, chunk_source
 from weightsync.transport.tensors import ReplayedLasting, as_bytes
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
-from weightsync.transport.backends.cuda_ipc.waits import EventWaiter
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.control.links import Link, LinkHub, unix_address
 from weightsync.transport.protocol.receiver import Abandoned, ReceiverMixin
@@ -131,11 +130,7 @@ class CudaIpcOptions:
     ``receive_into``'s copies; any other tensor is still copied at once. On one H200
     (16 GB bf16, 4 GiB buckets) the ring took 17.9 ms from the fourth sync on with them,
     18.8 ms without; the third sync, where the programs are captured, pays about 25 ms
-    once. ``event_wait`` (env ``WEIGHTSYNC_CUDA_IPC_EVENT_WAIT``, each side its own):
-    how the host waits for the other process's events, ``"block"`` (default: a helper
-    thread blocks in the driver and wakes the caller, see
-    :mod:`~weightsync.transport.backends.cuda_ipc.waits`) or ``"poll"`` (queries with
-    sleeps of up to 100 us); both bounded by the timeout.
+    once.
     """
 
     zero_copy: bool = field(default_factory=lambda: env_value("CUDA_IPC_ZERO_COPY", parse_bool, False))
@@ -154,14 +149,10 @@ class CudaIpcOptions:
         default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
     fill_graphs: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_FILL_GRAPHS", parse_bool, True))
-    event_wait: str = field(
-        default_factory=lambda: env_value("CUDA_IPC_EVENT_WAIT", str, "block"))
 
     def __post_init__(self) -> None:
         if self.sync not in ("event", "host"):
             raise ValueError(f"sync must be 'event' or 'host', got {self.sync!r}")
-        if self.event_wait not in ("block", "poll"):
-            raise ValueError(f"event_wait must be 'block' or 'poll', got {self.event_wait!r}")
         for name in ("zero_copy", "stream_waits", "links", "rx_stream_waits", "fill_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -255,8 +246,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  sync: Optional[str] = None,
                  stream_waits: Optional[bool] = None, links: Optional[bool] = None,
                  rx_stream_waits: Optional[bool] = None, graph_branches: Optional[int] = None,
-                 fill_graphs: Optional[bool] = None, event_wait: Optional[str] = None,
-                 **kwargs: Any) -> None:
+                 fill_graphs: Optional[bool] = None, **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
@@ -265,12 +255,10 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  "sync": sync,
                  "stream_waits": stream_waits, "links": links,
                  "rx_stream_waits": rx_stream_waits, "graph_branches": graph_branches,
-                 "fill_graphs": fill_graphs, "event_wait": event_wait}
+                 "fill_graphs": fill_graphs}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
-        self._waiter = EventWaiter(lambda ev: self._ops.block(ev), lambda ev: self._ops.done(ev),
-                                   mode=self.options.event_wait)
         self._bufs: list[torch.Tensor] = []
         self._tx_stream: Any = None
         self._tx_version: Any = None
@@ -492,23 +480,26 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                              phase=phase, version=version) from None
 
     def _wait_event(self, event: Any, *, peer: str, phase: str, version: Any) -> None:
-        """Wait on the host until the work behind an event of the other process is done
-        (bounded; see :mod:`~weightsync.transport.backends.cuda_ipc.waits`)."""
-        give_up = self._rx_over if phase == "receive" else (lambda: False)
+        """Poll an event of the other process until its work is done (bounded)."""
+        deadline = time.monotonic() + self.config.timeout
+        delay = 10e-6
         try:
-            done = self._waiter.wait(event, deadline=time.monotonic() + self.config.timeout,
-                                     give_up=give_up)
-        except TimeoutError:
-            raise SyncTimeout(f"copies of {peer} did not finish in {self.config.timeout:.0f}s",
-                              peer=peer, phase=phase, version=version) from None
+            while not self._ops.done(event):
+                if phase == "receive" and self._rx_over():
+                    raise Abandoned("the receive ended", phase=phase, version=version)
+                if time.monotonic() > deadline:
+                    raise SyncTimeout(f"copies of {peer} did not finish in "
+                                      f"{self.config.timeout:.0f}s", peer=peer, phase=phase,
+                                      version=version)
+                time.sleep(delay)
+                delay = min(2 * delay, 100e-6)
         except RuntimeError as exc:
             if isinstance(exc, WeightSyncError):
                 raise
             raise PeerFailed(f"CUDA error while waiting for {peer}: {exc}", peer=peer,
                              phase=phase, version=version) from None
-        if not done:
-            raise Abandoned("the receive ended", phase=phase, version=version)
 
+    # -- ring buckets -----------------------------------------------------------------------
     def _tx_buffer(self, slot: int) -> torch.Tensor:
         return self._bufs[slot]
 
@@ -708,7 +699,6 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
     # -- teardown ---------------------------------------------------------------------------
     def _release(self) -> None:
         self._stop_threads()
-        self._waiter.close()
         for acker in self._ackers.values():
             acker.close()
         self._ackers = {}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import re
 import string
-import time
 from typing import Any, Callable
 
 import torch
@@ -163,12 +162,6 @@ class IpcOps:
     def done(self, event: Any) -> bool:
         return True
 
-    def block(self, event: Any) -> None:
-        """Block the calling thread until ``done(event)``, other threads free to run (no
-        timeout: callers bound it, see :mod:`.waits`). Here: polls ``done``."""
-        while not self.done(event):
-            time.sleep(50e-6)
-
     def collect(self) -> None:
         """Free exported memory that importers released (best effort)."""
 
@@ -280,9 +273,6 @@ class CudaIpcOps(IpcOps):
 
     def done(self, event: Any) -> bool:
         return event.query()
-
-    def block(self, event: Any) -> None:
-        event.synchronize()   # the GIL is released; the driver wakes the thread when done
 
     def collect(self) -> None:
         try:
