@@ -14,6 +14,7 @@ import pytest
 
 from weightsync.tools.planner import PlannerError
 from weightsync.tools.planner import calibrate
+from weightsync.tools.planner.links import load_links
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -285,12 +286,24 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     their GPU, each priced with the run's own flat D2D / pinned D2H / host copy."""
     rows = calibrate.run(("h200", "shm-d2h"))["rows"]
     h100 = [r for r in rows if r["case"].startswith("H100 ")]
-    assert sorted(r["case"] for r in h100) == [
+    assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s20)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 1, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 1, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 2, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 2, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 3, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 3, "
+        "2026-12-05-s23)",
         "H100 host GPU trainer -> shm -> CPU receiver, into (ring, pinned, 2026-12-05)",
-        "H100 host GPU trainer -> shm -> CPU receiver, shared (push, 2026-12-05)"]
+        "H100 host GPU trainer -> shm -> CPU receiver, shared (push, 2026-12-05)"])
     for r in h100:
         assert "own run" in r["links_from"], r
     assert any(r["case"].startswith("H200 cuda_ipc ring") for r in rows)
@@ -298,23 +311,37 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
 
 def test_ring_rows_are_priced_with_their_own_codes_host_costs():
     """Runs of the code with replayed copy programs (12-05, H100 and H200) are checked with
-    that code's host costs (its own timeline); runs of the code of 11-29 keep the preset's
-    (measured on that code). Each case is then within +-25 %."""
+    that code's host costs (its own timeline), which the GPU presets carry now; runs of the
+    code of 11-29 keep that code's (RING_SOFTWARE_1129, the presets' until session 23).
+    Each case is then within +-25 %."""
     rows = [r for r in calibrate.run(("h200",))["rows"] if r["links"] == "run"]
     later = [r for r in rows if "2026-12-05" in r["case"]]
     earlier = [r for r in rows if "2026-12-05" not in r["case"]]
-    assert sorted(r["case"] for r in later) == [
+    assert sorted(r["case"] for r in later) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s20)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 1, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 1, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 2, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 2, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 3, "
+        "2026-12-05-s23)",
+        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 3, "
+        "2026-12-05-s23)",
         "H200 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
         "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s21)",
         "H200 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, 2026-12-05-s21)",
         "H200 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, "
         "2026-12-05-s21)",
-        "H200 cuda_ipc ring 4096 MiB (event, receive_into, settled 200 ms, 2026-12-05-s21)"]
-    assert earlier and all("tensor_us" not in r["links_from"] for r in earlier)
+        "H200 cuda_ipc ring 4096 MiB (event, receive_into, settled 200 ms, 2026-12-05-s21)"])
+    assert earlier and all("code of 11-29 (tensor_us 70" in r["links_from"] for r in earlier)
+    assert load_links("h200-8gpu-400g").sw("tensor_us") == pytest.approx(19e-6)
     for r in later:
         assert "software tensor_us 19 " in r["links_from"], r
         assert r["within_goal"], r

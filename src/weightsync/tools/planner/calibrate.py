@@ -300,18 +300,30 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     def recorded(links: Links) -> Scenario:   # laid out as the run's code did
         return dataclasses.replace(scenario(links), fill_open=False)
 
+    # GPU hosts: a run that did not record its code's own host costs is priced with the
+    # costs of the code of 11-29, which every such run was checked with (the presets now
+    # carry the current code's, RING_SOFTWARE_1204)
+    base = {k: v for k, v in RING_SOFTWARE_1129.items() if k not in sets} \
+        if preset in _GPU_PRESETS else {}
     rows = []
     if sets:
-        row = _row(case, strategy, recorded(load_links(preset, sets)), measured, source, check)
-        row.update(links="run", links_from=_describe(sets, where), counted=True)
+        row = _row(case, strategy, recorded(load_links(preset, {**base, **sets})), measured,
+                   source, check)
+        row.update(links="run", links_from=_describe(sets, where) + _legacy_note(base),
+                   counted=True)
         rows.append(row)
-    row = _row(case, strategy, recorded(load_links(preset)), measured, source, check)
+    row = _row(case, strategy, recorded(load_links(preset, base)), measured, source, check)
     row.update(links="preset", counted=not sets,
-               links_from=f"preset {preset}" + ("" if sets else " (the run recorded no limit)"))
+               links_from=f"preset {preset}" + ("" if sets else " (the run recorded no limit)")
+               + _legacy_note(base))
     rows.append(row)
     for row in rows:
         row["repeat_of"] = repeat_of
     return rows
+
+
+def _legacy_note(base: Mapping[str, float]) -> str:
+    return "; host costs of the code of 11-29 (tensor_us 70, bucket_us 930)" if base else ""
 
 
 def _cpu_model(rec: dict) -> ModelSpec:
@@ -390,12 +402,16 @@ def _cpu_cases(root: str) -> list[dict]:
 #: (``gpu-h200-2026-12-04-programs/gpu_bench_run7.txt``, ring 4 GiB, ``receive_into``: the
 #: trainer packs 291 tensors into 4 buckets in 5.8 ms of host time between its waits for
 #: free slots, and publishes each in 0.04-0.14 ms: ~19 us a tensor, ~0.15 ms a bucket).
-#: The presets keep the costs of the code of 11-29 (~70 us a tensor, 0.93 ms a bucket),
-#: which the runs of that code (11-29, 12-01) are checked with.
+#: The GPU presets carry these costs since session 23.
 RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
+#: Host costs of the code of 11-29 (~70 us a tensor, 0.93 ms a bucket; the GPU presets'
+#: until session 23): every GPU run of older code is checked with them.
+RING_SOFTWARE_1129 = {"software.tensor_us": 70.0, "software.bucket_us": 930.0}
+_GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
-                             "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21"})
+                             "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21",
+                             "gpu-h100-2026-12-05-s23"})
 
 
 def _h200_cases(root: str) -> list[dict]:
@@ -411,7 +427,10 @@ def _h200_cases(root: str) -> list[dict]:
                          ("gpu-h200-2026-12-05", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05-s20", "gpu_bench.json"),
                          ("gpu-h200-2026-12-05-s21", "call1/settle0/gpu_bench.json"),
-                         ("gpu-h200-2026-12-05-s21", "call1/settle200/gpu_bench.json")):
+                         ("gpu-h200-2026-12-05-s21", "call1/settle200/gpu_bench.json"),
+                         # session 23, H100: the engine as it stands (event waits polled)
+                         *(("gpu-h100-2026-12-05-s23", f"call1/r{k}_s{st}_poll/gpu_bench.json")
+                           for k in (1, 2, 3) for st in (0, 200))):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -435,9 +454,12 @@ def _h200_cases(root: str) -> list[dict]:
                 return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
                                 placement="colocated", bucket_size=cfg["bucket_size"],
                                 strategies=("ring",))
+            # fill programs: asked for by name until session 21, the default since
+            fills = cfg.get("fill_graphs", folder == "gpu-h100-2026-12-05-s23")
             how = cfg["sync"] + (", receive_into" if cfg.get("consume") == "into" else "") \
-                + (", fill programs" if cfg.get("fill_graphs") else "") \
-                + (", settled 200 ms" if "settle200" in name else "")
+                + (", fill programs" if fills else "") \
+                + (", settled 200 ms" if "settle200" in name or "_s200_" in name else "") \
+                + (f", round {name.split('/')[1][1]}" if folder.endswith("-s23") else "")
             gpu, when = folder.split("-", 2)[1:]     # gpu-h100-2026-12-05[-s20]
             rows += _rows(f"{gpu.upper()} cuda_ipc ring {cfg['bucket_size'] >> 20} MiB "
                           f"({how}, {when})", "ring", scenario,
