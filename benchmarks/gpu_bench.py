@@ -130,7 +130,7 @@ class Worker:
         if not self.cuda:
             cfg = {k: v for k, v in cfg.items() if k not in (
                 "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes",
-                "rx_stream_waits", "graph_branches", "fill_graphs")}
+                "rx_stream_waits", "graph_branches", "fill_graphs", "push")}
         self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
@@ -157,7 +157,7 @@ class Worker:
             self.engine._wait_event = wait_event
         names = ("_publish", "_publish_refs", "_tx_wait_free", "_finish_stream", "_await_acks",
                  "_rx_fetch", "_layout", "_rx_program", "_rx_release", "_rx_finish_stream",
-                 "_report")
+                 "_report", "_await_offers", "_issue_pushes", "_rx_pushed_wait")
         for name in names:
             fn = getattr(self.engine, name, None)
             if fn is None:
@@ -552,6 +552,9 @@ VARIANTS = (
      {"consume": "into", "fill_graphs": True}),
     ("--into-no-fill-graphs-buckets", "", "ring, receive_into, fill_graphs=False (the "
      "trainer copies each tensor into its slot at once)", {"consume": "into", "fill_graphs": False}),
+    ("--into-push-buckets", "", "pushes: receive_into offers the receiver's tensors and the "
+     "trainer writes them (push=True on both sides; the bucket size sets the batches of "
+     "held writes, an eighth of it)", {"consume": "into", "push": True}),
 )
 
 
@@ -699,6 +702,8 @@ def report(out: dict) -> str:
             name += f" ({c['graph_branches']} graph branches)"
         if c.get("fill_graphs") is not None:
             name += " (fill programs)" if c["fill_graphs"] else " (no fill programs)"
+        if c.get("push"):
+            name = "cuda_ipc push (receive_into)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "
                      f"{e['cold_ms']:.1f} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
                      f"{base / e['median_ms']:.1f} | {e['ring_bytes'] / GiB:.2f} GiB | "

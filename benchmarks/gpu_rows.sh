@@ -11,7 +11,8 @@ R=$OUT/r; mkdir -p "$R"
 { date -u; nvidia-smi; } > "$R/env.txt" 2>&1
 NO_ROWS=(--buckets "" --host-buckets "" --zero-copy-buckets "" --zero-copy-host-buckets ""
          --stream-waits-buckets "" --no-links-buckets "" --zero-copy-first-bucket-buckets ""
-         --rx-waits-buckets "" --rx-waits-zero-copy-buckets "" --views-buckets "")
+         --rx-waits-buckets "" --rx-waits-zero-copy-buckets "" --views-buckets ""
+         --into-push-buckets "")
 rows() {
   local name=$1 envs=$2; shift 2
   echo "== $name: $envs gpu_bench.py ${NO_ROWS[*]} $*" | tee -a "$R/commands.txt"

@@ -915,3 +915,142 @@ def test_send_returns_only_once_every_receiver_has_read(fake_ops, monkeypatch, z
         assert bad == []
     finally:
         _finalize(ts + rs)
+
+
+# -- pushes: the trainer writes straight into the receivers' tensors ------------------------
+def _push_steps(ts, rs, dests, steps=3, before_receive=None, make=None):
+    """``steps`` syncs of the trainer's parameters (same storage each step, new values)
+    into ``dests`` with ``receive_into``; returns each step's trainer reports and the
+    names whose bytes came out wrong. ``make(step)``: the (name, tensor) list of a step
+    (default: ``make_tensors``, empty and odd tensors included)."""
+    make = make or (lambda step: make_tensors(step, bucket_size=BUCKET))
+    params = make(0)
+    reports, bad = [], []
+    for step in range(steps):
+        for (_, p), (_, new) in zip(params, make(step)):
+            p.copy_(new)
+        if before_receive is not None:
+            before_receive(step)
+        sent, got = _sync_into(ts, rs, lambda i: params, step, dests)
+        assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+        reports.append(sent[0])
+        expected = dict(make(step))
+        for g, d in zip(got, dests):
+            assert set(g) == set(expected)
+            assert all(g[n] is d[n] for n in expected if d[n].numel())
+            bad += [(step, n) for n in expected if not same_bytes(d[n], expected[n])]
+    return reports, bad
+
+
+def _plain(step):
+    """Non-empty contiguous tensors only: nothing goes through a bucket (whose "filled"
+    event would order the trainer's stream for a receiver that skips its own wait)."""
+    return [(f"w.{i}", torch.full((BUCKET // 16 + 8 * i,), float(step * 100 + i)))
+            for i in range(12)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("receivers", [1, 2])
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_pushes_write_straight_into_the_receivers_tensors(fake_ops, receivers, zero_copy):
+    """Both sides asked for pushes: every non-empty tensor is written by the trainer into
+    each receiver's own tensor (no bucket), over late streams and events; storages are
+    exported once and mapped once."""
+    ts, rs = _group(1, receivers, push=True, zero_copy=zero_copy, min_ref_bytes=0)
+    assert ts[0]._push and all(r._push_rx for r in rs)
+    dests = [_destinations(0) for _ in rs]
+    try:
+        reports, bad = _push_steps(ts, rs, dests)
+        assert bad == []
+        fitting = sum(1 for t in dests[0].values() if t.numel())
+        assert [r["pushed"] for r in reports] == [fitting] * 3
+        assert ts[0]._push_maps and len(ts[0]._push_maps) == receivers * fitting
+        assert all(len(r._land_regions) == fitting for r in rs)
+        assert FakeOps.exports == 2 + receivers * fitting   # the ring's 2 slots, then once each
+        # held writes went out as replayed programs (kept tensors from the second sync on)
+        assert ts[0]._push_progs
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_push_checks_catch_a_receiver_that_does_not_wait_for_the_writes(fake_ops, monkeypatch):
+    monkeypatch.setattr(CudaIpcEngine, "_rx_pushed_wait", lambda self, stream, msg: None)
+    ts, rs = _group(1, 1, push=True)
+    try:
+        _, bad = _push_steps(ts, rs, [{n: torch.empty_like(t) for n, t in _plain(0)}],
+                             make=_plain)
+        assert bad, "no corruption without the receiver's wait for the trainer's writes"
+    finally:
+        _finalize(ts + rs)
+
+
+def _late_scribble(rs, dests):
+    """Each receiver queues, on its own (late) stream, a write of garbage into its tensors
+    before it receives: the trainer's writes must land after it."""
+    def before(step):
+        for r, d in zip(rs, dests):
+            for t in d.values():
+                r._ops.copy(t, torch.full_like(t, 7), r._ops.current_stream())
+    return before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mutant", [False, True], ids=["waits", "no-wait"])
+def test_the_trainer_writes_only_after_what_receivers_queued_before(fake_ops, monkeypatch,
+                                                                    mutant):
+    if mutant:
+        monkeypatch.setattr(CudaIpcEngine, "_wait_receivers_idle", lambda self, state: None)
+    ts, rs = _group(1, 2, push=True)
+    dests = [_destinations(0) for _ in rs]
+    try:
+        _, bad = _push_steps(ts, rs, dests, before_receive=_late_scribble(rs, dests))
+        assert bool(bad) == mutant, bad[:5]
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trainer,receiver", [(True, False), (False, True)])
+def test_pushes_need_both_sides(fake_ops, trainer, receiver):
+    kw = {"bucket_size": BUCKET, "timeout": 30, "device": "cpu"}
+    ts = [CudaIpcEngine(role="trainer", push=trainer, **kw)]
+    rs = [CudaIpcEngine(role="rollout", push=receiver, **kw)]
+    tk, rk = CudaIpcEngine.build_topology(1, 1, [e.prepare() for e in ts + rs])
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(ts[0].init_process_group, **worker_kwargs(tk, 0)),
+                  pool.submit(rs[0].init_process_group, **worker_kwargs(rk, 0))]:
+            f.result(timeout=60)
+    try:
+        assert not ts[0]._push and not rs[0]._push_rx
+        reports, bad = _push_steps(ts, rs, [_destinations(0)], steps=2)
+        assert bad == [] and [r["pushed"] for r in reports] == [0, 0]
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_new_destination_tensors_are_offered_again_and_old_mappings_dropped(fake_ops):
+    ts, rs = _group(1, 1, push=True)
+    dests = [_destinations(0)]
+    try:
+        _, bad = _push_steps(ts, rs, dests, steps=2)
+        first = set(ts[0]._push_maps)
+        dests[0] = _destinations(0)            # the engine woke up with new tensors
+        _, bad2 = _push_steps(ts, rs, dests, steps=2)
+        assert bad == bad2 == []
+        assert ts[0]._push_maps and first.isdisjoint(ts[0]._push_maps)
+        assert len(ts[0]._push_maps) == len(first)
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_never_offers_is_a_timeout_naming_it(fake_ops):
+    ts, rs = _group(1, 1, push=True, timeout=0.5)
+    try:
+        with pytest.raises(SyncTimeout) as info:
+            asyncio.run(ts[0].send_weights(make_tensors(0, bucket_size=BUCKET), version=3))
+        assert info.value.peer == "rollout rank 0" and info.value.version == 3
+    finally:
+        _finalize(ts + rs)

@@ -87,7 +87,7 @@ async def _race_trainer(engine, zero_copy, cycles, kept=False, steps=3):
             _sleep(cycles)
             yield f"t{i}", torch.full((n,), 1000 * step + i, dtype=torch.int32, device="cuda")
 
-    held = []
+    held, pushed = [], []
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(steps):
             if zero_copy or kept:  # an in-place update behind a slow kernel, then send the
@@ -100,21 +100,28 @@ async def _race_trainer(engine, zero_copy, cycles, kept=False, steps=3):
             else:
                 out = await engine.send_weights(fresh(step), version=step)
             held.append(out.get("fill_graph_tensors", 0))
+            pushed.append(out.get("pushed", 0))
     graphs = [getattr(run, "graph", None) is not None
               for _, run in engine.__dict__.get("_fill_progs", {}).values()]
-    return {"held": held, "graphs": graphs}
+    return {"held": held, "graphs": graphs, "pushed": pushed}
 
 
-async def _race_rollout(engine, cycles, into=False, steps=3):
+async def _race_rollout(engine, cycles, into=False, steps=3, scribble=False):
     """Returns the corrupt (step, name) pairs; with ``into`` (``receive_into``, whose
     copies the engine replays: a CUDA graph from the second sync on) also each replayed
-    program's (runs, graph captured)."""
+    program's (runs, graph captured). ``scribble``: before each receive, a slow kernel and
+    then a write of -1 into every destination stay queued on the receiver's stream (a
+    trainer that writes into them must wait for it)."""
     bad = []
     n = BUCKET // 4
     dests = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda")
              for i in range(RACE_TENSORS)}
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(steps):
+            if scribble:
+                _sleep(cycles)
+                for d in dests.values():
+                    d.fill_(-1)
             kept = {}
             stream = engine.receive_into(dests, version=step) if into else \
                 engine.receive_weights(version=step)
@@ -132,13 +139,14 @@ async def _race_rollout(engine, cycles, into=False, steps=3):
 
 
 def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=False,
-                 into=False, branches=1, fill=False):
+                 into=False, branches=1, fill=False, push=False):
     import asyncio
     try:
         engine = CheckpointEngineRegistry.new(
             "cuda_ipc", role=role, bucket_size=BUCKET, timeout=60, device="cuda",
             num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync, rx_stream_waits=rxw,
-            stream_waits=kept and not fill, graph_branches=branches, fill_graphs=fill)
+            stream_waits=kept and not fill, graph_branches=branches, fill_graphs=fill,
+            push=push)
         if mutant:  # drop every wait of the engine (streams and events)
             engine._sync = lambda *a, **k: None
             engine._wait_event = lambda *a, **k: None
@@ -147,8 +155,9 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=
         engine.init_process_group(**conn.recv())
         prod, cons = SCENARIOS[scenario]
         steps = 4 if fill else 3
-        job = _race_trainer(engine, zero_copy, prod, kept, steps) if role == "trainer" else \
-            _race_rollout(engine, cons, into, steps)
+        job = _race_trainer(engine, zero_copy, prod, kept or push, steps) \
+            if role == "trainer" else _race_rollout(engine, cons, into or push, steps,
+                                                    scribble=push and scenario == "slow_consumer")
         conn.send({"bad": asyncio.run(job)})
         engine.finalize()
     except BaseException:
@@ -156,14 +165,14 @@ def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=
 
 
 def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False, into=False,
-              branches=1, fill=False):
+              branches=1, fill=False, push=False):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_race_worker,
                         args=(role, zero_copy, sync, mutant, scenario, child, kept, rxw,
-                              into, branches, fill),
+                              into, branches, fill, push),
                         daemon=True)
         p.start()
         pipes.append(parent)
@@ -273,15 +282,30 @@ def test_slow_streams_never_corrupt_copy_graphs_with_branches(scenario, zero_cop
     (False, "host", "slow_consumer"), (False, "event", "slow_consumer-kept"),
     (False, "event", "slow_producer-kept"), (False, "event", "slow_producer-rxw"),
     (True, "event", "slow_producer-rxw"), (False, "event", "slow_consumer-into"),
-    (True, "event", "slow_producer-into"), (False, "event", "slow_consumer-fill")])
+    (True, "event", "slow_producer-into"), (False, "event", "slow_consumer-fill"),
+    (False, "event", "slow_producer-push"), (False, "event", "slow_consumer-push")])
 def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
-    scenario, kept, rxw, into, fill = scenario.split("-")[0], scenario.endswith("-kept"), \
-        scenario.endswith("-rxw"), scenario.endswith("-into"), scenario.endswith("-fill")
+    scenario, kept, rxw, into, fill, push = scenario.split("-")[0], \
+        scenario.endswith("-kept"), scenario.endswith("-rxw"), scenario.endswith("-into"), \
+        scenario.endswith("-fill"), scenario.endswith("-push")
     trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept or fill,
-                                 rxw=rxw, into=into, fill=fill)
+                                 rxw=rxw, into=into, fill=fill, push=push)
     assert "fatal" not in rollout, rollout
-    bad = rollout["bad"][0] if into else rollout["bad"]
+    bad = rollout["bad"][0] if into or push else rollout["bad"]
     assert bad, f"no corruption without stream waits ({scenario})"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_slow_streams_never_corrupt_pushes(scenario):
+    """``push``: the trainer writes the receiver's tensors after what the receiver queued
+    before its receive (slow_consumer: a slow kernel, then -1 written into each), and the
+    receiver reads them only after the trainer's writes (slow_producer: slow kernels
+    before the trainer's in-place updates)."""
+    trainer, rollout = _run_race(False, "event", scenario, push=True)
+    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
+    assert rollout["bad"][0] == []
+    assert trainer["bad"]["pushed"] == [RACE_TENSORS] * 3
 
 
 @pytest.mark.timeout(120)

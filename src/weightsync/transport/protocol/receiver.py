@@ -259,6 +259,7 @@ class ReceiverMixin:
                         continue
                     self._pump_flush(ahead, stream, state)
                     if msg.slot == PUSHED_SLOT:   # the bytes are in our tensors already
+                        self._rx_pushed_wait(stream, msg)
                         state.q.put(("pushed", stream, msg, None))
                         continue
                     state.q.put(("bucket", stream, msg, self._rx_fetch(stream, msg)))
@@ -316,6 +317,11 @@ class ReceiverMixin:
     def _rx_begin(self, state: _RecvState) -> None:
         """Hook, at the start of every receive, before any pump reads (e.g. tell the
         trainers where they may write this receiver's tensors: ``state.into``)."""
+
+    def _rx_pushed_wait(self, stream: int, msg: BucketMsg) -> None:
+        """Hook (pump thread): before the consumer sees the tensors a trainer wrote into
+        ``state.into`` (a ``PUSHED_SLOT`` message), wait (bounded) until those writes are
+        done where the message can go out before them (a device's queued copies)."""
 
     def _rx_settle(self, stream: int, msg: DoneMsg) -> None:
         """Hook (pump thread, at the end of ``stream``'s sync): wait, bounded, for what

@@ -62,6 +62,7 @@ current while it iterates ``receive_weights`` (the default stream, normally).
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import socket
 import threading
@@ -79,6 +80,7 @@ from weightsync.core.wire import AckMsg, BucketMsg, HelloMsg
 from weightsync.transport.protocol.sender import BucketedEngine, chunk_source
 from weightsync.transport.tensors import ReplayedLasting, as_bytes
 from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps, IpcOps
+from weightsync.transport.backends.cuda_ipc.push import PushMixin
 from weightsync.transport.backends.cuda_ipc.refs import REF_INDEX_BASE, ZeroCopyMixin
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.control.links import Link, LinkHub, unix_address
@@ -130,7 +132,11 @@ class CudaIpcOptions:
     ``receive_into``'s copies; any other tensor is still copied at once. On one H200
     (16 GB bf16, 4 GiB buckets) the ring took 17.9 ms from the fourth sync on with them,
     18.8 ms without; the third sync, where the programs are captured, pays about 25 ms
-    once.
+    once. ``push`` (env ``WEIGHTSYNC_CUDA_IPC_PUSH``, default off; on both sides, with
+    ``"event"`` ordering, no checksum): a receiver's ``receive_into`` offers its tensors on
+    the shared GPU and the trainer writes every tensor all receivers offered straight into
+    them, one copy on its own stream, no bucket (see
+    :mod:`~weightsync.transport.backends.cuda_ipc.push`).
     """
 
     zero_copy: bool = field(default_factory=lambda: env_value("CUDA_IPC_ZERO_COPY", parse_bool, False))
@@ -149,11 +155,13 @@ class CudaIpcOptions:
         default_factory=lambda: env_value("CUDA_IPC_RX_STREAM_WAITS", parse_bool, False))
     fill_graphs: bool = field(
         default_factory=lambda: env_value("CUDA_IPC_FILL_GRAPHS", parse_bool, True))
+    push: bool = field(default_factory=lambda: env_value("CUDA_IPC_PUSH", parse_bool, False))
 
     def __post_init__(self) -> None:
         if self.sync not in ("event", "host"):
             raise ValueError(f"sync must be 'event' or 'host', got {self.sync!r}")
-        for name in ("zero_copy", "stream_waits", "links", "rx_stream_waits", "fill_graphs"):
+        for name in ("zero_copy", "stream_waits", "links", "rx_stream_waits", "fill_graphs",
+                     "push"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.graph_branches, bool) or not isinstance(self.graph_branches, int) \
@@ -233,7 +241,7 @@ class _AckPusher:
 
 
 @CheckpointEngineRegistry.register("cuda_ipc")
-class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngine):
+class CudaIpcEngine(PushMixin, ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngine):
     """Same-GPU (or same-host) multi-process transport over CUDA IPC."""
 
     capabilities = frozenset({"cuda", "same_host"})
@@ -246,7 +254,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  sync: Optional[str] = None,
                  stream_waits: Optional[bool] = None, links: Optional[bool] = None,
                  rx_stream_waits: Optional[bool] = None, graph_branches: Optional[int] = None,
-                 fill_graphs: Optional[bool] = None, **kwargs: Any) -> None:
+                 fill_graphs: Optional[bool] = None, push: Optional[bool] = None,
+                 **kwargs: Any) -> None:
         if kwargs.get("device") is None:
             kwargs["device"] = "cuda"
         super().__init__(**kwargs)
@@ -255,7 +264,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                  "sync": sync,
                  "stream_waits": stream_waits, "links": links,
                  "rx_stream_waits": rx_stream_waits, "graph_branches": graph_branches,
-                 "fill_graphs": fill_graphs}
+                 "fill_graphs": fill_graphs, "push": push}
         self.options = CudaIpcOptions(**{k: v for k, v in given.items() if v is not None})
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
@@ -295,6 +304,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._fill_progs: dict[tuple, tuple] = {}
         self._graph_count = 0
         self._init_refs()
+        self._init_push()
 
     # -- set-up ---------------------------------------------------------------------------
     def _init_sender(self) -> None:
@@ -319,9 +329,11 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             self._tx_inbox.push(f"r{r}", HelloMsg(
                 stream=self._rank, rank=r, bucket_size=size, num_slots=n,
                 handles=tuple(descs[r] for descs in per_slot) + events,
-                segments=("link",) if self._hub is not None else ()))
+                segments=(("link",) if self._hub is not None else ())
+                + (("push",) if self._pushes_ok() else ())))
         self._drained = [[] for _ in range(self._num_receivers)]
         attached: set[int] = set()
+        pushing: set[int] = set()
         deadline = time.monotonic() + self.config.timeout
         while len(attached) < self._num_receivers:
             left = deadline - time.monotonic()
@@ -339,6 +351,10 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                         raise TopologyError("a receiver sent the wrong number of events",
                                             peer=f"rollout rank {msg.rank}", phase="init")
                 attached.add(msg.rank)
+                if "push" in msg.segments:
+                    pushing.add(msg.rank)
+        # pushes: every receiver offers its tensors at every receive (and it asked for them)
+        self._push = self._pushes_ok() and len(pushing) == self._num_receivers
         if self._hub is not None:
             self._hub.accept(self._num_receivers, deadline)
 
@@ -350,6 +366,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                                 phase="init") from None
 
     def _init_receiver(self) -> None:
+        replies: dict[int, HelloMsg] = {}
+        offers: list[bool] = []
         for s in range(self._world):
             peer = f"trainer rank {s}"
             msg = self._rx_pop[s].pop(peer=peer, phase="init")
@@ -373,7 +391,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                 # one per slot, then "done": every read of a sync (the trainer waits for
                 # it after the final acknowledgement, which goes out before it completes)
                 self._rx_drained[s] = [self._ops.new_event() for _ in range(n + 1)]
-            if msg.segments == ("link",):   # connected before the hello: the trainer accepts
+            if "link" in msg.segments:   # connected before the hello: the trainer accepts
                 if not self._links:
                     self._links = {}
                 self._links[s] = Link(socket.AF_UNIX, unix_address(self._token, s), self._token,
@@ -381,9 +399,17 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             self._ackers[s] = _AckPusher(self._links.get(s) or self._rx_push[s],
                                          f"weightsync-ack{self._rank}-s{s}", self.config.timeout)
             mine = tuple(self._ops.event_handle(e) for e in self._rx_drained.get(s, ()))
-            self._rx_push[s].push("t", HelloMsg(stream=s, rank=self._rank,
-                                                bucket_size=msg.bucket_size,
-                                                num_slots=n, handles=mine))
+            replies[s] = HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
+                                  num_slots=n, handles=mine)
+            offers.append("push" in msg.segments)
+        # offers go out at every receive_into only when every trainer takes them (each
+        # trainer hears it in the reply; the replies wait for every trainer's hello)
+        self._push_rx = self.options.push and self._events and not self.config.checksum \
+            and all(offers)
+        for s, reply in replies.items():
+            if self._push_rx:
+                reply = dataclasses.replace(reply, segments=("push",))
+            self._rx_push[s].push("t", reply)
 
     def _open(self, descriptor: str, min_size: int, peer: str) -> torch.Tensor:
         try:
@@ -440,10 +466,15 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
                              version=version) from None
 
     def _tracks_lasting(self) -> bool:
-        """Whether sends ask which tensors outlive their item: for the ring stream, or for
-        fill programs (``"event"`` ordering, no checksum: the bucket is read on the GPU)."""
-        return self._ring is not None or (self.options.fill_graphs and self._events
-                                          and not self.config.checksum)
+        """Whether sends ask which tensors outlive their item: for the ring stream, for
+        fill programs (``"event"`` ordering, no checksum: the bucket is read on the GPU),
+        or for pushes."""
+        return self._ring is not None or self._push or (
+            self.options.fill_graphs and self._events and not self.config.checksum)
+
+    def _pushes_ok(self) -> bool:
+        """Pushes need this side's option, event ordering and no checksum."""
+        return self.options.push and self.options.sync == "event" and not self.config.checksum
 
     def _tx_direct_ok(self, state: Any, name: str, tensor: torch.Tensor,
                       dtype: torch.dtype) -> bool:
@@ -718,6 +749,7 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         self._regions = {}
         self._region_store = None
         self._clear_refs()
+        self._release_push()
         self._ops.collect()
         self._leave()
 
