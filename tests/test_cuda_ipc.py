@@ -920,8 +920,8 @@ def test_send_returns_only_once_every_receiver_has_read(fake_ops, monkeypatch, z
 # -- pushes: the trainer writes straight into the receivers' tensors ------------------------
 def _push_steps(ts, rs, dests, steps=3, before_receive=None, make=None):
     """``steps`` syncs of the trainer's parameters (same storage each step, new values)
-    into ``dests`` with ``receive_into``; returns each step's trainer reports and the
-    names whose bytes came out wrong. ``make(step)``: the (name, tensor) list of a step
+    into ``dests`` with ``receive_into``; returns each step's trainer reports (a list, one
+    per trainer rank) and the names whose bytes came out wrong. ``make(step)``: the (name, tensor) list of a step
     (default: ``make_tensors``, empty and odd tensors included)."""
     make = make or (lambda step: make_tensors(step, bucket_size=BUCKET))
     params = make(0)
@@ -933,7 +933,7 @@ def _push_steps(ts, rs, dests, steps=3, before_receive=None, make=None):
             before_receive(step)
         sent, got = _sync_into(ts, rs, lambda i: params, step, dests)
         assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
-        reports.append(sent[0])
+        reports.append(sent)
         expected = dict(make(step))
         for g, d in zip(got, dests):
             assert set(g) == set(expected)
@@ -963,7 +963,7 @@ def test_pushes_write_straight_into_the_receivers_tensors(fake_ops, receivers, z
         reports, bad = _push_steps(ts, rs, dests)
         assert bad == []
         fitting = sum(1 for t in dests[0].values() if t.numel())
-        assert [r["pushed"] for r in reports] == [fitting] * 3
+        assert [r[0]["pushed"] for r in reports] == [fitting] * 3
         assert ts[0]._push_maps and len(ts[0]._push_maps) == receivers * fitting
         assert all(len(r._land_regions) == fitting for r in rs)
         assert FakeOps.exports == 2 + receivers * fitting   # the ring's 2 slots, then once each
@@ -1024,7 +1024,7 @@ def test_pushes_need_both_sides(fake_ops, trainer, receiver):
     try:
         assert not ts[0]._push and not rs[0]._push_rx
         reports, bad = _push_steps(ts, rs, [_destinations(0)], steps=2)
-        assert bad == [] and [r["pushed"] for r in reports] == [0, 0]
+        assert bad == [] and [r[0]["pushed"] for r in reports] == [0, 0]
     finally:
         _finalize(ts + rs)
 
@@ -1052,5 +1052,22 @@ def test_a_receiver_that_never_offers_is_a_timeout_naming_it(fake_ops):
         with pytest.raises(SyncTimeout) as info:
             asyncio.run(ts[0].send_weights(make_tensors(0, bucket_size=BUCKET), version=3))
         assert info.value.peer == "rollout rank 0" and info.value.version == 3
+    finally:
+        _finalize(ts + rs)
+
+
+@pytest.mark.timeout(120)
+def test_two_trainers_push_the_tensors_each_one_sends(fake_ops):
+    """Two trainer ranks yield the same names; each pushes the ones it owns, into the
+    storages it mapped from the receivers' offers (one descriptor per trainer rank)."""
+    ts, rs = _group(2, 2, push=True)
+    dests = [_destinations(0) for _ in rs]
+    try:
+        reports, bad = _push_steps(ts, rs, dests, steps=2)
+        assert bad == []
+        fitting = sum(1 for t in dests[0].values() if t.numel())
+        pushed = [rep["pushed"] for rep in reports[-1]]
+        assert all(pushed) and sum(pushed) == fitting, pushed   # each name once, by its owner
+        assert all(len(r._land_regions) == fitting for r in rs)
     finally:
         _finalize(ts + rs)
