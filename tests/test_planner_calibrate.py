@@ -281,6 +281,11 @@ def test_gpu_trainer_into_a_cpu_receiver_rows_use_the_runs_d2h(tmp_path):
     assert 1.9 * push["predicted_s"] < a["predicted_s"] < 2.0 * push["predicted_s"]
 
 
+#: The H100 ring rows of session 23 (call 1's polled runs), in both ring tests below.
+S23_RINGS = [f"H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, {settled}round "
+             f"{k}, 2026-12-05-s23)" for k in (1, 2, 3) for settled in ("", "settled 200 ms, ")]
+
+
 def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     """The H100 host's runs (cuda_ipc ring with receive_into, shm D2H) are rows named after
     their GPU, each priced with the run's own flat D2D / pinned D2H / host copy."""
@@ -290,18 +295,7 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s20)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 1, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 1, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 2, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 2, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 3, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 3, "
-        "2026-12-05-s23)",
+        *S23_RINGS,
         "H100 host GPU trainer -> shm -> CPU receiver, into (ring, pinned, 2026-12-05)",
         "H100 host GPU trainer -> shm -> CPU receiver, shared (push, 2026-12-05)"])
     for r in h100:
@@ -321,18 +315,7 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s20)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 1, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 1, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 2, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 2, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, round 3, "
-        "2026-12-05-s23)",
-        "H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, settled 200 ms, round 3, "
-        "2026-12-05-s23)",
+        *S23_RINGS,
         "H200 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
         "H200 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05-s21)",

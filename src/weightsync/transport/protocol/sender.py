@@ -31,11 +31,12 @@ from typing import Any, Optional
 import torch
 
 from weightsync.core.config import env_value
-from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError
+from weightsync.core.errors import PeerFailed, PlanMismatch, SyncTimeout, WeightSyncError
 from weightsync.core.plan import (Bucket, PlanBuilder, Replay, ReplayBuilder, TensorMeta, bucket_digest,
                                   dtype_name, plan_signature)
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
-from weightsync.core.wire import DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg
+from weightsync.core.wire import (DIRECT_BASE, DIRECT_SLOT, AckMsg, BucketMsg, DoneMsg, ErrorMsg,
+                                  LandMsg)
 from weightsync.transport.fastcopy import can_memmove, copy_into, memmove_at
 from weightsync.transport.tensors import (LastingStorage, aiter_items, as_bytes, checksum, plain_cpu,
                                          wire_dtype)
@@ -519,6 +520,49 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                 acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
             else:
                 self._tx_stash(msg)
+
+    def _collect_offers(self, state: _SendState) -> tuple:
+        """Every receiver's offer (``LandMsg``) for this sync, sent when its receive began
+        (those that came early are in ``self._land_early``); records each receiver's
+        landings in ``self._landings`` / ``self._land_digest`` and returns the digests in
+        receiver order (bounded by the timeout)."""
+        got: dict[int, Any] = {}
+        for key in [k for k in self._land_early if k[0] <= state.seq]:
+            msg = self._land_early.pop(key)
+            if msg.seq == state.seq:
+                got[msg.rank] = msg
+        inbox = self._tx_control()
+        deadline = time.monotonic() + self.config.timeout
+        while len(got) < self._num_receivers:
+            missing = min(set(range(self._num_receivers)) - set(got))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeout(f"rollout rank {missing} did not start receiving",
+                                  peer=f"rollout rank {missing}", phase="send",
+                                  version=state.version)
+            try:
+                msg = inbox.pop(timeout=left, peer=f"rollout rank {missing}", phase="send",
+                                version=state.version)
+            except SyncTimeout:
+                raise SyncTimeout(f"rollout rank {missing} did not start receiving within "
+                                  f"{self.config.timeout:.0f}s", peer=f"rollout rank {missing}",
+                                  phase="send", version=state.version) from None
+            if isinstance(msg, ErrorMsg) and msg.seq in (state.seq, 0):
+                raise_remote(msg, phase="send")
+            elif isinstance(msg, LandMsg):
+                if msg.seq == state.seq:
+                    got[msg.rank] = msg
+                elif msg.seq > state.seq:
+                    self._land_early[(msg.seq, msg.rank)] = msg
+        for rank, msg in got.items():
+            if msg.landings is not None:
+                self._landings[rank] = {e[0]: e for e in msg.landings}
+                self._land_digest[rank] = msg.digest
+            elif self._land_digest.get(rank) != msg.digest:
+                raise PlanMismatch("a receiver's offer refers to one this trainer never got",
+                                   peer=f"rollout rank {rank}", phase="send",
+                                   version=state.version)
+        return tuple(self._land_digest.get(r) for r in range(self._num_receivers))
 
     def _tx_stash(self, msg: Any) -> None:
         """Hook: a message from a receiver that is not for the wait at hand (a backend

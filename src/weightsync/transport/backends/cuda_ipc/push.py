@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from typing import Any, Optional
 
 import torch
@@ -38,9 +37,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from weightsync.core.errors import PlanMismatch, SyncTimeout
 from weightsync.core.plan import DTYPES, TensorMeta, dtype_name, itemsize
-from weightsync.core.remote import raise_remote, wire_version
-from weightsync.core.wire import (DIRECT_BASE, PUSHED_SLOT, BucketMsg, ErrorMsg, HelloMsg,
-                                  LandMsg, decode, encode)
+from weightsync.core.remote import wire_version
+from weightsync.core.wire import (DIRECT_BASE, PUSHED_SLOT, BucketMsg, HelloMsg, LandMsg,
+                                  decode, encode)
 from weightsync.transport.tensors import wire_dtype
 
 __all__ = ["PushMixin"]
@@ -169,38 +168,7 @@ class PushMixin:
     def _await_offers(self, state: Any) -> None:
         """Every receiver's offer for this sync (sent when its receive began), mapped; then
         the trainer waits until nothing a receiver queued before its offer still runs."""
-        got: dict[int, LandMsg] = {}
-        for key in [k for k in self._land_early if k[0] <= state.seq]:
-            msg = self._land_early.pop(key)
-            if msg.seq == state.seq:
-                got[msg.rank] = msg
-        inbox = self._tx_control()
-        deadline = time.monotonic() + self.config.timeout
-        while len(got) < self._num_receivers:
-            missing = min(set(range(self._num_receivers)) - set(got))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SyncTimeout(f"rollout rank {missing} did not start receiving",
-                                  peer=f"rollout rank {missing}", phase="send",
-                                  version=state.version)
-            msg = inbox.pop(timeout=left, peer=f"rollout rank {missing}", phase="send",
-                            version=state.version)
-            if isinstance(msg, ErrorMsg) and msg.seq in (state.seq, 0):
-                raise_remote(msg, phase="send")
-            elif isinstance(msg, LandMsg):
-                if msg.seq == state.seq:
-                    got[msg.rank] = msg
-                elif msg.seq > state.seq:
-                    self._land_early[(msg.seq, msg.rank)] = msg
-        for rank, msg in got.items():
-            if msg.landings is not None:
-                self._landings[rank] = {e[0]: e for e in msg.landings}
-                self._land_digest[rank] = msg.digest
-            elif self._land_digest.get(rank) != msg.digest:
-                raise PlanMismatch("a receiver's offer refers to one this trainer never got",
-                                   peer=f"rollout rank {rank}", phase="send",
-                                   version=state.version)
-        key = tuple(self._land_digest.get(r) for r in range(self._num_receivers))
+        key = self._collect_offers(state)
         if key != self._push_key:
             self._push_key = None
             self._push_dests = self._map_offers(state)

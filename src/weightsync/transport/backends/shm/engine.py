@@ -415,42 +415,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
 
     def _await_landings(self, state: Any) -> None:
         """Trainer: every receiver's offer for this sync (sent when its receive began)."""
-        got: dict[int, LandMsg] = {}
-        for key in [k for k in self._land_early if k[0] <= state.seq]:
-            msg = self._land_early.pop(key)
-            if msg.seq == state.seq:
-                got[msg.rank] = msg
-        deadline = time.monotonic() + self.config.timeout
-        while len(got) < self._num_receivers:
-            missing = min(set(range(self._num_receivers)) - set(got))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SyncTimeout(f"rollout rank {missing} did not start receiving",
-                                  peer=f"rollout rank {missing}", phase="send",
-                                  version=state.version)
-            try:
-                msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing}",
-                                    phase="send", version=state.version)
-            except SyncTimeout:
-                raise SyncTimeout(f"rollout rank {missing} did not start receiving within "
-                                  f"{self.config.timeout:.0f}s", peer=f"rollout rank {missing}",
-                                  phase="send", version=state.version) from None
-            if isinstance(msg, ErrorMsg) and msg.seq in (state.seq, 0):
-                raise_remote(msg, phase="send")
-            elif isinstance(msg, LandMsg):
-                if msg.seq == state.seq:
-                    got[msg.rank] = msg
-                elif msg.seq > state.seq:
-                    self._land_early[(msg.seq, msg.rank)] = msg
-        for rank, msg in got.items():
-            if msg.landings is not None:
-                self._landings[rank] = {e[0]: e for e in msg.landings}
-                self._land_digest[rank] = msg.digest
-            elif self._land_digest.get(rank) != msg.digest:
-                raise PlanMismatch("a receiver's offer refers to one this trainer never got",
-                                   peer=f"rollout rank {rank}", phase="send",
-                                   version=state.version)
-        key = tuple(self._land_digest.get(r) for r in range(self._num_receivers))
+        key = self._collect_offers(state)
         if key != self._push_key:
             self._push_key = None
             self._push_dests = self._map_landings()
