@@ -6,7 +6,10 @@
 # SKIP_BENCH=1 / SKIP_D2H=1 / SKIP_NIXL_BENCH=1 skip the cuda_ipc / shm D2H / nixl benchmarks; on 2+ GPUs the nixl
 # benchmark runs again with the trainer on GPU 0 and the receiver on GPU 1.
 # NIXL: carry .wheels-device (nixl + nixl-cu13 wheels, see BENCHMARKS.md); without it the
-# nixl steps are skipped.
+# nixl steps are skipped. The whole nixl_cu13 wheel (59 MB) no longer fits the 64 MiB a call
+# carries beside the tree: unzip it, delete nixl_ep_cu13/ and
+# nixl_cu13.libs/ucx/libucx_perftest_cuda.so.0.0.0 (and their RECORD lines), zip it again
+# (28 MB); weightsync uses neither.
 set -u -o pipefail
 OUT=${OUT:-/tmp/weightsync-gpu}
 mkdir -p "$OUT"

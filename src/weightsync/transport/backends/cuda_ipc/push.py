@@ -71,6 +71,7 @@ class PushMixin:
         self._push_key: Optional[tuple] = None
         self._push_dests: dict[str, tuple] = {}
         self._push_progs: dict[int, tuple] = {}
+        self._push_count = 0               # tensors the last sync pushed (its report)
         self._clear_push()
 
     def _clear_push(self) -> None:
@@ -289,7 +290,7 @@ class PushMixin:
 
     def _report(self, state: Any, seconds: float) -> dict[str, Any]:
         out = super()._report(state, seconds)
-        out["pushed"], self._push_count = self.__dict__.get("_push_count", 0), 0
+        out["pushed"], self._push_count = self._push_count, 0
         return out
 
     def _release_push(self) -> None:
