@@ -62,6 +62,7 @@ class PushMixin:
         self._land_next = 0
         self._land_key: Optional[tuple] = None
         self._land_offer: tuple = ()
+        self._land_offer_digest = ""
         self._land_sent: dict[int, str] = {}
         # trainer: offers per receiver, the mappings, and this sync's destinations
         self._landings: dict[int, dict[str, tuple]] = {}
@@ -93,8 +94,9 @@ class PushMixin:
                                         self._land_regions.values()):
             self._land_offer = self._make_offer(into)
             self._land_key = key
-        landings = self._land_offer
-        digest = hashlib.blake2b(repr(landings).encode(), digest_size=16).hexdigest()
+            self._land_offer_digest = hashlib.blake2b(
+                repr(self._land_offer).encode(), digest_size=16).hexdigest()
+        landings, digest = self._land_offer, self._land_offer_digest
         # nothing queued so far on this stream may still read the tensors when the trainer
         # writes: it waits for this record before its first write
         for s in range(self._world):
@@ -114,8 +116,7 @@ class PushMixin:
             if not isinstance(t, torch.Tensor) or t.device != self._ops.device \
                     or not t.is_contiguous() or t.numel() == 0 or t.dtype not in _DTYPES:
                 continue
-            storage = t.untyped_storage()
-            skey = (storage._cdata, storage.data_ptr(), storage.nbytes())
+            storage, skey = self._storage_key(t)     # as zero-copy keys the trainer's
             found = self._land_regions.get(skey)
             if found is None or found[1].expired():
                 try:
