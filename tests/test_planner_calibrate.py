@@ -281,6 +281,27 @@ def test_gpu_trainer_into_a_cpu_receiver_rows_use_the_runs_d2h(tmp_path):
     assert 1.9 * push["predicted_s"] < a["predicted_s"] < 2.0 * push["predicted_s"]
 
 
+def test_cuda_ipc_zero_copy_rows_are_the_code_whose_host_costs_were_timed():
+    """Zero-copy runs are the ring strategy with shared="trainer", from the code of 12-04 on
+    only (older code's host costs were never timed): each moves the bytes once, so its
+    prediction sits near the run's own flat copy, and a first announcement of the whole
+    model (16 GiB) waits for all 291 tensors' host time before the first copy."""
+    rows = [r for r in calibrate.run(("h200",))["rows"] if "zero-copy" in r["case"]]
+    assert rows and not [r for r in rows if "2026-11-29" in r["case"] or "2026-12-01" in
+                         r["case"]]
+    for r in rows:
+        assert "device_mem" in r["limited_by"], r
+    s23 = [r for r in rows if r["case"].endswith("2026-12-05-s23)")]
+    assert len(s23) == 6
+    flat = 16060522496 / 10.6395e-3          # that run's flat D2D copy, bytes/s
+    for r in s23:
+        assert 1.0 < r["predicted_s"] * flat / 16060522496 < 1.06, r
+    whole = next(r for r in rows if r["case"].startswith("H100 cuda_ipc zero-copy 16384 MiB"))
+    first = next(r for r in rows if r["case"].startswith("H100 cuda_ipc zero-copy 1024 MiB")
+                 and r["case"].endswith("2026-12-05)"))
+    assert whole["predicted_s"] - first["predicted_s"] > 4e-3     # ~290 x 19 us
+
+
 #: The H100 ring rows of session 23 (call 1's polled runs), in both ring tests below.
 S23_RINGS = [f"H100 cuda_ipc ring 4096 MiB (event, receive_into, fill programs, {settled}round "
              f"{k}, 2026-12-05-s23)" for k in (1, 2, 3) for settled in ("", "settled 200 ms, ")]
@@ -290,7 +311,7 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     """The H100 host's runs (cuda_ipc ring with receive_into, shm D2H) are rows named after
     their GPU, each priced with the run's own flat D2D / pinned D2H / host copy."""
     rows = calibrate.run(("h200", "shm-d2h"))["rows"]
-    h100 = [r for r in rows if r["case"].startswith("H100 ")]
+    h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]]
     assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
@@ -309,7 +330,7 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
     code of 11-29 keep that code's (RING_SOFTWARE_1129, the presets' until session 23).
     Each case is then within +-25 %."""
     rows = [r for r in calibrate.run(("h200",))["rows"] if r["links"] == "run"]
-    later = [r for r in rows if "2026-12-05" in r["case"]]
+    later = [r for r in rows if "2026-12-05" in r["case"] and "zero-copy" not in r["case"]]
     earlier = [r for r in rows if "2026-12-05" not in r["case"]]
     assert sorted(r["case"] for r in later) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",

@@ -12,7 +12,7 @@ import pytest
 from weightsync.tools.cli import main
 from weightsync.tools.planner import (PlannerError, Scenario, load_links, model_from_tensors,
                                       predict)
-from weightsync.tools.planner.bucketed import slot_pipeline
+from weightsync.tools.planner.bucketed import slot_pipeline, zero_copy_batches
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +110,6 @@ def test_gpu_trainer_on_a_host_ring_and_push():
 
 
 @pytest.mark.parametrize("links, kw, field, words", [
-    ("h100-8gpu-400g", {"shared": "receivers"}, "shared", "gpu links file"),
     ("cpu-2core", {"shared": "nope"}, "shared", "must be one of none, trainer"),
     ("cpu-2core", {"trainer_device": "tpu"}, "trainer.device", "must be one of cpu, gpu"),
     ("h100-8gpu-400g", {"trainer_device": "gpu"}, "trainer.device", "host links file"),
@@ -134,9 +133,14 @@ def test_cli_options_and_their_errors(capsys):
                "--trainer-device", "gpu", "--strategies", "ring"])
     out, err = capsys.readouterr()
     assert rc == 0 and "GPU trainer" in out and "on their GPUs" in out
-    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--shared", "trainer"])
+    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--shared", "trainer",
+               "--placement", "colocated", "--strategies", "ring"])
     out, err = capsys.readouterr()
-    assert rc == 2 and "weightsync plan: error: shared:" in err and "Traceback" not in err
+    assert rc == 0 and "cuda_ipc zero-copy" in out
+    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--trainer-device", "gpu"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "weightsync plan: error: trainer.device:" in err
+    assert "Traceback" not in err
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--model", "bench:synthetic-16MiB", "--shared", "bogus"])
     assert exc.value.code == 2
@@ -179,3 +183,64 @@ def test_tensors_of_one_and_a_half_buckets_cost_the_old_layout_its_stalls():
     rc = main(["plan", "--model", "bench:synthetic-16MiB", "--links", "cpu-2core",
                "--strategies", "ring", "--num-slots", "3"])
     assert rc == 0
+
+
+# ------------------------------------------------------------- cuda_ipc on one GPU
+
+def gpu_links(**software) -> dict:
+    return {"name": "one-gpu", "device": "gpu", "gpus_per_node": 8,
+            "links": {"nic": {"GBps": 50.0}, "intra": {"GBps": 400.0},
+                      "device_mem": {"GBps": 100.0}},
+            "software": {**ZERO_SW, **software}}
+
+
+def gpu_ring(shared: str, **kw):
+    sc = Scenario(model=MODEL, links=load_links(kw.pop("links", gpu_links())), trainer_gpus=1,
+                  replicas=1, placement="colocated", bucket_size=16 * MiB,
+                  strategies=("ring",), shared=shared, **kw)
+    return predict(sc).results["ring"]
+
+
+def test_zero_copy_batches_double_as_the_engine_announces_them():
+    """ZeroCopyMixin._pack: the first batch goes out at the bucket size, each next one at
+    twice the one before, at most MAX_REF_ENTRIES tensors each."""
+    sizes = [16 * MiB] * 4 + [MiB] * 8
+    assert zero_copy_batches(sizes, 16 * MiB) == [[16 * MiB], [16 * MiB] * 2,
+                                                  [16 * MiB] + [MiB] * 8]
+    assert zero_copy_batches([1] * 2050, 1 << 30) == [[1] * 1024, [1] * 1024, [1] * 2]
+    assert zero_copy_batches([], MiB) == []
+
+
+def test_cuda_ipc_zero_copy_and_pushes_move_each_byte_once():
+    """On one GPU the ring copies every byte twice through its memory (into the slot, out
+    of it) and fills its pipeline with one bucket; zero-copy (receivers read the trainer's tensors) and pushes (the trainer writes
+    the receivers') once. A cast (bf16 -> FP8) keeps the tensors out of zero-copy."""
+    total = BIG + SMALL
+    ring_ = gpu_ring("none")
+    # + the pipeline's fill: one bucket packed, then copied out, before the fluid phase
+    assert ring_.seconds == pytest.approx((2 * total + 2 * 16 * MiB) / 100e9, rel=1e-9)
+    zc = gpu_ring("trainer")
+    assert zc.seconds == pytest.approx(total / 100e9, rel=1e-9)
+    assert any("zero-copy" in n for n in zc.notes)
+    assert zc.dest_reads == [3.0]                   # three announced batches, no bucket
+    push = gpu_ring("receivers")
+    assert push.seconds == pytest.approx(total / 100e9, rel=1e-9)
+    assert any("pushes" in n for n in push.notes)
+    assert gpu_ring("both").seconds == push.seconds
+    cast = gpu_ring("trainer", dst_dtype="float8_e4m3fn")
+    assert cast.seconds == pytest.approx(gpu_ring("none", dst_dtype="float8_e4m3fn").seconds,
+                                         rel=1e-9)
+
+
+def test_cuda_ipc_host_costs_of_zero_copy_and_pushes():
+    """tensor_us 10: zero-copy's first copy waits for its first batch to be announced (1
+    tensor), the trainer's 12 tensors and 3 batches are host work beside the copies; a push
+    waits for its first held batch (an eighth of a bucket: the first 16 MiB tensor), and
+    the receiver goes through the 12 pushed tensors after the copies."""
+    links = gpu_links(tensor_us=10, bucket_us=100)
+    total = BIG + SMALL
+    copy = total / 100e9
+    zc = gpu_ring("trainer", links=links)
+    assert zc.seconds == pytest.approx(max(copy, 12 * 10e-6 + 3 * 100e-6) + 10e-6, rel=1e-9)
+    push = gpu_ring("receivers", links=links)
+    assert push.seconds == pytest.approx(copy + 10e-6 + 12 * 10e-6, rel=1e-9)

@@ -63,13 +63,14 @@ from weightsync.transport.fastcopy import AUTO_MAX_THREADS, SPLIT_MIN
 # the shm receiver's own rule for splitting its copies out of a bucket
 from weightsync.transport.backends.shm.engine import SPLIT_BYTES, SPLIT_MIN_THREADS
 from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
+from weightsync.transport.backends.cuda_ipc.refs import MAX_REF_ENTRIES
 from weightsync.tools.planner.compiled import rank_boxes
 from weightsync.tools.planner.linkmodel import Loads, PhaseResult, StrategyResult
 from weightsync.tools.planner.rules import PlannedTensor, kept_bytes
 from weightsync.tools.planner.scenario import Placement, Scenario
 
 __all__ = ["predict_bucketed", "owners_of", "exchanges", "COALESCE_BYTES",
-           "COLLECTIVE_DIRECT_MIN", "copy_threads", "slot_pipeline"]
+           "COLLECTIVE_DIRECT_MIN", "copy_threads", "slot_pipeline", "zero_copy_batches"]
 
 COALESCE_BYTES = 16 << 20          # export_weights(coalesce_bytes=...) default
 
@@ -244,20 +245,28 @@ def _direct_min(sc: Scenario, pl: Placement, strategy: str) -> int:
 
 
 def _streams(sc: Scenario, pts, owners: list[int], dmin: int,
-             push: bool = False) -> dict[int, dict]:
-    """Per owner: its bucket plan's bucket of each tensor, which tensors go direct, and
-    which are pushed (``push``: all of them, every receiver offered every tensor)."""
+             push: bool = False, zero_copy: bool = False) -> dict[int, dict]:
+    """Per owner: its bucket plan's bucket of each tensor, which tensors go direct, which
+    are pushed (``push``: all of them, every receiver offered every tensor) and which are
+    read in place (``zero_copy``, ``cuda_ipc``: every tensor sent as it is kept, no cast)
+    and in how many announced batches (``zc_batches``, :func:`zero_copy_batches`)."""
     per: dict[int, dict] = defaultdict(lambda: {"bucketed": [], "direct": set(),
-                                                "pushed": set()})
+                                                "pushed": set(), "zc": []})
     for i, pt in enumerate(pts):
         s = per[owners[i]]
         if push:
             s["pushed"].add(i)
+        elif zero_copy and pt.src_dtype == pt.dst_dtype:
+            s["zc"].append(i)
         elif dmin and _nbytes(pt) >= dmin:
             s["direct"].add(i)
         else:
             s["bucketed"].append(i)
     for s in per.values():
+        batches = zero_copy_batches([_nbytes(pts[i]) for i in s["zc"]], sc.bucket_size)
+        order = iter(s["zc"])
+        s["zc_batch_of"] = {next(order): b for b, sizes in enumerate(batches) for _ in sizes}
+        s["zc_batches"] = len(batches)
         plan = build_plan([(pts[i].name, pts[i].shape, pts[i].src_dtype) for i in s["bucketed"]],
                           sc.bucket_size, fill_open=sc.fill_open)
         index = {pts[i].name: i for i in s["bucketed"]}
@@ -270,6 +279,35 @@ def _streams(sc: Scenario, pts, owners: list[int], dmin: int,
         # what each bucket holds, in order: (tensor, bytes of it in the bucket)
         s["layout"] = [[(index[e.name], e.nbytes) for e in b.entries] for b in plan.buckets]
     return per
+
+
+def _first_push_batch(sizes: list[int], bucket_size: int) -> int:
+    """How many tensors a ``cuda_ipc`` trainer holds before it issues its first pushes
+    (a batch of an eighth of a bucket, ``PushMixin._tx_push``)."""
+    limit, total = max(bucket_size // 8, 1), 0
+    for k, n in enumerate(sizes, 1):
+        total += n
+        if total >= limit:
+            return k
+    return len(sizes)
+
+
+def zero_copy_batches(sizes: list[int], bucket_size: int) -> list[list[int]]:
+    """``cuda_ipc`` zero-copy's announcements (``ZeroCopyMixin._pack``, default options):
+    tensors are announced in order; a batch goes out once it holds the bucket size, the
+    next once it holds twice the one before (at most 1024 tensors a batch). Returns the
+    tensors' bytes per batch."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for n in sizes:
+        cur.append(n)
+        limit = max(1, bucket_size) << min(len(out), 20)
+        if sum(cur) >= limit or len(cur) >= MAX_REF_ENTRIES:
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
 
 
 def slot_pipeline(sizes: list[float], fill_rate: float, drain_rate: float, slots: int,
@@ -348,10 +386,10 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     (priced in those seconds; returned for the per-link totals only)."""
     loads = Loads(pl, sc.links.collective_cap)
     sw = pl.links_of(pl.trainer[0]).software
-    lat, serial, first = 0.0, 0.0, 0.0
+    lat, serial, first, held = 0.0, 0.0, 0.0, 0.0
     gpu = sc.trainer_device == "gpu"
     receivers = len(pl.worker)
-    shared_read = strategy == "ring" and sc.shared == "trainer"
+    shared_read = strategy == "ring" and sc.shared == "trainer" and pl.host
     what = "shared" if shared_read else "direct"
     direct_rate = _shared_read_rate(sc) if shared_read else sc.links.direct_rate
     cpu_pushes: dict[int, list[int]] = {}     # owner -> bytes of each tensor it pushes
@@ -361,7 +399,9 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     for o, idx in by_owner.items():
         s, src = streams[o], pl.trainer[o]
         pushed = [_nbytes(pts[i]) for i in idx if i in s["pushed"]]
-        bucketed = [i for i in idx if i not in s["direct"] and i not in s["pushed"]]
+        zc = set(s["zc"])
+        bucketed = [i for i in idx if i not in s["direct"] and i not in s["pushed"]
+                    and i not in zc]
         direct = [i for i in idx if i in s["direct"]]
         nb = sum(_nbytes(pts[i]) for i in bucketed)
         # a receiver splits a copy of 8 MiB or more (a whole tensor, or a bucket's chunk
@@ -374,15 +414,29 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
         else:
             loads.copy(src, nb)
         lat = max(lat, _wire(loads, sc, pl, strategy, src, nb, False, split))
-        if pushed and gpu:       # queued on one stream: the copy engine, back to back
+        read = sum(_nbytes(pts[i]) for i in idx if i in zc)
+        if read:    # cuda_ipc zero-copy: each receiver copies out of the trainer's tensors
+            lat = max(lat, _wire(loads, sc, pl, strategy, src, read, False))
+        if pushed and not pl.host:  # cuda_ipc: the trainer's copies into every receiver
+            for dev in pl.worker:
+                loads.move(src, dev, sum(pushed))
+        elif pushed and gpu:       # queued on one stream: the copy engine, back to back
             loads.d2h(src, receivers * sum(pushed))
         elif pushed:
             cpu_pushes[o] = pushed
-        ops = buckets + len(direct)
+        ops = buckets + len(direct) + len({s["zc_batch_of"][i] for i in idx if i in zc})
         extra = sw["op_us"] if strategy == "broadcast" else 0.0
         loads.work(f"trainer rank {o}",
                    len(idx) * sw["tensor_us"] + ops * (sw["bucket_us"] + extra))
         first = max(first, min(nb, sc.bucket_size))
+        if first_step and (zc or pushed) and not pl.host:
+            # cuda_ipc: the first copy waits for the host to announce the first zero-copy
+            # batch (a bucket's worth of tensors) or to hold the first batch of pushes (an
+            # eighth of a bucket)
+            batch = [i for i in idx if s["zc_batch_of"].get(i) == 0] if zc else \
+                _first_push_batch([_nbytes(pts[i]) for i in idx if i in s["pushed"]],
+                                  sc.bucket_size)
+            held = max(held, (len(batch) if zc else batch) * sw["tensor_us"])
         for i in direct:
             b = _nbytes(pts[i])
             if strategy == "broadcast":
@@ -412,7 +466,7 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     # pipeline fill: the stages that are not the bottleneck, for one bucket (pack, unpack);
     # a GPU trainer packs by device-to-host copies, a receiver may unpack over its threads
     pack, unpack = _pack_unpack(sc, pl, strategy)
-    loads.latency = lat + sw["control_us"] + first / pack + first / unpack
+    loads.latency = lat + sw["control_us"] + first / pack + first / unpack + held
     if pushing and first_step:  # every receiver's offer (LandMsg) before the first tensor
         loads.latency += sw["control_us"]
     return loads, serial, what, side
@@ -452,7 +506,8 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
         return res
     owners = owners_of(sc, pts)
     push = strategy == "ring" and sc.push
-    streams = _streams(sc, pts, owners, _direct_min(sc, pl, strategy), push)
+    zero_copy = strategy == "ring" and not pl.host and sc.shared == "trainer"
+    streams = _streams(sc, pts, owners, _direct_min(sc, pl, strategy), push, zero_copy)
     kept = [[kept_bytes(pt, g) for pt in pts] for g in range(sc.replica_size)]
     steps = exchanges(sc, pts)
     gathered = gathers(sc)
@@ -528,7 +583,7 @@ def _finish(res, sc, pl, pts, owners, streams, steps, worst, total_g, total_d) -
     res.source_bytes = [float(x) for x in sent]
     wire = float(sent.sum())
     res.dest_bytes = [wire] * sc.workers
-    ops = sum(s["buckets"] + len(s["direct"]) for s in streams.values())
+    ops = sum(s["buckets"] + len(s["direct"]) + s["zc_batches"] for s in streams.values())
     res.dest_reads = [float(ops)] * sc.workers
     note = _shm_note(sc, pl, res.strategy)
     if note:
@@ -540,8 +595,17 @@ def _finish(res, sc, pl, pts, owners, streams, steps, worst, total_g, total_d) -
 
 
 def _shm_note(sc: Scenario, pl: Placement, strategy: str) -> str:
-    """What a host ring (shm) ran: the trainer's device, the shared-memory path, threads."""
-    if strategy != "ring" or not pl.host:
+    """What a ring ran: on a host (shm) the trainer's device, the shared-memory path,
+    threads; on GPUs (cuda_ipc) zero-copy or pushes."""
+    if strategy != "ring":
+        return ""
+    if not pl.host:
+        if sc.push:
+            return ("cuda_ipc pushes: the trainer copies every tensor straight into each "
+                    "receiver's own, no ring")
+        if sc.shared == "trainer":
+            return ("cuda_ipc zero-copy: receivers copy every tensor sent as it is kept "
+                    "straight out of the trainer's memory, no ring")
         return ""
     gpu = sc.trainer_device == "gpu"
     src = "GPU trainer (device-to-host over links.d2h)" if gpu else "CPU trainer"

@@ -88,7 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "memory (model.share_memory()): none (default); trainer (shared read: "
                          "receivers copy direct tensors out of a mapping with memcpy); "
                          "receivers (push: the trainer writes every tensor into each "
-                         "receiver's memory, no ring); both (push)")
+                         "receiver's memory, no ring); both (push). Ring on a gpu links "
+                         "file (cuda_ipc): trainer is zero-copy (receivers read the trainer's "
+                         "tensors in place; WEIGHTSYNC_CUDA_IPC_ZERO_COPY), receivers or both "
+                         "are pushes (WEIGHTSYNC_CUDA_IPC_PUSH)")
     lk.add_argument("--trainer-device", choices=("cpu", "gpu"), default="cpu",
                     help="host links file only: cpu (default) or gpu (the trainer's tensors "
                          "are on a GPU of the host, copied device-to-host over links.d2h; "

@@ -29,7 +29,10 @@ PLACEMENTS = ("nodes", "packed", "colocated")
 #: ring on a host (``shm``): whose tensors live in torch shared memory
 #: (``model.share_memory()``): ``trainer``: receivers copy direct tensors out of a mapping
 #: ("shared read"); ``receivers``: the trainer writes every tensor straight into each
-#: receiver's memory ("push", no ring); ``both``: push (nothing is left to read)
+#: receiver's memory ("push", no ring); ``both``: push (nothing is left to read).
+#: Ring on GPUs (``cuda_ipc``): ``trainer``: zero-copy (receivers read every tensor sent
+#: as it is kept straight from the trainer's memory); ``receivers`` / ``both``: pushes
+#: (the trainer writes every tensor into each receiver's own, no ring)
 SHARED = ("none", "trainer", "receivers", "both")
 #: where a trainer process of a host links file keeps its tensors (``gpu``: on a GPU of
 #: that host, copied device-to-host over ``links.d2h``)
@@ -118,8 +121,9 @@ class Scenario:
                                              f"{', '.join(bad) or 'none'}")
 
     def _check_shm(self) -> None:
-        """``shared`` and ``trainer_device`` describe the ``shm`` backend's paths: only on a
-        host links file, and shared reads only from a CPU trainer's storage."""
+        """``shared`` and ``trainer_device`` describe the ``shm`` (host links file) and
+        ``cuda_ipc`` (gpu links file) paths; on a host, shared reads only from a CPU
+        trainer's storage, and a GPU trainer only on a host links file."""
         if self.shared not in SHARED:
             raise PlannerError("shared", f"must be one of {', '.join(SHARED)}, got "
                                          f"{self.shared!r}")
@@ -127,10 +131,6 @@ class Scenario:
             raise PlannerError("trainer.device", f"must be one of {', '.join(TRAINER_DEVICES)}"
                                                  f", got {self.trainer_device!r}")
         host = self.links.device == "host"
-        if self.shared != "none" and not host:
-            raise PlannerError("shared", f"{self.shared}: tensors in shared memory are a path "
-                                         "of shm (a host links file); "
-                                         f"{self.links.name} is a gpu links file")
         if self.trainer_device == "gpu":
             if not host:
                 raise PlannerError("trainer.device", "gpu applies to a host links file (shm "
@@ -146,7 +146,8 @@ class Scenario:
 
     @property
     def push(self) -> bool:
-        """shm push: every receiver's tensors are in shared memory (see SHARED)."""
+        """Pushes (shm, or cuda_ipc on GPUs): the trainer writes into every receiver's
+        tensors (see SHARED)."""
         return self.shared in ("receivers", "both")
 
     @property

@@ -25,7 +25,7 @@ from weightsync.core.wire import BucketMsg, HelloMsg, decode, encode
 from weightsync.core.remote import wire_version
 from weightsync.transport.tensors import same_view, view_record, wire_dtype
 
-__all__ = ["ZeroCopyMixin", "REF_INDEX_BASE", "REGION_SHIFT"]
+__all__ = ["ZeroCopyMixin", "REF_INDEX_BASE", "REGION_SHIFT", "MAX_REF_ENTRIES"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 REF_INDEX_BASE = 1 << 40
 #: A zero-copy entry's ``offset`` is ``region_id << REGION_SHIFT | byte offset``.
 REGION_SHIFT = 40
-_MAX_REF_ENTRIES = 1024
+#: Most entries one zero-copy announcement carries.
+MAX_REF_ENTRIES = 1024
 
 
 @dataclass
@@ -141,7 +142,7 @@ class ZeroCopyMixin:
         first = max(1, min(self.options.ref_first_bytes or self.config.bucket_size,
                            self.config.bucket_size))
         limit = self.options.ref_batch_bytes or first << min(len(self._ref_plan_new), 20)
-        if self._ref_bytes >= limit or len(self._ref_entries) >= _MAX_REF_ENTRIES:
+        if self._ref_bytes >= limit or len(self._ref_entries) >= MAX_REF_ENTRIES:
             await self._blocking(self._publish_refs, state)
 
     async def _new_ref(self, name: str, tensor: torch.Tensor) -> TensorMeta:
