@@ -47,6 +47,17 @@ collective) per bucket or direct tensor.
   trainer by queued device-to-host copies. One offer from each receiver at the start
   (``LandMsg``) and one message naming the tensors at the end, which receivers then go
   through.
+
+``cuda_ipc`` on GPUs (a gpu links file), as :mod:`weightsync.transport.backends.cuda_ipc`
+runs it:
+
+* ``shared="trainer"`` (zero-copy): every tensor sent as it is kept (no cast) is read by
+  each receiver straight from the trainer's memory: one copy per receiver, no pack. The
+  trainer announces them in batches (:func:`zero_copy_batches`: the bucket size first,
+  each next batch twice the last); the first copy waits for the first batch's host time;
+* ``shared="receivers"`` / ``"both"`` (pushes): the trainer copies every tensor into each
+  receiver's own, holding batches of an eighth of a bucket (the first copy waits for the
+  first one's host time); the receivers go through the pushed tensors after the copies.
 """
 
 from __future__ import annotations
