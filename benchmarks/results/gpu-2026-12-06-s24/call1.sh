@@ -10,10 +10,10 @@ set -u
 cd "$(dirname "$0")/../../.."   # the repository root
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TORCH_CPP_LOG_LEVEL=ERROR
 nvidia-smi -L | tee "$OUT/gpu.txt"
-timeout 120 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/test_gpu_cuda_ipc.py \
+timeout 100 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/test_gpu_cuda_ipc.py \
   -k "push" 2>&1 | tee "$OUT/gpu_tests_push.txt" | tail -15
 source benchmarks/gpu_rows.sh
-T=110
+T=100
 round() {
   for st in 200 0; do
     rows r$1_s$st "GPU_BENCH_SETTLE_MS=$st" --warm 9 --into-buckets 4096 --into-zero-copy-buckets 1024 --into-push-buckets 4096,1024 --baseline-buckets "" --timeline
@@ -21,9 +21,9 @@ round() {
   done
 }
 round 1
-timeout 150 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/test_gpu_cuda_ipc.py \
+timeout 120 python3 -m pytest -v -p no:cacheprovider -rfE -m gpu tests/test_gpu_cuda_ipc.py \
   -k "(test_one_trainer_many_receivers or test_two_trainers or race_checks) and not push" 2>&1 \
   | tee "$OUT/gpu_tests_rest.txt" | tail -15
 echo "elapsed $SECONDS s"
-if [ "$SECONDS" -lt 330 ]; then round 2; fi
+if [ "$SECONDS" -lt 280 ]; then round 2; fi
 echo "elapsed $SECONDS s"
