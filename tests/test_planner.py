@@ -247,6 +247,23 @@ def test_pipelined_staging_overlaps_the_pull_and_shares_its_resources():
     assert own.phases[0].limit_seconds == pytest.approx(pull.limit_seconds)
 
 
+def test_staging_on_a_host_is_its_own_phase_even_pipelined():
+    """On a host links file the staging copy was measured not to hide behind the pulls
+    (p2p's module doc): pipelined or not, bytes staged on a host are a serve phase before
+    the pull. Served from the tensors' own storage (nothing staged) the pull stays one
+    pipelined phase."""
+    model = _one_tensor("x.norm.weight", (64 << 20,))         # 128 MiB bf16, one rank
+    kw = dict(model=model, links=load_links("cpu-2core"), trainer_gpus=1, replicas=1,
+              tp=1, strategies=("p2p",), bucket_size=64 << 20, serve="staging")
+    piped = predict(Scenario(**kw)).results["p2p"]
+    serial = predict(Scenario(**kw, pipelined=False)).results["p2p"]
+    assert [p.name for p in piped.phases] == ["serve", "pull", "apply"]
+    assert piped.seconds == pytest.approx(serial.seconds, rel=1e-12)
+    own = predict(Scenario(**{**kw, "serve": "auto"})).results["p2p"]
+    assert own.phases[0].name == "serve+pull (pipelined)"
+    assert own.seconds < piped.seconds
+
+
 # ------------------------------------------------------------------ same code as the backends
 
 def test_prediction_comes_from_compile_plan(monkeypatch, moe_dir):
