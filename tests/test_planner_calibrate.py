@@ -141,7 +141,9 @@ def test_preset_rows_are_printed_but_not_counted(tmp_path):
 
 def test_run_links_rules():
     """Paired limit first, else the same receiver count; host_mem is the most any receiver
-    count of the run reached (R copiers x bytes / s); gloo-flat counts each receiver's copy."""
+    count of the run reached (R copiers x bytes / s); gloo-flat counts each receiver's copy;
+    the direct reads take a paired memcpy over the run's cma-raw, cma-raw over an unpaired
+    memcpy."""
     gb = 10 ** 9
     rec = {"method": "shm", "receivers": 2, "bytes": gb,
            "paired": {"method": "memcpy", "warm_median_s": 0.2}}
@@ -156,8 +158,14 @@ def test_run_links_rules():
     assert sets == pytest.approx({"links.device_mem.GBps": 5.0,     # the paired memcpy
                                   "links.host_mem.GBps": 20.0,      # 4 x 1 GB in 0.2 s
                                   "collective.GBps": 4.0,           # 2 x 1 GB in 0.5 s
-                                  "ring.direct_GBps": 8.0})         # 2 readers x 1 GB, 0.25 s
+                                  # the paired memcpy, over the run's cma-raw
+                                  "ring.direct_GBps": 5.0})
     assert where["links.device_mem.GBps"] == "memcpy, paired"
+    assert "over the run's cma-raw" in where["ring.direct_GBps"]
+    # a step without a paired memcpy: the run's cma-raw, 2 readers x 1 GB in 0.25 s
+    sets, where = calibrate.run_links({**rec, "paired": None}, limits)
+    assert sets["ring.direct_GBps"] == pytest.approx(8.0)
+    assert where["ring.direct_GBps"] == "cma-raw, own run, R=2"
     assert where["links.host_mem.GBps"] == "memcpy-parallel, own run, R=4"
     assert calibrate.run_links({**rec, "paired": None}, {}) == ({}, {})
     # a run without cma-raw: the direct reads at its memcpy's rate (the paired one here)

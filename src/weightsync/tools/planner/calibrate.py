@@ -33,7 +33,8 @@ the preset's fixed rates alone are kept apart (``preset_rows``, "preset vs this 
 printed, not counted). A case whose run recorded no limit is predicted with the preset and
 counted. A run without ``cma-raw`` (before it existed) has its direct reads
 (``ring.direct_GBps``) priced at its own ``memcpy`` rate (the two were 0.87-1.18 x apart
-where a run recorded both). What a run does not record (the ``software`` costs,
+where a run recorded both), and a step with a paired ``memcpy`` at that one, over the run's
+``cma-raw`` (timed at another moment, when the box may have been faster). What a run does not record (the ``software`` costs,
 latencies) comes from the preset, whose file says which of those are measured and which are
 assumed. The limits themselves are inputs, not calibration cases. ``cuda_ipc`` zero-copy
 and pushes are the ``ring`` strategy with ``Scenario.shared`` ``"trainer"`` / ``"receivers"``
@@ -161,8 +162,8 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
     each step, in the same processes) where it paired that one, else the limit's own
     record of the same receiver count (of any, for a ``ceiling``). Returns the
     :func:`~.links.load_links` overrides and, per field, where it came from; both empty
-    when the run recorded none of them. Without ``cma-raw`` the direct reads take the
-    ``memcpy``'s rate."""
+    when the run recorded none of them. Without ``cma-raw``, or where the step has a paired
+    ``memcpy``, the direct reads take the ``memcpy``'s rate."""
     paired = rec.get("paired") or {}
     sets, where = {}, {}
     for lim in RUN_LIMITS:
@@ -180,12 +181,19 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
         if lim.ceiling and sets.get(lim.field, 0.0) >= rate:
             continue        # a ceiling: the most any limit of that field reached
         sets[lim.field], where[lim.field] = rate, f"{lim.method}, {how}"
-    if DIRECT_FIELD not in sets and MEMCPY_FIELD in sets:
-        # no cma-raw in this run: shm's direct reads (process_vm_readv, a copy the kernel
-        # makes) at the run's own one-process memcpy rate rather than the preset's fixed
-        # rate; where a run recorded both, cma-raw / memcpy was 0.87-1.18 (12-04b, s14)
+    memcpy_paired = paired.get("method") == "memcpy" and MEMCPY_FIELD in sets
+    if MEMCPY_FIELD in sets and (DIRECT_FIELD not in sets or memcpy_paired):
+        # shm's direct reads (process_vm_readv, a copy the kernel makes) at the run's own
+        # one-process memcpy rate rather than the preset's fixed rate where the run has no
+        # cma-raw (where a run recorded both, cma-raw / memcpy was 0.87-1.18: 12-04b, s14),
+        # and at the memcpy paired with the step over the run's cma-raw, timed at another
+        # moment: in 12-04b the box ran the paired memcpy at 8.0-8.7 GB/s where its cma-raw
+        # had 10.6-12.3 (and its other memcpy records 9.7-10.5), so the box as the step
+        # found it is the better measure of both copies
         sets[DIRECT_FIELD] = sets[MEMCPY_FIELD]
-        where[DIRECT_FIELD] = f"= device_mem ({where[MEMCPY_FIELD]}; the run has no cma-raw)"
+        why = "paired with the step, over the run's cma-raw" if DIRECT_FIELD in where else \
+            "the run has no cma-raw"
+        where[DIRECT_FIELD] = f"= device_mem ({where[MEMCPY_FIELD]}; {why})"
     return sets, where
 
 
