@@ -300,10 +300,15 @@ def test_cuda_ipc_zero_copy_rows_are_the_code_whose_host_costs_were_timed():
     for r in rows:
         assert "device_mem" in r["limited_by"], r
     s23 = [r for r in rows if r["case"].endswith("2026-12-05-s23)")]
-    assert len(s23) == 6
+    assert len(s23) == 6 and len([r for r in rows if r["case"].endswith("-s24)")]) == 2
     flat = 16060522496 / 10.6395e-3          # that run's flat D2D copy, bytes/s
     for r in s23:
         assert 1.0 < r["predicted_s"] * flat / 16060522496 < 1.06, r
+    # session 24's pushes: the trainer's copy into each receiver, priced with the run's
+    # own flat copy; the receivers' pass over the pushed tensors follows the copies
+    pushes = [r for r in calibrate.run(("h200",))["rows"] if "cuda_ipc push" in r["case"]]
+    assert len(pushes) == 2 and all("flat D2D copy, own run" in r["links_from"] for r in pushes)
+    assert all("device_mem" in r["limited_by"] for r in pushes)
     whole = next(r for r in rows if r["case"].startswith("H100 cuda_ipc zero-copy 16384 MiB"))
     first = next(r for r in rows if r["case"].startswith("H100 cuda_ipc zero-copy 1024 MiB")
                  and r["case"].endswith("2026-12-05)"))
@@ -319,7 +324,8 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     """The H100 host's runs (cuda_ipc ring with receive_into, shm D2H) are rows named after
     their GPU, each priced with the run's own flat D2D / pinned D2H / host copy."""
     rows = calibrate.run(("h200", "shm-d2h"))["rows"]
-    h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]]
+    h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]
+            and "cuda_ipc push" not in r["case"]]
     assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
@@ -339,7 +345,9 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
     Each case is then within +-25 %."""
     rows = [r for r in calibrate.run(("h200",))["rows"] if r["links"] == "run"]
     later = [r for r in rows if "2026-12-05" in r["case"] and "zero-copy" not in r["case"]]
-    earlier = [r for r in rows if "2026-12-05" not in r["case"]]
+    assert not [r for r in rows if "cuda_ipc push" in r["case"] and "2026-12-06" not in r["case"]]
+    earlier = [r for r in rows if "2026-12-05" not in r["case"]
+               and "2026-12-06" not in r["case"]]
     assert sorted(r["case"] for r in later) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",

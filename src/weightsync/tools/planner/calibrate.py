@@ -421,7 +421,7 @@ _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
                              "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21",
-                             "gpu-h100-2026-12-05-s23"})
+                             "gpu-h100-2026-12-05-s23", "gpu-h100-2026-12-06-s24"})
 
 
 def _h200_cases(root: str) -> list[dict]:
@@ -440,7 +440,10 @@ def _h200_cases(root: str) -> list[dict]:
                          ("gpu-h200-2026-12-05-s21", "call1/settle200/gpu_bench.json"),
                          # session 23, H100: the engine as it stands (event waits polled)
                          *(("gpu-h100-2026-12-05-s23", f"call1/r{k}_s{st}_poll/gpu_bench.json")
-                           for k in (1, 2, 3) for st in (0, 200))):
+                           for k in (1, 2, 3) for st in (0, 200)),
+                         # session 24, H100: zero-copy against pushes
+                         *(("gpu-h100-2026-12-06-s24", f"call3/r/r1_s{st}/gpu_bench.json")
+                           for st in (200, 0))):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -473,7 +476,8 @@ def _h200_cases(root: str) -> list[dict]:
                                                folder == "gpu-h100-2026-12-05-s23")
             how = cfg["sync"] + (", receive_into" if cfg.get("consume") == "into" else "") \
                 + (", fill programs" if fills else "") \
-                + (", settled 200 ms" if "settle200" in name or "_s200_" in name else "") \
+                + (", settled 200 ms" if "settle200" in name or "_s200_" in name
+                   or "_s200/" in name else "") \
                 + (f", round {name.split('/')[1][1]}" if folder.endswith("-s23") else "")
             gpu, when = folder.split("-", 2)[1:]     # gpu-h100-2026-12-05[-s20]
             rows += _rows(f"{gpu.upper()} cuda_ipc {path} {cfg['bucket_size'] >> 20} MiB "
