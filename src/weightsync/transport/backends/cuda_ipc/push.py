@@ -24,6 +24,10 @@ tensor (CUDA IPC keeps it for the importer): an engine that frees its weights be
 syncs (sleep) gives that memory back only after the next sync. Memory that cannot be
 exported (an allocator of the engine's own, e.g. vLLM's sleep-mode pool) is not offered
 and goes the usual way.
+
+Measured on one H100 (BENCHMARKS.md, session 24): slower than zero-copy (14.1 against
+12.2 ms for 16 GB), since the receiver yields the pushed tensors only after its host saw
+the trainer's writes end; hence off by default.
 """
 
 from __future__ import annotations
