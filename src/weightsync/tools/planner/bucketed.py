@@ -278,6 +278,7 @@ def _streams(sc: Scenario, pts, owners: list[int], dmin: int,
         order = iter(s["zc"])
         s["zc_batch_of"] = {next(order): b for b, sizes in enumerate(batches) for _ in sizes}
         s["zc_batches"] = len(batches)
+        s["zc_set"] = set(s["zc"])
         plan = build_plan([(pts[i].name, pts[i].shape, pts[i].src_dtype) for i in s["bucketed"]],
                           sc.bucket_size, fill_open=sc.fill_open)
         index = {pts[i].name: i for i in s["bucketed"]}
@@ -310,12 +311,14 @@ def zero_copy_batches(sizes: list[int], bucket_size: int) -> list[list[int]]:
     tensors' bytes per batch."""
     out: list[list[int]] = []
     cur: list[int] = []
+    total = 0
     for n in sizes:
         cur.append(n)
+        total += n
         limit = max(1, bucket_size) << min(len(out), 20)
-        if sum(cur) >= limit or len(cur) >= MAX_REF_ENTRIES:
+        if total >= limit or len(cur) >= MAX_REF_ENTRIES:
             out.append(cur)
-            cur = []
+            cur, total = [], 0
     if cur:
         out.append(cur)
     return out
@@ -410,7 +413,7 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     for o, idx in by_owner.items():
         s, src = streams[o], pl.trainer[o]
         pushed = [_nbytes(pts[i]) for i in idx if i in s["pushed"]]
-        zc = set(s["zc"])
+        zc = s["zc_set"]
         bucketed = [i for i in idx if i not in s["direct"] and i not in s["pushed"]
                     and i not in zc]
         direct = [i for i in idx if i in s["direct"]]
