@@ -13,6 +13,7 @@ import asyncio
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -119,6 +120,36 @@ def test_a_last_call_that_never_ends_is_a_clear_error_at_the_next_prepare(monkey
     assert 0.9 < time.monotonic() - start < 5.0
     engine.end_receive(call)                 # once it ends, the next prepare goes ahead
     rollout.prepare_checkpoint_engine(False)
+    engine.close()
+
+
+def test_a_refused_last_call_that_ends_late_keeps_the_group(monkeypatch):
+    """The last round's call took its report, which trainer rank 0 refused (nothing moved),
+    and the call is still on its way out when the next ``prepare`` comes (ms-swift's
+    manager gives a sync up at its first failed call): ``prepare`` waits for it to end and
+    keeps the group, as it does when the refused call ended first (CI caught a re-join)."""
+    from weightsync.integrations.swift import engine as engine_mod
+
+    class Quick(ws.WeightsyncCheckpointMixin):
+        weightsync_backend = "shm"
+        weightsync_options = {"timeout": 5.0}
+
+    rollout = Quick()
+    rollout.prepare_checkpoint_engine(False)
+    engine = rollout._get_or_create_checkpoint_engine()
+    engine.group, engine.members = "kept", ["a", "b"]
+    call = engine_mod._Call(3)
+    call.taken = True
+    call.report.set_result("refused by trainer rank 0")
+    engine._call = call
+    engine._refused()                        # what the refused receive did
+    ender = threading.Timer(0.3, engine.end_receive, args=(call,))
+    ender.start()
+    start = time.monotonic()
+    rollout.prepare_checkpoint_engine(False)
+    ender.join()
+    assert time.monotonic() - start >= 0.25  # it waited for the call to end
+    assert engine.group == "kept" and engine.stats["releases"] == 0
     engine.close()
 
 

@@ -420,7 +420,9 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         """``prepare`` while the last round's receive call still runs on this actor (ms-swift's
         manager gives up a sync at its first failed call): end that call's report if no
         receive took it, and wait (bounded) until the call ends or moves bytes, so the new
-        round's state is never the old call's."""
+        round's state is never the old call's. A call that ended has already marked the
+        group for release if it must go (a refusal keeps it); one still moving bytes has
+        not, so the group goes."""
         call = self._call
         if call is None or call.ended:
             return
@@ -436,7 +438,8 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
                               f"running on this actor after {bound:.1f}s; this sync cannot "
                               "start beside it", peer=self.who, phase="prepare",
                               version=call.round)
-        self._dirty = True
+        if not call.ended:
+            self._dirty = True
 
     def _take_call(self) -> Optional[_Call]:
         """This round's call with its early report, if it started one no receive took."""
