@@ -231,6 +231,43 @@ def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp
     assert "**no** (noisy repeats)" not in calibrate.format_text(res)
 
 
+def test_a_group_of_repeats_is_one_case_judged_by_the_median_of_its_errors(tmp_path,
+                                                                          monkeypatch):
+    """Counted by case, the two 12-01 nixl runs plus a third of the same code are one case,
+    judged by the median of their three errors: a third run close to the prediction outvotes
+    the slow run's miss (which the count of rows still shows), a third run as far off as
+    the slow one does not. The 12-02 run, in no group, is a case of its own."""
+    run3 = ("cpu-nixl-2026-12-01", "bench_1g_run3.json")
+    monkeypatch.setattr(calibrate, "NIXL_RUNS", calibrate.NIXL_RUNS[:2]
+                        + (run3 + (False, "staging"),) + calibrate.NIXL_RUNS[2:3])
+    monkeypatch.setitem(calibrate.REPEATS, "/".join(run3), "nixl runs of 12-01")
+    docs = [_recorded(*run) for run in NIXL_REPEATS]
+    first = calibrate.run(("nixl",), results=_write(tmp_path / "a", *NIXL_REPEATS[0], docs[0]))
+    predicted = first["rows"][0]["predicted_s"]
+    outcomes = []
+    for k, third_error in (("near", -0.09), ("far", -0.45)):
+        root = tmp_path / k
+        third = copy.deepcopy(docs[0])
+        _rec(third, "nixl", 1)["warm_median_s"] = predicted / (1 + third_error)
+        for (folder, name), doc in zip(NIXL_REPEATS + (run3,), docs + [third]):
+            _write(root, folder, name, doc)
+        _write(root, *NIXL_RUN, _recorded(*NIXL_RUN))
+        res = calibrate.run(("nixl",), results=str(root))
+        (g,) = res["repeats"]
+        assert len(g["errors"]) == 3 and res["cases"] == 4 and res["case_count"] == 2
+        assert g["median_error"] == pytest.approx(sorted(g["errors"])[1])
+        (alone,) = [r for r in res["rows"] if r["repeat_of"] is None]
+        assert res["case_within_goal"] == alone["within_goal"] + g["within_goal"]
+        assert res["within_goal"] == sum(r["within_goal"] for r in res["rows"])
+        text = calibrate.format_text(res)
+        assert (f"{res['case_within_goal']} of 2 within +-25 %") in text
+        assert f"| {g['median_error'] * 100:+.0f} %" in text
+        outcomes.append((g["within_goal"], res["misses"]))
+    (near_ok, near_misses), (far_ok, far_misses) = outcomes
+    assert near_ok and not far_ok                # the slow run is outvoted only by a close one
+    assert near_misses >= 1 and far_misses == near_misses + 1   # rows: every run's miss
+
+
 S16_CPU = ("cpu-2026-12-04-s16", "r2.json")
 S16_D2H = ("gpu-h200-2026-12-04-s16", "shm_d2h.json")
 
