@@ -243,6 +243,9 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #:   and nixl's plan compiler changed, none of ``shm`` / ``collective``);
 #: - ``cpu-nixl-2026-12-01`` runs 1 and 2: the same command; run 2 came after the cold fix
 #:   (no ``torch.distributed.tensor`` import on a cold sync), which warm syncs never ran.
+#: - ``cpu-nixl-pipelined-2026-12-02/bench_1g_pipeline_off.json`` and the two runs of
+#:   ``cpu-2026-12-06-s25-1202code``: the code of 1945088 (``git archive``), the same
+#:   command under ``WEIGHTSYNC_NIXL_PIPELINE=0``, run again on 12-06.
 #: Runs of other days ran other code (the direct window of 12-03, the copy threads and
 #: pipelined nixl of later days), so they are not repeats of one another.
 REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
@@ -250,6 +253,12 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            "cpu-2026-12-06-s25-1129code/bench_run2.json": "CPU runs of the code of 11-29",
            "cpu-calib-2026-12-04/bench.json": "CPU quiet-box runs of 12-04",
            "cpu-calib-2026-12-04b/bench.json": "CPU quiet-box runs of 12-04",
+           "cpu-nixl-pipelined-2026-12-02/bench_1g_pipeline_off.json":
+               "nixl runs of the code of 12-02, not pipelined",
+           "cpu-2026-12-06-s25-1202code/bench_1g_pipeline_off_run1.json":
+               "nixl runs of the code of 12-02, not pipelined",
+           "cpu-2026-12-06-s25-1202code/bench_1g_pipeline_off_run2.json":
+               "nixl runs of the code of 12-02, not pipelined",
            "cpu-nixl-2026-12-01/bench_1g.json": "nixl runs of 12-01",
            "cpu-nixl-2026-12-01/bench_1g_run2.json": "nixl runs of 12-01"}
 
@@ -582,7 +591,13 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              ("cpu-nixl-pipelined-2026-12-02", "bench_1g_serve_auto.json", True, "auto"),
              ("cpu-nixl-auto-2026-12-03", "bench_1g.json", True, "auto"),
              ("cpu-nixl-auto-2026-12-03", "bench_1g_staging_default_before.json", True,
-              "staging"))
+              "staging"),
+             ("cpu-2026-12-06-s25-1202code", "bench_1g_pipeline_off_run1.json", False,
+              "staging"),
+             ("cpu-2026-12-06-s25-1202code", "bench_1g_pipeline_off_run2.json", False,
+              "staging"),
+             ("cpu-nixl-2026-12-06-s25", "bench_1g_pipeline_off.json", False, "staging"),
+             ("cpu-nixl-2026-12-06-s25", "bench_1g_staging.json", True, "staging"))
 
 
 def _nixl_cases(root: str) -> list[dict]:
