@@ -266,10 +266,12 @@ class NixlRaw(Method):
     verify = False
 
     def setup(self) -> None:
-        from weightsync.transport.backends.nixl.agent import NixlAgent
+        from weightsync.transport.backends.nixl.agent import NixlAgent, receivers_progress_thread
         ctx = self.ctx
         self.flat = _FlatBytes(ctx.workload.nbytes)
-        self.agent = NixlAgent(f"bench-raw-{os.getpid()}-{ctx.rank}")
+        # agents as the engine has them: a reader without NIXL's progress thread by default
+        self.agent = NixlAgent(f"bench-raw-{os.getpid()}-{ctx.rank}",
+                               progress_thread=ctx.is_trainer or receivers_progress_thread())
         self.buf = torch.ones(self.flat.size, dtype=torch.uint8)
         self.agent.register(self.buf)
         mine = (self.agent.name, self.agent.metadata(), self.buf.data_ptr())

@@ -22,7 +22,8 @@ import torch
 
 from weightsync.core.errors import BackendUnavailable, PeerFailed, SyncTimeout
 
-__all__ = ["NixlAgent", "Reads", "mem_type", "wait_all", "ucx_transports", "require_nixl"]
+__all__ = ["NixlAgent", "Reads", "mem_type", "wait_all", "ucx_transports", "require_nixl",
+           "receivers_progress_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,17 @@ def _choose_transports() -> None:
         logger.info("weightsync nixl: UCX_TLS=%s", os.environ["UCX_TLS"])
 
 
+def receivers_progress_thread() -> bool:
+    """Whether receivers' agents run NIXL's progress thread: ``WEIGHTSYNC_NIXL_PROGRESS_THREAD``
+    ``auto`` (default: no; they progress their reads as they poll them) or ``all`` (every
+    agent runs one, NIXL's default). Trainers' agents always do: they are read from while
+    they stage, and over TCP every read needs them to progress."""
+    want = os.environ.get("WEIGHTSYNC_NIXL_PROGRESS_THREAD", "auto").strip().lower() or "auto"
+    if want not in ("auto", "all"):
+        raise ValueError(f"WEIGHTSYNC_NIXL_PROGRESS_THREAD must be auto or all, got {want!r}")
+    return want == "all"
+
+
 def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
@@ -73,17 +85,37 @@ def _import_nixl() -> Any:
 
 
 class NixlAgent:
-    """One NIXL agent (UCX backend) of one engine."""
+    """One NIXL agent (UCX backend) of one engine.
 
-    def __init__(self, name: str) -> None:
+    ``progress_thread``: NIXL's own progress thread, which polls UCX without pause (NIXL's
+    Python config sets its delay to 0: one core busy for each agent, idle or not; measured
+    here, BENCHMARKS.md). Without it, UCX moves only when this agent is called: an agent
+    that only reads (a receiver) does so as it polls its reads; one that is read from
+    must call :meth:`progress` while it may be (at least until the reader's first read
+    has connected).
+    """
+
+    def __init__(self, name: str, *, progress_thread: bool = True) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
         _choose_transports()
         # NIXL logs every agent start at INFO through its own logger: keep ours readable
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.name = name
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.progress_thread = bool(progress_thread)
+        if progress_thread:
+            conf = nixl_agent_config(backends=["UCX"])
+        else:   # calls may then come from a poller thread too (serving): NIXL locks each
+            from nixl._api import nixl_thread_sync_t
+            conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                     sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._agent = nixl_agent(name, conf)
         self._regs: list[Any] = []
         self._remotes: dict[str, str] = {}     # agent name -> NIXL's handle name
+
+    def progress(self) -> None:
+        """Let UCX move (connections, transfers) on an agent without a progress thread."""
+        if self._agent is not None and not self.progress_thread:
+            self._agent.get_new_notifs()
 
     # -- memory ---------------------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> Any:

@@ -30,6 +30,11 @@ can read it from the trainer while training goes on); ``params`` serves every el
 tensor from its own storage from the first sync. A rank serving live parameters offers
 no join (training moves those bytes on): a joiner reads from a healthy replica instead.
 
+Receivers' agents run without NIXL's progress thread (``WEIGHTSYNC_NIXL_PROGRESS_THREAD``,
+read at construction: ``auto``; ``all`` gives every agent one): that thread polls UCX
+without pause, a core per agent, and a receiver progresses its reads as it polls them
+anyway; while a joiner may read from a receiver, a poller progresses its agent.
+
 Receivers land the bytes in the caller's own tensors with ``receive_into`` (no copy), or in
 a registered buffer of what they keep (memory: that size, kept across syncs) whose views
 are yielded, valid until the next sync. Every wait is bounded; a
@@ -63,7 +68,8 @@ from weightsync.core.remote import error_msg, normalize_version, raise_remote, w
 from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, WantsMsg,
                                   decode, encode)
 from weightsync.core.xferplan import Keep, TransferPlan, box_is_run
-from weightsync.transport.backends.nixl.agent import (NixlAgent, mem_type, require_nixl,
+from weightsync.transport.backends.nixl.agent import (NixlAgent, mem_type,
+                                                    receivers_progress_thread, require_nixl,
                                                     ucx_transports, wait_all)
 from weightsync.transport.backends.nixl.layout import Arena, layout_digest
 from weightsync.transport.backends.nixl.pull import OWN, PullPlan, plan_key, union_of
@@ -82,6 +88,9 @@ logger = logging.getLogger(__name__)
 #: microseconds); bigger ones in the engine's thread, so the loop stays free
 _INLINE_PUT_BYTES = 64 << 10
 _SERVE = ("auto", "staging", "params")
+#: how often a receiver's agent without NIXL's progress thread is progressed while a
+#: joiner may read from it (connections need the served side to answer)
+_LEASE_POLL_S = 0.5e-3
 
 
 @CheckpointEngineRegistry.register("nixl")
@@ -100,6 +109,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._serve_mode = serve
         self._pipeline = os.environ.get("WEIGHTSYNC_NIXL_PIPELINE", "1").strip().lower() \
             not in ("0", "false", "no", "off")
+        self._rx_progress_thread = receivers_progress_thread()
+        self._lease_poller: Optional[threading.Thread] = None
         self._seq, self._rank, self._world, self._num_receivers = 0, -1, 0, 0
         self._agent: Optional[NixlAgent] = None
         self._hub: Optional[LinkHub] = None
@@ -154,7 +165,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                     ucx_transports())
 
     def _init_receiver(self) -> None:
-        self._agent = NixlAgent(f"ws-{self._token[:16]}-r{self._rank}")
+        self._agent = NixlAgent(f"ws-{self._token[:16]}-r{self._rank}",
+                                progress_thread=self._rx_progress_thread)
         t = self.config.timeout
         for s in range(self._world):
             peer = f"trainer rank {s}"
@@ -570,6 +582,11 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                       "ended or given", peer=who, phase="join",
                                       version=self._served_version)
             self._leases[lease] = time.monotonic() + float(lease_s)
+            if not self._agent.progress_thread and self._lease_poller is None:
+                self._lease_poller = threading.Thread(target=self._progress_while_leased,
+                                                      name="weightsync-nixl-lease",
+                                                      daemon=True)
+                self._lease_poller.start()
         src = SourceMsg(seq=self._seq, stream=stream, agent=self._agent.name,
                         metadata=self._agent.metadata(), mem=mem, digest=digest,
                         regions=regions, held=held)
@@ -590,6 +607,23 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             self._lease_cv.notify_all()
         return found
 
+    def _progress_while_leased(self) -> None:
+        """Thread, on an agent without NIXL's progress thread: progress it while a lease
+        is open (a joiner's connection and reads need this side to answer); ends with the
+        last lease, ended or expired."""
+        while True:
+            with self._lease_cv:
+                now = time.monotonic()
+                if self._agent is None or not any(d > now for d in self._leases.values()):
+                    self._lease_poller = None
+                    self._lease_cv.notify_all()
+                    return
+            try:
+                self._agent.progress()
+            except Exception:  # a closed agent: the engine is going; nothing to serve
+                logger.debug("nixl: progress of a serving agent failed", exc_info=True)
+            time.sleep(_LEASE_POLL_S)
+
     def _wait_leases(self, version: Any) -> None:
         with self._lease_cv:
             while self._leases:
@@ -601,6 +635,9 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                     del self._leases[k]
                 if self._leases:
                     self._lease_cv.wait(min(self._leases.values()) - now)
+            # the poller is between two calls into the agent at most: let it end first
+            while self._lease_poller is not None:
+                self._lease_cv.wait(_LEASE_POLL_S * 10)
 
     @classmethod
     def join_weights(cls, offers: list) -> list[list]:
