@@ -61,7 +61,7 @@ def _choose_transports() -> None:
 
 
 def receivers_progress_thread() -> bool:
-    """Whether receivers' agents run NIXL's progress thread: ``WEIGHTSYNC_NIXL_PROGRESS_THREAD``
+    """Whether CPU receivers' agents run NIXL's progress thread: ``WEIGHTSYNC_NIXL_PROGRESS_THREAD``
     ``auto`` (default: no; they progress their reads as they poll them) or ``all`` (every
     agent runs one, NIXL's default). Trainers' agents always do: they are read from while
     they stage, and over TCP every read needs them to progress."""

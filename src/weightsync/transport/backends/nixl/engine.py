@@ -30,10 +30,11 @@ can read it from the trainer while training goes on); ``params`` serves every el
 tensor from its own storage from the first sync. A rank serving live parameters offers
 no join (training moves those bytes on): a joiner reads from a healthy replica instead.
 
-Receivers' agents run without NIXL's progress thread (``WEIGHTSYNC_NIXL_PROGRESS_THREAD``,
-read at construction: ``auto``; ``all`` gives every agent one): that thread polls UCX
-without pause, a core per agent, and a receiver progresses its reads as it polls them
-anyway; while a joiner may read from a receiver, a poller progresses its agent.
+CPU receivers' agents run without NIXL's progress thread (``WEIGHTSYNC_NIXL_PROGRESS_THREAD``,
+read at construction: ``auto``; ``all`` gives every agent one; GPU receivers keep it, a
+path not yet measured without): that thread polls UCX without pause, a core per agent,
+and a receiver progresses its reads as it polls them anyway; while a joiner may read from
+a receiver, a poller progresses its agent.
 
 Receivers land the bytes in the caller's own tensors with ``receive_into`` (no copy), or in
 a registered buffer of what they keep (memory: that size, kept across syncs) whose views
@@ -164,9 +165,15 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         logger.info("weightsync nixl: trainer rank %d serving over UCX (UCX_TLS=%s)", self._rank,
                     ucx_transports())
 
+    def _reader_agent(self, name: str) -> NixlAgent:
+        """A receiver's (or joiner's) agent: without NIXL's progress thread on a CPU
+        receiver unless ``WEIGHTSYNC_NIXL_PROGRESS_THREAD=all``; a GPU receiver keeps it
+        (that path was not measured without it)."""
+        return NixlAgent(name, progress_thread=self._rx_progress_thread
+                         or self._device.type == "cuda")
+
     def _init_receiver(self) -> None:
-        self._agent = NixlAgent(f"ws-{self._token[:16]}-r{self._rank}",
-                                progress_thread=self._rx_progress_thread)
+        self._agent = self._reader_agent(f"ws-{self._token[:16]}-r{self._rank}")
         t = self.config.timeout
         for s in range(self._world):
             peer = f"trainer rank {s}"
@@ -715,7 +722,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._rank, self._world, self._num_receivers, self._seq = rank, world, num_receivers, 0
         self._token = secrets.token_hex(16)
         self.reset_plan()
-        self._agent = NixlAgent(f"ws-join-{self._token[:12]}-r{rank}")
+        self._agent = self._reader_agent(f"ws-join-{self._token[:12]}-r{rank}")
         self._sources, self._joined, self._peers = sources, joined, peers
         logger.info("weightsync nixl: rollout rank %d joins version %s from %s", rank,
                     joined[0][0], ", ".join(peers.values()))
