@@ -259,6 +259,10 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
                "nixl runs of the code of 12-02, not pipelined",
            "cpu-2026-12-06-s25-1202code/bench_1g_pipeline_off_run2.json":
                "nixl runs of the code of 12-02, not pipelined",
+           "cpu-nixl-2026-12-06-s25/progress/default_auto_1.json":
+               "nixl runs of 12-06, receivers without the progress thread",
+           "cpu-nixl-2026-12-06-s25/progress/default_auto_2.json":
+               "nixl runs of 12-06, receivers without the progress thread",
            "cpu-nixl-2026-12-01/bench_1g.json": "nixl runs of 12-01",
            "cpu-nixl-2026-12-01/bench_1g_run2.json": "nixl runs of 12-01"}
 
@@ -597,7 +601,10 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              ("cpu-2026-12-06-s25-1202code", "bench_1g_pipeline_off_run2.json", False,
               "staging"),
              ("cpu-nixl-2026-12-06-s25", "bench_1g_pipeline_off.json", False, "staging"),
-             ("cpu-nixl-2026-12-06-s25", "bench_1g_staging.json", True, "staging"))
+             ("cpu-nixl-2026-12-06-s25", "bench_1g_staging.json", True, "staging"),
+             ("cpu-nixl-2026-12-06-s25/progress", "default_auto_1.json", True, "auto"),
+             ("cpu-nixl-2026-12-06-s25/progress", "default_auto_2.json", True, "auto"),
+             ("cpu-nixl-2026-12-06-s25/progress", "pipeline_off_auto.json", False, "staging"))
 
 
 def _nixl_cases(root: str) -> list[dict]:
