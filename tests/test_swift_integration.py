@@ -95,6 +95,25 @@ def test_a_peft_config_that_fitted_is_not_checked_again():
     actor._get_or_create_checkpoint_engine().close()
 
 
+def _rollout_in_a_call(timeout: float, round_: int, report: object) -> tuple:
+    """A rollout actor (``shm``, ``timeout``) whose receive call of ``round_`` took its
+    report (``report``: None = go, else the refusal) and has not ended."""
+    from weightsync.integrations.swift import engine as engine_mod
+
+    class Quick(ws.WeightsyncCheckpointMixin):
+        weightsync_backend = "shm"
+        weightsync_options = {"timeout": timeout}
+
+    rollout = Quick()
+    rollout.prepare_checkpoint_engine(False)
+    engine = rollout._get_or_create_checkpoint_engine()
+    call = engine_mod._Call(round_)
+    call.taken = True
+    call.report.set_result(report)
+    engine._call = call
+    return rollout, engine, call
+
+
 def test_a_last_call_that_never_ends_is_a_clear_error_at_the_next_prepare(monkeypatch):
     """The last round's call took its report and then hangs in the actor (neither moving
     bytes nor ending): the next ``prepare`` waits for it only up to its bound and says
@@ -103,17 +122,7 @@ def test_a_last_call_that_never_ends_is_a_clear_error_at_the_next_prepare(monkey
     from weightsync.integrations.swift import engine as engine_mod
     monkeypatch.setattr(engine_mod, "GRACE", 0.0)
 
-    class Quick(ws.WeightsyncCheckpointMixin):
-        weightsync_backend = "shm"
-        weightsync_options = {"timeout": 1.0}
-
-    rollout = Quick()
-    rollout.prepare_checkpoint_engine(False)
-    engine = rollout._get_or_create_checkpoint_engine()
-    call = engine_mod._Call(7)
-    call.taken = True
-    call.report.set_result(None)
-    engine._call = call
+    rollout, engine, call = _rollout_in_a_call(1.0, 7, None)
     start = time.monotonic()
     with pytest.raises(SyncTimeout, match="round 7 is still running"):
         rollout.prepare_checkpoint_engine(False)
@@ -123,25 +132,13 @@ def test_a_last_call_that_never_ends_is_a_clear_error_at_the_next_prepare(monkey
     engine.close()
 
 
-def test_a_refused_last_call_that_ends_late_keeps_the_group(monkeypatch):
+def test_a_refused_last_call_that_ends_late_keeps_the_group():
     """The last round's call took its report, which trainer rank 0 refused (nothing moved),
     and the call is still on its way out when the next ``prepare`` comes (ms-swift's
     manager gives a sync up at its first failed call): ``prepare`` waits for it to end and
     keeps the group, as it does when the refused call ended first (CI caught a re-join)."""
-    from weightsync.integrations.swift import engine as engine_mod
-
-    class Quick(ws.WeightsyncCheckpointMixin):
-        weightsync_backend = "shm"
-        weightsync_options = {"timeout": 5.0}
-
-    rollout = Quick()
-    rollout.prepare_checkpoint_engine(False)
-    engine = rollout._get_or_create_checkpoint_engine()
+    rollout, engine, call = _rollout_in_a_call(5.0, 3, "refused by trainer rank 0")
     engine.group, engine.members = "kept", ["a", "b"]
-    call = engine_mod._Call(3)
-    call.taken = True
-    call.report.set_result("refused by trainer rank 0")
-    engine._call = call
     engine._refused()                        # what the refused receive did
     ender = threading.Timer(0.3, engine.end_receive, args=(call,))
     ender.start()
