@@ -60,6 +60,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import statistics
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Optional
 
@@ -300,7 +301,7 @@ def repeat_groups(rows: list[dict]) -> list[dict]:
              "errors": [r["error"] for r in rs], "spread": max(m) / min(m),
              "residual_spread": max(left) / min(left),
              "misses": sum(not r["within_goal"] for r in rs)}
-        g["median_error"] = _median(g["errors"])
+        g["median_error"] = statistics.median(g["errors"])
         g["within_goal"] = bool(abs(g["median_error"]) <= GOAL)
         g["noisy"] = g["spread"] > REPEAT_BAND
         g["noisy_given_links"] = g["residual_spread"] > REPEAT_BAND
@@ -308,12 +309,6 @@ def repeat_groups(rows: list[dict]) -> list[dict]:
             r["noisy"] = g["noisy"]
         out.append(g)
     return out
-
-
-def _median(xs: list[float]) -> float:
-    v = sorted(xs)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def by_case(rows: list[dict], repeats: list[dict]) -> tuple[int, int]:
