@@ -152,3 +152,21 @@ def test_cross_memory_read_limit(tmp_path):
     for row in rows:
         assert row["status"] == "ok", (row["note"], row.get("traceback"))
         assert row["warm_median_s"] > 0 and len(row["warm_s"]) == 2
+
+
+@pytest.mark.timeout(180)
+def test_nixl_and_its_raw_read_limit(tmp_path):
+    """``nixl`` paired with ``nixl-raw``: both move the bytes, the raw READ served by a
+    trainer agent that a poller progresses (no NIXL progress thread by default)."""
+    pytest.importorskip("nixl")
+    out = tmp_path / "nixl.json"
+    assert main(["bench", "--sizes", "8MiB", "--dtypes", "bfloat16", "--receivers", "1",
+                 "--warm", "2", "--no-hf", "--quiet", "--timeout", "60", "--methods",
+                 "nixl,nixl-raw", "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"nixl", "nixl-raw"}
+    for row in rows.values():
+        assert row["status"] == "ok", (row["note"], row.get("traceback"))
+        assert row["warm_median_s"] > 0 and len(row["warm_s"]) == 2
+    assert rows["nixl"]["paired"]["method"] == "nixl-raw"
+    assert len(rows["nixl"]["paired"]["warm_s"]) == 2

@@ -261,17 +261,26 @@ DELTA_OVER = ("shm", "collective", "nixl")      # the bench's delta+<backend> me
 
 class NixlRaw(Method):
     """Limit: one NIXL READ per pass of one flat registered region of the same bytes
-    (trainer -> every receiver), the agents and handles set up before timing."""
+    (trainer -> every receiver), the agents and handles set up before timing.
+
+    The bench pairs it with ``nixl`` in the same processes, so its agents live through every
+    step of the engine's too. With ``WEIGHTSYNC_NIXL_PROGRESS_THREAD=auto`` (the default)
+    none of them runs NIXL's progress thread, which would keep a core busy all along (a
+    trainer-side one cost the engine's 1 GiB sync 0.19 -> 0.26 s here, BENCHMARKS.md): the
+    readers progress their reads as they poll them, and the trainer's agent, read from, is
+    progressed by a :class:`~weightsync.transport.backends.nixl.agent.Poller`. With
+    ``all`` every agent runs the thread, as NIXL's default does."""
 
     verify = False
 
     def setup(self) -> None:
-        from weightsync.transport.backends.nixl.agent import NixlAgent, receivers_progress_thread
+        from weightsync.transport.backends.nixl.agent import (NixlAgent, Poller,
+                                                            receivers_progress_thread)
         ctx = self.ctx
         self.flat = _FlatBytes(ctx.workload.nbytes)
-        # agents as the engine has them: a reader without NIXL's progress thread by default
-        self.agent = NixlAgent(f"bench-raw-{os.getpid()}-{ctx.rank}",
-                               progress_thread=ctx.is_trainer or receivers_progress_thread())
+        spin = receivers_progress_thread()
+        self.agent = NixlAgent(f"bench-raw-{os.getpid()}-{ctx.rank}", progress_thread=spin)
+        self.poller = Poller(self.agent) if ctx.is_trainer and not spin else None
         self.buf = torch.ones(self.flat.size, dtype=torch.uint8)
         self.agent.register(self.buf)
         mine = (self.agent.name, self.agent.metadata(), self.buf.data_ptr())
@@ -298,9 +307,11 @@ class NixlRaw(Method):
         finally:
             for r in getattr(self, "reads", []):
                 r.release()
+            if getattr(self, "poller", None) is not None:
+                self.poller.stop()
             if getattr(self, "agent", None) is not None:
                 self.agent.close()
-            self.agent = self.buf = None
+            self.agent = self.buf = self.poller = None
 
 
 class CmaRaw(Method):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import threading
 import time
 from typing import Any, Sequence
 
@@ -22,8 +23,8 @@ import torch
 
 from weightsync.core.errors import BackendUnavailable, PeerFailed, SyncTimeout
 
-__all__ = ["NixlAgent", "Reads", "mem_type", "wait_all", "ucx_transports", "require_nixl",
-           "receivers_progress_thread"]
+__all__ = ["NixlAgent", "Poller", "Reads", "mem_type", "wait_all", "ucx_transports",
+           "require_nixl", "receivers_progress_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,38 @@ class NixlAgent:
             self.remove_remote(name)
         self.deregister_all()
         self._agent = None
+
+
+class Poller:
+    """Progresses an agent that has no progress thread, from a thread of its own, every
+    ``interval_s`` (it sleeps in between: a few wake-ups per millisecond, not a core),
+    until :meth:`stop`. For an agent that is read from while its process does something
+    else (one-sided reads on one host need it for their connection and notifications)."""
+
+    def __init__(self, agent: NixlAgent, interval_s: float = 0.5e-3) -> None:
+        if agent.progress_thread:
+            raise ValueError("Poller: the agent runs NIXL's progress thread already")
+        if interval_s <= 0:
+            raise ValueError(f"Poller: interval_s must be > 0, got {interval_s}")
+        self._agent, self._interval = agent, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"nixl-poll-{agent.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._agent.progress()
+            except Exception:  # a closed agent: nothing left to serve
+                logger.debug("nixl: progress of a polled agent failed", exc_info=True)
+                return
+            self._stop.wait(self._interval)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop and join the thread (bounded: it is between two short calls at most)."""
+        self._stop.set()
+        self._thread.join(timeout)
 
 
 class Reads:
