@@ -22,6 +22,15 @@ CPU_RUN = ("cpu-calib-2026-12-03", "bench.json")
 NIXL_RUN = ("cpu-nixl-pipelined-2026-12-02", "bench_1g.json")
 
 
+@pytest.fixture
+def spun_counted(monkeypatch):
+    """The tests of links, repeats and counting by case read the recorded nixl runs of 12-01
+    and 12-02 as their inputs. The calibration keeps those runs out of the count (the
+    bench's raw agent spun a core beside them, calibrate.SPUN_RAW, tested on its own
+    below); these tests count them as any run."""
+    monkeypatch.setattr(calibrate, "SPUN_RAW", frozenset())
+
+
 def _recorded(folder: str, name: str) -> dict:
     with open(os.path.join(calibrate.results_dir(), folder, name)) as f:
         return json.load(f)
@@ -87,7 +96,7 @@ def test_cpu_links_come_from_the_runs_own_limits(tmp_path):
         assert pb["links"] == "preset" and pb["predicted_s"] == pa["predicted_s"]
 
 
-def test_nixl_link_comes_from_the_paired_raw_read(tmp_path):
+def test_nixl_link_comes_from_the_paired_raw_read(tmp_path, spun_counted):
     """The nixl row's cross-process link is the raw READ the bench paired with its steps:
     a slower paired READ gives a slower prediction; the standalone READ is not used."""
     doc = _recorded(*NIXL_RUN)
@@ -183,7 +192,7 @@ NIXL_REPEATS = (("cpu-nixl-2026-12-01", "bench_1g.json"),
                 ("cpu-nixl-2026-12-01", "bench_1g_run2.json"))
 
 
-def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp_path):
+def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp_path, spun_counted):
     """The two 12-01 nixl runs (the same code and command, calibrate.REPEATS) measured the
     same case 2.06 s and 7.28 s: more than (1 + GOAL) / (1 - GOAL) apart, so no one
     prediction can be within the goal of both. They form one noisy group; both rows stay
@@ -232,7 +241,8 @@ def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp
 
 
 def test_a_group_of_repeats_is_one_case_judged_by_the_median_of_its_errors(tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch,
+                                                                          spun_counted):
     """Counted by case, the two 12-01 nixl runs plus a third of the same code are one case,
     judged by the median of their three errors: a third run close to the prediction outvotes
     the slow run's miss (which the count of rows still shows), a third run as far off as
@@ -362,7 +372,7 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     their GPU, each priced with the run's own flat D2D / pinned D2H / host copy."""
     rows = calibrate.run(("h200", "shm-d2h"))["rows"]
     h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]
-            and "cuda_ipc push" not in r["case"]]
+            and "cuda_ipc push" not in r["case"] and calibrate.S26_RING not in r["source"]]
     assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
@@ -451,8 +461,61 @@ def test_nixl_tp_runs_are_read_with_their_cuts_and_their_raw_read(tmp_path):
 
 def test_the_staging_default_run_of_12_03_is_a_nixl_row():
     """12-03's run before the auto default (pipelined, staging; code that still exists:
-    WEIGHTSYNC_NIXL_SERVE=staging) is read beside that day's auto run."""
+    WEIGHTSYNC_NIXL_SERVE=staging) is read beside that day's auto run (both shown apart:
+    the bench's raw agent spun beside them)."""
     res = calibrate.run(("nixl",))
-    (row,) = [r for r in res["rows"] if "bench_1g_staging_default_before.json" in r["case"]]
+    (row,) = [r for r in res["spun_rows"]
+              if "bench_1g_staging_default_before.json" in r["case"]]
     assert "pipelined, staging" in row["case"] and "nixl-raw, paired" in row["links_from"]
     assert row["measured_s"] == pytest.approx(0.6274020990003919)
+
+
+SPUN_FREE = ("cpu-nixl-2026-12-06-s26", "staging_1.json")
+
+
+def test_runs_with_the_benchs_spinning_raw_agent_are_shown_apart_not_counted(tmp_path):
+    """A nixl run of SPUN_RAW (the bench's paired raw agent spun a core beside the sync)
+    is predicted and printed with its error, apart from the count; the same recorded
+    numbers under a run made after the fix are counted. The real calibration keeps every
+    SPUN_RAW run apart and counts the others."""
+    doc = _recorded(*NIXL_RUN)
+    assert "/".join(NIXL_RUN) in calibrate.SPUN_RAW
+    assert "/".join(SPUN_FREE) not in calibrate.SPUN_RAW
+    root = tmp_path / "a"
+    _write(root, *NIXL_RUN, doc)
+    _write(root, *SPUN_FREE, doc)
+    res = calibrate.run(("nixl",), results=str(root))
+    (row,), (spun,) = res["rows"], res["spun_rows"]
+    assert SPUN_FREE[0] in row["source"] and NIXL_RUN[0] in spun["source"]
+    assert len(res["preset_rows"]) == 1 and SPUN_FREE[0] in res["preset_rows"][0]["source"]
+    assert spun["predicted_s"] == pytest.approx(row["predicted_s"])
+    assert res["cases"] == 1 and res["case_count"] == 1
+    assert res["spun_within_goal"] == spun["within_goal"]
+    text, md = calibrate.format_text(res), calibrate.format_markdown(res)
+    both = res["within_goal"] + res["spun_within_goal"]
+    for out in (text, md):
+        assert "spinning raw agent" in out and spun["case"] in out
+        assert f"(with them: {both} of 2 rows)" in out
+    real = calibrate.run(("nixl",))
+    for r in real["rows"] + real["preset_rows"]:
+        assert r["source"].split(" ")[0] not in calibrate.SPUN_RAW
+    assert {r["source"].split(" ")[0] for r in real["spun_rows"]} == \
+        {k for k in calibrate.SPUN_RAW
+         if os.path.exists(os.path.join(calibrate.results_dir(), k))}
+
+
+def test_the_h100_runs_of_two_ring_codes_are_a_group_per_code_and_case():
+    """Session 26 ran the cuda_ipc ring of 11-29's and of 12-01's code alternating on one
+    H100 (calibrate.S26_RING): each code's runs of one configuration are one group of
+    repeats, never mixed with the other code's, priced with the host costs of 11-29."""
+    res = calibrate.run(("h200",))
+    when = calibrate.S26_RING.split("-", 2)[2]            # 2026-12-06-s26
+    groups = [g for g in res["repeats"] if f"{when})" in g["group"]]
+    if not groups:
+        pytest.skip("session 26's H100 runs are not in this checkout")
+    assert len(groups) == 6                   # 2 codes x (event 1 GiB, event 2 GiB, host 1 GiB)
+    for g in groups:
+        (code,) = [c for c in calibrate.S26_CODES.values() if f"code of {c}," in g["group"]]
+        assert len(g["cases"]) >= 4 and all(f"code of {code}," in c for c in g["cases"])
+    rows = [r for r in res["rows"] if calibrate.S26_RING in r["source"]]
+    assert rows and all("tensor_us 70, bucket_us 930" in r["links_from"] for r in rows)

@@ -247,6 +247,11 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #: - ``cpu-nixl-pipelined-2026-12-02/bench_1g_pipeline_off.json`` and the two runs of
 #:   ``cpu-2026-12-06-s25-1202code``: the code of 1945088 (``git archive``), the same
 #:   command under ``WEIGHTSYNC_NIXL_PIPELINE=0``, run again on 12-06.
+#: - ``cpu-nixl-2026-12-06-s26``: the code of f7466f0, each command twice; ``ab/`` runs
+#:   the bench of 60c2f4f (``_old_``) and of f7466f0 (``_new_``) over that engine code,
+#:   alternating (``commands.txt``).
+#: - ``gpu-h100-2026-12-06-s26``: the ring codes of 11-29 and 12-01 on one held H100,
+#:   :data:`S26_RING`.
 #: Runs of other days ran other code (the direct window of 12-03, the copy threads and
 #: pipelined nixl of later days), so they are not repeats of one another.
 REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
@@ -265,7 +270,16 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            "cpu-nixl-2026-12-06-s25/progress/default_auto_2.json":
                "nixl runs of 12-06, receivers without the progress thread",
            "cpu-nixl-2026-12-01/bench_1g.json": "nixl runs of 12-01",
-           "cpu-nixl-2026-12-01/bench_1g_run2.json": "nixl runs of 12-01"}
+           "cpu-nixl-2026-12-01/bench_1g_run2.json": "nixl runs of 12-01",
+           **{f"cpu-nixl-2026-12-06-s26/ab/{case}_{bench}_{i}.json":
+              f"nixl runs of 12-06 s26, the bench of {commit}"
+              for case in ("default", "pipeline_off") for i in (1, 2)
+              for bench, commit in (("old", "60c2f4f"), ("new", "f7466f0"))},
+           **{f"cpu-nixl-2026-12-06-s26/staging_{i}.json":
+              "nixl runs of 12-06 s26, the bench of f7466f0" for i in (1, 2)},
+           **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
+              "H100 runs of 12-06 s26 on one machine"
+              for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")}}
 
 #: the most two measurements of one case may differ (max / min) for one prediction to be
 #: within GOAL of both: p / (1 + GOAL) <= m <= p / (1 - GOAL)
@@ -343,8 +357,9 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     """One case: with the links its run recorded (counted) and with the preset alone (not
     counted); only the preset's, counted, when the run recorded no limit. ``repeat_of``:
     its group of repeats (:func:`_repeat_of`), if any. Buckets are laid out as the code of
-    every recorded run did (``Scenario.fill_open=False``: all ran before 2026-12-05's
-    layout)."""
+    every recorded run of ``shm`` / ``collective`` / ``cuda_ipc`` did
+    (``Scenario.fill_open=False``: all ran before 2026-12-05's layout; the ``p2p`` strategy
+    does not read it)."""
     def recorded(links: Links) -> Scenario:   # laid out as the run's code did
         return dataclasses.replace(scenario(links), fill_open=False)
 
@@ -465,6 +480,14 @@ _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
                              "gpu-h100-2026-12-05-s23", "gpu-h100-2026-12-06-s24"})
 
 
+#: Session 26's H100 runs of the ``cuda_ipc`` ring of the code of 11-29 (0218da3) and of
+#: 12-01 (1005ea0) with the same ``gpu_bench.py`` (the file is the same in both), the two
+#: codes alternating, two rounds in a first device call and three in a second on the same
+#: held machine (``commands.txt``): each code's rows are a group of repeats.
+S26_RING = "gpu-h100-2026-12-06-s26"
+S26_CODES = {"c1129": "11-29", "c1201": "12-01"}
+
+
 def _h200_cases(root: str) -> list[dict]:
     """The ``cuda_ipc`` ring on one H200 (and one H100 run); the device-memory rate from the
     run's own flat D2D copy of the same bytes (``d2d``), where it recorded one, and the
@@ -484,7 +507,11 @@ def _h200_cases(root: str) -> list[dict]:
                            for k in (1, 2, 3) for st in (0, 200)),
                          # session 24, H100: zero-copy against pushes
                          *(("gpu-h100-2026-12-06-s24", f"call3/r/r1_s{st}/gpu_bench.json")
-                           for st in (200, 0))):
+                           for st in (200, 0)),
+                         # session 26, H100: the ring code of 11-29 and of 12-01, alternating
+                         *((S26_RING, f"call{c}/{code}/r{k}/gpu_bench.json")
+                           for c, rounds in ((1, (1, 2)), (2, (1, 2, 3)))
+                           for k in rounds for code in S26_CODES)):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -521,10 +548,16 @@ def _h200_cases(root: str) -> list[dict]:
                    or "_s200/" in name else "") \
                 + (f", round {name.split('/')[1][1]}" if folder.endswith("-s23") else "")
             gpu, when = folder.split("-", 2)[1:]     # gpu-h100-2026-12-05[-s20]
-            rows += _rows(f"{gpu.upper()} cuda_ipc {path} {cfg['bucket_size'] >> 20} MiB "
-                          f"({how}, {when})", "ring", scenario,
+            case = f"{gpu.upper()} cuda_ipc {path} {cfg['bucket_size'] >> 20} MiB ({how}"
+            run = ""
+            if folder == S26_RING:     # call1/c1201/r2/gpu_bench.json
+                call, code, k = name.split("/")[:3]
+                case += f", code of {S26_CODES[code]}"
+                run = f", {call} round {k[1:]}"
+            rows += _rows(f"{case}{run}, {when})", "ring", scenario,
                           e["median_ms"] / 1e3, f"{folder}/{name} median_ms",
-                          "h200-8gpu-400g", sets, where)
+                          "h200-8gpu-400g", sets, where,
+                          repeat_of=_repeat_of(folder, name, f"{case}, {when})"))
     return rows
 
 
@@ -599,7 +632,27 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              ("cpu-nixl-2026-12-06-s25", "bench_1g_staging.json", True, "staging"),
              ("cpu-nixl-2026-12-06-s25/progress", "default_auto_1.json", True, "auto"),
              ("cpu-nixl-2026-12-06-s25/progress", "default_auto_2.json", True, "auto"),
-             ("cpu-nixl-2026-12-06-s25/progress", "pipeline_off_auto.json", False, "staging"))
+             ("cpu-nixl-2026-12-06-s25/progress", "pipeline_off_auto.json", False, "staging"),
+             # session 26: the bench before and after f7466f0 on the same engine code
+             *(("cpu-nixl-2026-12-06-s26/ab", f"{case}_{bench}_{i}.json", pipelined, serve)
+               for i in (1, 2) for bench in ("old", "new")
+               for case, pipelined, serve in (("default", True, "auto"),
+                                              ("pipeline_off", False, "staging"))),
+             *(("cpu-nixl-2026-12-06-s26", f"staging_{i}.json", True, "staging")
+               for i in (1, 2)))
+
+#: nixl bench runs whose bench kept a core spinning beside the sync (not counted): until
+#: f7466f0 (12-06, session 26) the bench paired every ``nixl`` step with ``nixl-raw`` in
+#: the same processes, and that limit's trainer-side agent ran NIXL's progress thread (a
+#: core busy for as long as it lives, BENCHMARKS.md) through the ``nixl`` steps too. The
+#: paired raw READ, timed under the same load, carries it into the pull's rate; nothing the
+#: runs recorded carries it into the trainer's staging copy. The same engine code with the
+#: bench before and after (``cpu-nixl-2026-12-06-s26/ab``, alternating) took 0.25-0.31 s
+#: against 0.17-0.19 s (default) and 0.38-0.39 against 0.28-0.33 s (not pipelined,
+#: staging). Their rows are printed with their errors, apart (``spun_rows``).
+SPUN_RAW = frozenset(f"{folder}/{name}" for folder, name, *_ in NIXL_RUNS
+                     if not folder.startswith("cpu-nixl-2026-12-06-s26")
+                     or "_old_" in name)
 
 
 def _nixl_cases(root: str) -> list[dict]:
@@ -624,11 +677,14 @@ def _nixl_cases(root: str) -> list[dict]:
             return Scenario(model=model, links=links, trainer_gpus=1,
                             replicas=rec["receivers"], bucket_size=rec["bucket_size"],
                             strategies=("p2p",), pipelined=pipelined, serve=serve)
-        rows += _rows(f"CPU {rec['workload']} nixl R={rec['receivers']} ({folder[9:]}/"
-                      f"{name}, {how})", "p2p", scenario, rec["warm_median_s"],
-                      f"{folder}/{name} warm_median_s", "cpu-2core", sets, where,
-                      repeat_of=_repeat_of(folder, name, f"CPU {rec['workload']} nixl "
-                                                         f"R={rec['receivers']} ({how})"))
+        made = _rows(f"CPU {rec['workload']} nixl R={rec['receivers']} ({folder[9:]}/"
+                     f"{name}, {how})", "p2p", scenario, rec["warm_median_s"],
+                     f"{folder}/{name} warm_median_s", "cpu-2core", sets, where,
+                     repeat_of=_repeat_of(folder, name, f"CPU {rec['workload']} nixl "
+                                                        f"R={rec['receivers']} ({how})"))
+        for row in made:
+            row["spun"] = f"{folder}/{name}" in SPUN_RAW
+        rows += made
     return rows
 
 
@@ -816,17 +872,23 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
         raise PlannerError("calibrate", f"unknown group(s) {', '.join(bad)}; "
                                         f"known: {', '.join(GROUPS)}")
     root = results if results is not None else results_dir()
-    rows, preset = [], []
+    rows, preset, spun = [], [], []
     for g in groups:
         for row in GROUPS[g](root):
-            (rows if row.pop("counted") else preset).append(row)
+            counted = row.pop("counted")
+            if row.pop("spun", False):       # see SPUN_RAW: shown apart, not counted
+                if counted:
+                    spun.append(row)
+                continue
+            (rows if counted else preset).append(row)
     repeats = repeat_groups(rows)
     repeat_groups(preset)        # marks the preset rows alike (same measurements)
+    repeat_groups(spun)
     misses = [r for r in rows if not r["within_goal"]]
     noisy = {g["group"] for g in repeats if g["noisy"]}
     noisy_links = {g["group"] for g in repeats if g["noisy_given_links"]}
     case_within, case_count = by_case(rows, repeats)
-    return {"schema": "weightsync.plan.calibration/4", "goal": GOAL, "rows": rows,
+    return {"schema": "weightsync.plan.calibration/5", "goal": GOAL, "rows": rows,
             "within_goal": sum(r["within_goal"] for r in rows), "cases": len(rows),
             "case_within_goal": case_within, "case_count": case_count,
             "misses": len(misses), "repeats": repeats, "repeat_band": REPEAT_BAND,
@@ -834,6 +896,7 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
             "noisy_misses_given_links": sum(r["repeat_of"] in noisy_links for r in misses),
             "preset_rows": preset,
             "preset_within_goal": sum(r["within_goal"] for r in preset),
+            "spun_rows": spun, "spun_within_goal": sum(r["within_goal"] for r in spun),
             "not_modelled": ["cuda_ipc zero-copy of the code before 12-04 (its host costs "
                              "were never timed; the 11-29 ring's, 70 us a tensor of packing, "
                              "predict 24 ms where it took 13)",
@@ -867,6 +930,18 @@ def _lines(rows: list[dict], sep: str) -> list[str]:
                  r["links_from"]]
         out.append(sep.join(cells))
     return out
+
+
+_SPUN_TITLE = ("nixl runs with the bench's spinning raw agent (not counted: until f7466f0 the "
+               "paired nixl-raw's trainer agent kept a core busy through the nixl steps, a "
+               "load no recorded limit prices for the staging copy; calibrate.SPUN_RAW)")
+
+
+def _spun_summary(doc: dict) -> str:
+    n, k = len(doc["spun_rows"]), doc["spun_within_goal"]
+    return (f"nixl runs with the bench's spinning raw agent: {k} of {n} within "
+            f"+-{doc['goal'] * 100:.0f} %, not counted (with them: {doc['within_goal'] + k} "
+            f"of {doc['cases'] + n} rows)")
 
 
 _PRESET_TITLE = ("preset vs this run's box (not counted: the same cases with the preset's "
@@ -919,14 +994,17 @@ def format_text(doc: dict) -> str:
             "links")
     tail = (f"{doc['within_goal']} of {doc['cases']} cases within +-{doc['goal'] * 100:.0f} % "
             f"(links from each run's own limits where it recorded them); {_by_case(doc)}; "
-            f"{_noisy_summary(doc)}; preset alone: "
+            f"{_noisy_summary(doc)}; {_spun_summary(doc)}; preset alone: "
             f"{doc['preset_within_goal']} of {len(doc['preset_rows'])}, not counted; "
             f"not modelled: {', '.join(doc['not_modelled'])}")
     preset = ["", _PRESET_TITLE + ":", head] + _lines(doc["preset_rows"], " | ") \
         if doc["preset_rows"] else []
     repeats = ["", _repeats_title(doc) + ":", _REPEAT_HEAD] + _repeat_lines(doc, " | ") \
         if doc["repeats"] else []
-    return "\n".join([head] + _lines(doc["rows"], " | ") + repeats + preset + ["", tail])
+    spun = ["", _SPUN_TITLE + ":", head] + _lines(doc["spun_rows"], " | ") \
+        if doc["spun_rows"] else []
+    return "\n".join([head] + _lines(doc["rows"], " | ") + repeats + spun + preset
+                     + ["", tail])
 
 
 def format_markdown(doc: dict) -> str:
@@ -942,6 +1020,10 @@ def format_markdown(doc: dict) -> str:
         out += ["", f"**{title[0].upper() + title[1:]}**", "",
                 f"| {_REPEAT_HEAD} |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
         out += [f"| {line} |" for line in _repeat_lines(doc, " | ")]
+    if doc["spun_rows"]:
+        out += ["", f"**{_SPUN_TITLE[0].upper() + _SPUN_TITLE[1:]}**", ""] + head
+        out += [f"| {line} |" for line in _lines(doc["spun_rows"], " | ")]
+        out += ["", f"{_spun_summary(doc)[0].upper()}{_spun_summary(doc)[1:]}."]
     if doc["preset_rows"]:
         out += ["", f"**{_PRESET_TITLE[0].upper() + _PRESET_TITLE[1:]}**", ""] + head
         out += [f"| {line} |" for line in _lines(doc["preset_rows"], " | ")]
