@@ -521,8 +521,11 @@ def test_a_hosts_cores_price_copies_and_a_cpu_bound_broadcast():
     model = model_from_tensors("small", [(f"l{i}.w", (1024, 2048)) for i in range(128)])
 
     def secs(**sets):
+        # no software costs: they take the cores too (the next test), not this one's subject
         links = load_links("cpu-2core", {**{"links.device_mem.GBps": 10.0,
-                                            "collective.GBps": 4.0}, **sets})
+                                            "collective.GBps": 4.0, "software.tensor_us": 0,
+                                            "software.bucket_us": 0, "software.op_us": 0},
+                                         **sets})
         p = predict(Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
                              strategies=("broadcast",)))
         return p.results["broadcast"]
@@ -537,6 +540,33 @@ def test_a_hosts_cores_price_copies_and_a_cpu_bound_broadcast():
         load_links("h100-8gpu-400g", {"cores": 2})
 
 
+def test_a_hosts_software_time_is_core_time_beside_its_copies():
+    """On a host every rank is a process of that host: an actor's software seconds (per
+    tensor, bucket, operation) also take the host's shared cores, added to the copies'
+    core time, not run beside it for free. 0.15 s of copies on 2 cores plus 0.1 s of one
+    rank's software is a 0.2 s phase bound by the cores (it was max(0.15, 0.1))."""
+    from weightsync.tools.planner.linkmodel import Loads
+    from weightsync.tools.planner.scenario import Placement
+    model = model_from_tensors("one", [("w", (1024, 1024))])
+    links = load_links("cpu-2core", {"links.device_mem.GBps": 10.0})
+    pl = Placement(Scenario(model=model, links=links, trainer_gpus=1, replicas=1))
+    loads = Loads(pl)
+    loads.cpu(0, 3e9)                       # 3 GB of one-core copies: 0.15 s on 2 cores
+    assert loads.result("copies").limit_seconds == pytest.approx(0.15)
+    loads = Loads(pl)
+    loads.cpu(0, 3e9)
+    loads.work("trainer rank 0", 0.1)
+    res = loads.result("copies and software")
+    assert "cores" in res.limit and res.limit_seconds == pytest.approx(0.2)
+    assert loads.busy["trainer rank 0"] == pytest.approx(0.1)
+    # a GPU links file's ranks are not one host's processes: software stays the actor's
+    gpu = Placement(Scenario(model=model, links=load_links("h100-8gpu-400g"),
+                             trainer_gpus=1, replicas=1))
+    loads = Loads(gpu)
+    loads.work("trainer rank 0", 0.1)
+    assert not loads.bytes and loads.result("software").limit_seconds == pytest.approx(0.1)
+
+
 def test_collective_direct_size_is_the_engines_and_moves_the_cpu_broadcast(capsys):
     """``collective_direct_min`` defaults to the engine's own
     (``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``): 12 MiB tensors go as their own broadcasts at the
@@ -545,7 +575,10 @@ def test_collective_direct_size_is_the_engines_and_moves_the_cpu_broadcast(capsy
     negative one is refused naming the field."""
     from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
     model = model_from_tensors("mid", [(f"l{i}.w", (3072, 2048)) for i in range(32)])
-    links = load_links("cpu-2core", {"links.device_mem.GBps": 10.0, "collective.GBps": 4.0})
+    links = load_links("cpu-2core", {"links.device_mem.GBps": 10.0, "collective.GBps": 4.0,
+                                     # software takes the cores too: not this test's subject
+                                     "software.tensor_us": 0, "software.bucket_us": 0,
+                                     "software.op_us": 0})
 
     def secs(**kw):
         p = predict(Scenario(model=model, links=links, trainer_gpus=1, replicas=1,

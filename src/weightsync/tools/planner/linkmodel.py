@@ -8,7 +8,8 @@ host memory, on ``host`` links) and per
 broadcast stream (``stream``: the collective's per-stream cap, e.g. gloo's TCP). A phase
 takes ``max(load / rate over resources, busy seconds of any actor) + latency``: a fluid
 model in which everything of a phase runs concurrently and only shared links (and each
-actor's own software time) serialize it. The fabric between NICs is taken as
+actor's own software time) serialize it. On a host whose links give ``cores``, copies,
+gloo's broadcasts and every actor's software time are one load on those cores. The fabric between NICs is taken as
 non-blocking (only endpoints contend). The resource or actor giving that maximum is the
 phase's bottleneck.
 """
@@ -111,8 +112,14 @@ class Loads:
         self._times = None
 
     def work(self, actor: str, seconds: float) -> None:
+        """``seconds`` of ``actor``'s own software (host-side costs per tensor, bucket,
+        READ, operation): serial within the actor. On a host the actors are processes of
+        that host, so the same seconds are also work for its shared cores, beside the
+        copies (:meth:`cpu`, converted at one core's copy rate)."""
         if seconds:
             self.busy[actor] += seconds
+            if self.p.host:      # every rank is a process of the one host (node 0)
+                self.cpu(0, seconds * self.rate("device_mem", (0, 0)))
 
     # -- how long -------------------------------------------------------------------------
     def rate(self, kind: str, where: Any) -> float:

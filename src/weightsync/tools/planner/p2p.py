@@ -124,10 +124,10 @@ def _apply(sc: Scenario, pl: Placement, pts, res: StrategyResult) -> Loads:
 def _pipelined(pl: Placement, serve: Loads, pull: Loads, first_block: float) -> Loads:
     """Staging and the pull as one phase (see the module doc)."""
     both = Loads(pl)
-    both.absorb(serve)
+    both.absorb(serve)       # a host's core time of the software too (Loads.work)
     both.absorb(pull)
     for actor, secs in list(serve.busy.items()) + list(pull.busy.items()):
-        both.work(actor, secs)
+        both.busy[actor] += secs
     both.latency = serve.latency + pull.latency + first_block
     return both
 
