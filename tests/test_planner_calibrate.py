@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 
@@ -519,3 +520,42 @@ def test_the_h100_runs_of_two_ring_codes_are_a_group_per_code_and_case():
         assert len(g["cases"]) >= 4 and all(f"code of {code}," in c for c in g["cases"])
     rows = [r for r in res["rows"] if calibrate.S26_RING in r["source"]]
     assert rows and all("tensor_us 70, bucket_us 930" in r["links_from"] for r in rows)
+
+
+def test_more_cpu_runs_are_predicted_with_their_own_codes_settings(tmp_path):
+    """The CPU runs of CPU_RUNS_MORE carry what their code set: the same recorded numbers
+    under session 22's "after" name are laid out in full buckets (no ring stalls: a faster
+    prediction) and under its "before" name the old way; under session 21's name a
+    collective sends direct tensors from 8 MiB, under session 17's from 16 MiB; session
+    14's run under WEIGHTSYNC_SHM_DIRECT_MIN=1 MiB reads the k/v projections directly."""
+    s22 = _recorded("cpu-2026-12-05-s22", "bench-r1-before-r1.json")
+    root = tmp_path / "a"
+    _write(root, "cpu-2026-12-05-s22", "bench-r1-before-r1.json", s22)
+    _write(root, "cpu-2026-12-05-s22", "bench-r1-after-r1.json", s22)
+    rows = calibrate.run(("cpu",), results=str(root))["rows"]
+    (before,) = [r for r in rows if "s22 before" in r["case"]]
+    (after,) = [r for r in rows if "s22 after" in r["case"]]
+    assert after["measured_s"] == before["measured_s"]
+    assert after["predicted_s"] < 0.95 * before["predicted_s"]
+    stall = [float(re.search(r"uneven size \(\+([0-9.]+) ms\)", r["limited_by"]).group(1))
+             for r in (before, after)]
+    assert stall[1] < 0.5 * stall[0]           # full buckets: far fewer uneven ones
+
+    s21 = _recorded("cpu-2026-12-05-s21", "bench_collective.json")
+    root = tmp_path / "b"
+    _write(root, "cpu-2026-12-05-s21", "bench_collective.json", s21)
+    _write(root, "cpu-2026-12-05-s17", "before-r1.json", s21)
+    rows = calibrate.run(("cpu",), results=str(root))["rows"]
+    case = "CPU hf-qwen2-0.5b collective R=1"
+    (at8,) = [r for r in rows if r["case"].startswith(case) and "s21" in r["case"]]
+    (at16,) = [r for r in rows if r["case"].startswith(case) and "s17" in r["case"]]
+    assert at8["predicted_s"] != pytest.approx(at16["predicted_s"], rel=0.01)
+
+    s14 = _recorded("cpu-2026-12-04-s14", "tuned.json")
+    root = tmp_path / "c"
+    _write(root, "cpu-2026-12-04-s14", "tuned.json", s14)
+    _write(root, "cpu-2026-12-04-s14", "tuned_direct1m.json", s14)
+    rows = calibrate.run(("cpu",), results=str(root))["rows"]
+    (auto,) = [r for r in rows if r["case"].endswith("(12-04 s14)")]
+    (one,) = [r for r in rows if "direct from 1 MiB" in r["case"]]
+    assert one["predicted_s"] != pytest.approx(auto["predicted_s"], rel=0.01)

@@ -250,6 +250,9 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #: - ``cpu-nixl-2026-12-06-s26``: the code of f7466f0, each command twice; ``ab/`` runs
 #:   the bench of 60c2f4f (``_old_``) and of f7466f0 (``_new_``) over that engine code,
 #:   alternating (``commands.txt``).
+#: - ``cpu-2026-12-05-s17`` (before / after, two runs each) and ``cpu-2026-12-05-s22`` (each
+#:   of its three commands before / after, two or three runs each), alternating in one
+#:   script each (:data:`CPU_RUNS_MORE`);
 #: - ``gpu-h100-2026-12-06-s26``: the ring codes of 11-29 and 12-01 on one held H100,
 #:   :data:`S26_RING`.
 #: Runs of other days ran other code (the direct window of 12-03, the copy threads and
@@ -277,6 +280,12 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               for bench, commit in (("old", "60c2f4f"), ("new", "f7466f0"))},
            **{f"cpu-nixl-2026-12-06-s26/staging_{i}.json":
               "nixl runs of 12-06 s26, the bench of f7466f0" for i in (1, 2)},
+           **{f"cpu-2026-12-05-s17/{when}-r{k}.json": f"CPU runs of 12-05 s17, {when}"
+              for when in ("before", "after") for k in (1, 2)},
+           **{f"cpu-2026-12-05-s22/bench-{cmd}{when}-r{k}.json":
+              f"CPU runs of 12-05 s22, bench-{cmd}{when}"
+              for cmd in ("", "r1-", "readme-") for when in ("before", "after")
+              for k in (1, 2, 3)},
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")}}
@@ -353,15 +362,16 @@ def _row(case: str, strategy: str, sc: Scenario, measured: float, source: str,
 
 def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measured: float,
           source: str, preset: str, sets: Mapping[str, float], where: Mapping[str, str],
-          check: Optional[Callable] = None, repeat_of: Optional[str] = None) -> list[dict]:
+          check: Optional[Callable] = None, repeat_of: Optional[str] = None,
+          fill_open: bool = False) -> list[dict]:
     """One case: with the links its run recorded (counted) and with the preset alone (not
     counted); only the preset's, counted, when the run recorded no limit. ``repeat_of``:
-    its group of repeats (:func:`_repeat_of`), if any. Buckets are laid out as the code of
-    every recorded run of ``shm`` / ``collective`` / ``cuda_ipc`` did
-    (``Scenario.fill_open=False``: all ran before 2026-12-05's layout; the ``p2p`` strategy
-    does not read it)."""
+    its group of repeats (:func:`_repeat_of`), if any. Buckets are laid out as the run's
+    code did: ``fill_open`` only for session 22's "after" runs, every other recorded run of
+    ``shm`` / ``collective`` / ``cuda_ipc`` predates 2026-12-05's layout (the ``p2p``
+    strategy does not read it)."""
     def recorded(links: Links) -> Scenario:   # laid out as the run's code did
-        return dataclasses.replace(scenario(links), fill_open=False)
+        return dataclasses.replace(scenario(links), fill_open=fill_open)
 
     # GPU hosts: a run that did not record its code's own host costs is priced with the
     # costs of the code of 11-29, which every such run was checked with (the presets now
@@ -401,6 +411,43 @@ def _cpu_model(rec: dict) -> ModelSpec:
     return model_from_tensors(w.name, w.tensors, note=w.note)
 
 
+#: The other CPU bench runs of ``shm`` / ``collective`` with one torch thread a process and
+#: ``receive_into`` (the bench's defaults; session 26 added them): (folder, file, label,
+#: what that run's code or command set that the rows of :data:`CPU_RUNS` before them did
+#: not: ``links`` fields, ``scenario`` fields). Each folder's ``command(s).txt`` says how it
+#: ran:
+#: - 12-02 (``cpu-1g-2026-12-02/into.json``), 12-04 (``cpu-2026-12-04/tuned.json``) and
+#:   session 14's (``cpu-2026-12-04-s14``: ``tuned``; ``tuned_direct1m`` under
+#:   ``WEIGHTSYNC_SHM_DIRECT_MIN=1048576``; the tuned rows of ``readme_rows``), 1 GiB R=1;
+#: - 12-03's direct window at 1 and 2 (``cpu-shm-window-2026-12-03``, shm and collective:
+#:   the window is not in the model) and the ``shm`` row of ``cpu-lasting-2026-12-03``;
+#: - session 17's collective before / after receivers post ahead (not in the model), two
+#:   runs each, 1 GiB and Qwen2, R=1 and R=2;
+#: - session 21's collective after the 8 MiB direct size (``collective_direct_min``);
+#: - session 22's shm runs of a9f0600 (before) and of the full-bucket layout (after:
+#:   ``fill_open``), 4 GiB, three commands, alternating.
+#: Runs with ``--threads 0`` (torch's default threads) or ``--consume copy`` are not
+#: modelled, like the ``@readme`` rows.
+CPU_RUNS_MORE = (
+    ("cpu-1g-2026-12-02", "into.json", "12-02", {}),
+    ("cpu-2026-12-04", "tuned.json", "12-04 tuned", {}),
+    ("cpu-2026-12-04-s14", "tuned.json", "12-04 s14", {}),
+    ("cpu-2026-12-04-s14", "tuned_direct1m.json", "12-04 s14, direct from 1 MiB",
+     {"links": {"direct_min_bytes": 1 << 20}}),
+    ("cpu-2026-12-04-s14", "readme_rows.json", "12-04 s14, readme_rows run", {}),
+    *(("cpu-shm-window-2026-12-03", f"{kind}window{w}.json", f"12-03, direct window {w}", {})
+      for kind in ("", "collective_") for w in (1, 2)),
+    ("cpu-lasting-2026-12-03", "bench_1g.json", "12-03 lasting", {}),
+    *(("cpu-2026-12-05-s17", f"{when}-r{k}.json", f"12-05 s17 {when} posting ahead, run {k}",
+       {}) for when in ("before", "after") for k in (1, 2)),
+    ("cpu-2026-12-05-s21", "bench_collective.json", "12-05 s21, direct from 8 MiB",
+     {"scenario": {"collective_direct_min": 8 << 20}}),
+    *(("cpu-2026-12-05-s22", f"bench-{cmd}{when}-r{k}.json",
+       f"12-05 s22 {when}{' full buckets' if when == 'after' else ''}, "
+       f"{cmd or 'r12-'}run {k}", {"scenario": {"fill_open": when == "after"}})
+      for cmd, runs in (("", (1, 2)), ("r1-", (1, 2, 3)), ("readme-", (1, 2)))
+      for when in ("before", "after") for k in runs))
+
 #: The CPU bench runs of ``shm`` / ``collective`` (folder, file, label): the 11-29 run of
 #: that day's code (a loaded box, load average ~5), and the 12-03 run of the code with the
 #: direct window (`benchmarks/results/cpu-calib-2026-12-03/`), and the 12-04 run of the
@@ -419,13 +466,14 @@ CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
             ("cpu-2026-12-04-s16", "r1.json", "12-04 s16"),
             ("cpu-2026-12-04-s16", "r2.json", "12-04 s16"),
             ("cpu-2026-12-06-s25-1129code", "bench_run1.json", "11-29 code, 12-06 run 1"),
-            ("cpu-2026-12-06-s25-1129code", "bench_run2.json", "11-29 code, 12-06 run 2"))
+            ("cpu-2026-12-06-s25-1129code", "bench_run2.json", "11-29 code, 12-06 run 2"),
+            *CPU_RUNS_MORE)
 
 #: what each CPU method is in the model: (strategy, fields of the Links replaced, fields of
 #: the Scenario). ``@readme`` methods are not modelled (torch's default threads in the
 #: receivers' copies, which the model does not price).
 #: Every run in :data:`CPU_RUNS` sent ``collective``'s direct tensors from 16 MiB, the
-#: default until 2026-12-05 (8 MiB since).
+#: default until 2026-12-05 (8 MiB since), but session 21's (its ``scenario`` knob).
 _CPU_METHODS = {"shm": ("ring", {}, {}),
                 "collective": ("broadcast", {}, {"collective_direct_min": 16 << 20}),
                 "shm-buckets": ("ring", {"direct_min_bytes": 0}, {}),
@@ -436,15 +484,20 @@ _CPU_METHODS = {"shm": ("ring", {}, {}),
 
 def _cpu_cases(root: str) -> list[dict]:
     rows, models = [], {}
-    for folder, name, label in CPU_RUNS:
+    for folder, name, label, *knobs in CPU_RUNS:
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
+        knob = knobs[0] if knobs else {}
         results = _json(root, folder, name)["results"]
         limits = _limits_by_case(results)
         for rec in results:
             if rec["status"] != "ok" or rec["method"] not in _CPU_METHODS:
                 continue
             strategy, replace, extra = _CPU_METHODS[rec["method"]]
+            # the run's own settings first, the method's over them (shm-buckets: no direct)
+            replace = {**knob.get("links", {}), **replace}
+            extra = {**extra, **knob.get("scenario", {})}
+            fill_open = extra.pop("fill_open", False)
             if rec["workload"] not in models:
                 models[rec["workload"]] = _cpu_model(rec)
 
@@ -459,7 +512,7 @@ def _cpu_cases(root: str) -> list[dict]:
             case = f"CPU {rec['workload']} {rec['method']} R={rec['receivers']}"
             rows += _rows(f"{case} ({label})", strategy, scenario, rec["warm_median_s"],
                           f"{folder}/{name} warm_median_s", "cpu-2core", sets, where,
-                          repeat_of=_repeat_of(folder, name, case))
+                          repeat_of=_repeat_of(folder, name, case), fill_open=fill_open)
     return rows
 
 
@@ -633,6 +686,7 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              ("cpu-nixl-2026-12-06-s25/progress", "default_auto_1.json", True, "auto"),
              ("cpu-nixl-2026-12-06-s25/progress", "default_auto_2.json", True, "auto"),
              ("cpu-nixl-2026-12-06-s25/progress", "pipeline_off_auto.json", False, "staging"),
+             ("cpu-lasting-2026-12-03", "bench_1g.json", True, "auto"),
              # session 26: the bench before and after f7466f0 on the same engine code
              *(("cpu-nixl-2026-12-06-s26/ab", f"{case}_{bench}_{i}.json", pipelined, serve)
                for i in (1, 2) for bench in ("old", "new")
@@ -902,7 +956,8 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
                              "predict 24 ms where it took 13)",
                              "verl-style cuda_ipc baseline",
                              "ray, gloo-per-tensor, safetensors-shm baselines",
-                             "@readme CPU methods (torch's default threads on receivers)",
+                             "@readme CPU methods and CPU runs with --threads 0 or --consume copy "
+                             "(torch's default threads on receivers)",
                              "shm_d2h receive_weights views and the unpinned ring",
                              "nixl TP workers consuming with receive_weights + copy "
                              "(cpu-nixl-tp-2026-12-04 readme_copy)",
