@@ -325,7 +325,8 @@ def zero_copy_batches(sizes: list[int], bucket_size: int) -> list[list[int]]:
 
 
 def slot_pipeline(sizes: list[float], fill_rate: float, drain_rate: float, slots: int,
-                  handoff: float) -> float:
+                  handoff: float, fill_alone: float | None = None,
+                  drain_alone: float | None = None) -> float:
     """Seconds a ring of ``slots`` buckets takes to pass buckets of ``sizes`` bytes when
     the trainer fills each at ``fill_rate`` bytes/s and a receiver drains it at
     ``drain_rate``: bucket k is filled once bucket k-1 is and the drain of bucket
@@ -333,17 +334,46 @@ def slot_pipeline(sizes: list[float], fill_rate: float, drain_rate: float, slots
     and bucket k-1 is drained; each message (publish, acknowledgement) takes ``handoff``
     seconds. Equal buckets keep the slower side busy; uneven ones make it wait (with two
     slots and equal rates, a full bucket behind a small one: the trainer waits for the full
-    one before it to drain)."""
-    fill_end = drain_end = 0.0
+    one before it to drain). ``fill_alone`` / ``drain_alone``: a side's rate while the other
+    side waits (it then has the memory to itself; default: its rate beside the other)."""
+    fill_alone = fill_rate if fill_alone is None else fill_alone
+    drain_alone = drain_rate if drain_alone is None else drain_alone
+    n = len(sizes)
+    fill_end: list[float] = []
     drained: list[float] = []
-    for k, n in enumerate(sizes):
-        start = fill_end
-        if k >= slots:
-            start = max(start, drained[k - slots] + handoff)
-        fill_end = start + n / fill_rate
-        drain_end = max(fill_end + handoff, drain_end) + n / drain_rate
-        drained.append(drain_end)
-    return drain_end
+    t = 0.0
+    f_left = float(sizes[0]) if n else 0.0      # bytes left of the fill in progress
+    d_left = float(sizes[0]) if n else 0.0
+    while len(drained) < n:
+        k, j = len(fill_end), len(drained)
+        # when the next fill / drain may start (None: it waits on one not yet done)
+        f_at = None
+        if k < n:
+            f_at = fill_end[k - 1] if k else 0.0
+            if k >= slots:
+                f_at = max(f_at, drained[k - slots] + handoff) if j > k - slots else None
+        d_at = max(fill_end[j] + handoff, drained[j - 1] if j else 0.0) if j < k else None
+        f_on = f_at is not None and f_at <= t
+        d_on = d_at is not None and d_at <= t
+        fr = (fill_rate if d_on else fill_alone) if f_on else 0.0
+        dr = (drain_rate if f_on else drain_alone) if d_on else 0.0
+        steps = [f_left / fr if f_on else math.inf, d_left / dr if d_on else math.inf]
+        steps += [at - t for at in (f_at, d_at) if at is not None and at > t]
+        dt = min(steps)
+        if dt == math.inf:       # cannot happen: the drain of a filled bucket can always run
+            raise RuntimeError("slot_pipeline: no step can run")
+        t += dt
+        if f_on:
+            f_left -= fr * dt
+            if f_left <= 1e-9 * sizes[k] or steps[0] == dt:
+                fill_end.append(t)
+                f_left = float(sizes[k + 1]) if k + 1 < n else 0.0
+        if d_on:
+            d_left -= dr * dt
+            if d_left <= 1e-9 * sizes[j] or steps[1] == dt:
+                drained.append(t)
+                d_left = float(sizes[j + 1]) if j + 1 < n else 0.0
+    return drained[-1] if drained else 0.0
 
 
 def _ring_sizes(streams: dict[int, dict], step: list[int], owners: list[int]) -> list[list[int]]:
@@ -559,14 +589,17 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
 def _ring_stalls(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placement) -> None:
     """What uneven buckets cost a host ring beyond the fluid model: each owner's stalls
     (:func:`slot_pipeline` of its buckets against the same bytes in as many equal buckets).
-    The slower side runs at the rate the fluid model gives it (the owner's bytes over the
-    phase's seconds), the other side that much faster as it is alone (pack vs unpack).
-    Equal buckets add nothing; full buckets behind part-full ones do."""
+    While both sides copy, the slower one runs at the rate the fluid model gives it (the
+    owner's bytes over the phase's seconds), the other that much faster as it is alone
+    (pack vs unpack); while one side waits, the other has the host's memory to itself and
+    copies at its own rate (pack or unpack, within ``host_mem``), never slower than beside
+    the other. Equal buckets add nothing; full buckets behind part-full ones do."""
     fluid = r.limit_seconds
     if fluid <= 0:
         return
     handoff = pl.links_of(pl.trainer[0]).software["control_us"]     # seconds
     pack, unpack = _pack_unpack(sc, pl, "ring")
+    host = sc.links.link("host_mem").rate
     stall = 0.0
     for sizes in ring:
         if len(sizes) < 2:
@@ -574,9 +607,11 @@ def _ring_stalls(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placem
         total = sum(sizes)
         rate = total / fluid
         fill, drain = rate * pack / min(pack, unpack), rate * unpack / min(pack, unpack)
+        alone = {"fill_alone": max(fill, min(pack, host)),
+                 "drain_alone": max(drain, min(unpack, host))}
         even = [total / len(sizes)] * len(sizes)
-        stall = max(stall, slot_pipeline(sizes, fill, drain, sc.num_slots, handoff)
-                    - slot_pipeline(even, fill, drain, sc.num_slots, handoff))
+        stall = max(stall, slot_pipeline(sizes, fill, drain, sc.num_slots, handoff, **alone)
+                    - slot_pipeline(even, fill, drain, sc.num_slots, handoff, **alone))
     if stall > 0.01 * fluid:        # under 1 %: a last part-full bucket, no matter
         r.seconds += stall
         r.limit_seconds += stall
