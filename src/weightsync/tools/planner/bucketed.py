@@ -592,8 +592,8 @@ def _ring_stalls(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placem
     While both sides copy, the slower one runs at the rate the fluid model gives it (the
     owner's bytes over the phase's seconds), the other that much faster as it is alone
     (pack vs unpack); while one side waits, the other has the host's memory to itself and
-    copies at its own rate (pack or unpack, within ``host_mem``), never slower than beside
-    the other. Equal buckets add nothing; full buckets behind part-full ones do."""
+    copies at its own rate (pack, or each receiver's unpack, within ``host_mem``, which
+    the receivers share), never slower than beside the other. Equal buckets add nothing; full buckets behind part-full ones do."""
     fluid = r.limit_seconds
     if fluid <= 0:
         return
@@ -607,8 +607,9 @@ def _ring_stalls(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placem
         total = sum(sizes)
         rate = total / fluid
         fill, drain = rate * pack / min(pack, unpack), rate * unpack / min(pack, unpack)
+        # the receivers drain each bucket at once: alone, they share the memory among them
         alone = {"fill_alone": max(fill, min(pack, host)),
-                 "drain_alone": max(drain, min(unpack, host))}
+                 "drain_alone": max(drain, min(unpack, host / max(1, sc.workers)))}
         even = [total / len(sizes)] * len(sizes)
         stall = max(stall, slot_pipeline(sizes, fill, drain, sc.num_slots, handoff, **alone)
                     - slot_pipeline(even, fill, drain, sc.num_slots, handoff, **alone))
