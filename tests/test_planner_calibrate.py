@@ -193,7 +193,8 @@ NIXL_REPEATS = (("cpu-nixl-2026-12-01", "bench_1g.json"),
                 ("cpu-nixl-2026-12-01", "bench_1g_run2.json"))
 
 
-def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp_path, spun_counted):
+def test_repeats_further_apart_than_the_band_are_a_noisy_group_still_counted(tmp_path,
+                                                                            spun_counted):
     """The two 12-01 nixl runs (the same code and command, calibrate.REPEATS) measured the
     same case 2.06 s and 7.28 s: more than (1 + GOAL) / (1 - GOAL) apart, so no one
     prediction can be within the goal of both. They form one noisy group; both rows stay

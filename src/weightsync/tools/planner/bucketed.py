@@ -593,7 +593,8 @@ def _ring_stalls(r: PhaseResult, ring: list[list[int]], sc: Scenario, pl: Placem
     owner's bytes over the phase's seconds), the other that much faster as it is alone
     (pack vs unpack); while one side waits, the other has the host's memory to itself and
     copies at its own rate (pack, or each receiver's unpack, within ``host_mem``, which
-    the receivers share), never slower than beside the other. Equal buckets add nothing; full buckets behind part-full ones do."""
+    the receivers share), never slower than beside the other. Equal buckets add nothing;
+    full buckets behind part-full ones do."""
     fluid = r.limit_seconds
     if fluid <= 0:
         return
