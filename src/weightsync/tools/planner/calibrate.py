@@ -4,9 +4,11 @@ Owns :func:`run` (the cases and their rows), :func:`run_links` (the link rates a
 recorded beside a case), :func:`format_text` and :func:`format_markdown`. Measurements come
 from ``benchmarks/results/`` of the checkout: the runs of :data:`CPU_RUNS` (``shm``,
 ``shm-buckets``, ``shm-direct``, ``collective``; 1/2/4 receivers; the bench's own
-workloads, :mod:`weightsync.tools.bench.workloads`, on the ``cpu-2core`` preset), the
+workloads, :mod:`weightsync.tools.bench.workloads`, on the ``cpu-2core`` preset; with every
+other recorded run of those methods, :data:`CPU_RUNS_MORE`, each with what its code set), the
 ``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the ``p2p`` strategy as the backend ran
-then), ``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``cuda_ipc``
+then; the runs whose bench kept a core spinning beside them, :data:`SPUN_RAW`, shown apart
+and not counted), ``gpu-h200-2026-11-29/bench_final.json`` and ``gpu-h200-2026-12-01`` (``cuda_ipc``
 bucket ring, one H200: the ``ring`` strategy, colocated), ``multi-gpu-h200x2-2026-11-29``
 and ``multi-gpu-h200x4-2026-11-29`` and ``multi-gpu-h200x2-2026-12-04`` (``collective`` on
 NCCL: 1 -> 1, 1 -> 2, 2 senders -> 2; the ``broadcast`` strategy, packed on one node), and
