@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -189,22 +189,28 @@ class NixlAgent:
 class Poller:
     """Progresses an agent that has no progress thread, from a thread of its own, every
     ``interval_s`` (it sleeps in between: a few wake-ups per millisecond, not a core),
-    until :meth:`stop`. For an agent that is read from while its process does something
-    else (one-sided reads on one host need it for their connection and notifications)."""
+    until :meth:`stop`, or until ``needed()`` (when given) says False. For an agent that is
+    read from while its process does something else (one-sided reads on one host need it
+    for their connection and notifications)."""
 
-    def __init__(self, agent: NixlAgent, interval_s: float = 0.5e-3) -> None:
+    def __init__(self, agent: NixlAgent, interval_s: float = 0.5e-3,
+                 needed: Optional[Callable[[], bool]] = None) -> None:
         if agent.progress_thread:
             raise ValueError("Poller: the agent runs NIXL's progress thread already")
         if interval_s <= 0:
             raise ValueError(f"Poller: interval_s must be > 0, got {interval_s}")
-        self._agent, self._interval = agent, interval_s
+        self._agent, self._interval, self._needed = agent, interval_s, needed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nixl-poll-{agent.name}",
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and (self._needed is None or self._needed()):
             try:
                 self._agent.progress()
             except Exception:  # a closed agent: nothing left to serve

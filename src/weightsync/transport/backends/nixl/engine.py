@@ -69,7 +69,7 @@ from weightsync.core.remote import error_msg, normalize_version, raise_remote, w
 from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, WantsMsg,
                                   decode, encode)
 from weightsync.core.xferplan import Keep, TransferPlan, box_is_run
-from weightsync.transport.backends.nixl.agent import (NixlAgent, mem_type,
+from weightsync.transport.backends.nixl.agent import (NixlAgent, Poller, mem_type,
                                                     receivers_progress_thread, require_nixl,
                                                     ucx_transports, wait_all)
 from weightsync.transport.backends.nixl.layout import Arena, layout_digest
@@ -111,7 +111,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._pipeline = os.environ.get("WEIGHTSYNC_NIXL_PIPELINE", "1").strip().lower() \
             not in ("0", "false", "no", "off")
         self._rx_progress_thread = receivers_progress_thread()
-        self._lease_poller: Optional[threading.Thread] = None
+        self._lease_poller: Optional[Poller] = None
         self._seq, self._rank, self._world, self._num_receivers = 0, -1, 0, 0
         self._agent: Optional[NixlAgent] = None
         self._hub: Optional[LinkHub] = None
@@ -589,11 +589,11 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                       "ended or given", peer=who, phase="join",
                                       version=self._served_version)
             self._leases[lease] = time.monotonic() + float(lease_s)
-            if not self._agent.progress_thread and self._lease_poller is None:
-                self._lease_poller = threading.Thread(target=self._progress_while_leased,
-                                                      name="weightsync-nixl-lease",
-                                                      daemon=True)
-                self._lease_poller.start()
+            if not self._agent.progress_thread and not (self._lease_poller is not None
+                                                        and self._lease_poller.running):
+                # a joiner's connection and reads need this side to answer: progressed
+                # until the last lease ends or expires
+                self._lease_poller = Poller(self._agent, _LEASE_POLL_S, needed=self._leased)
         src = SourceMsg(seq=self._seq, stream=stream, agent=self._agent.name,
                         metadata=self._agent.metadata(), mem=mem, digest=digest,
                         regions=regions, held=held)
@@ -614,22 +614,19 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             self._lease_cv.notify_all()
         return found
 
-    def _progress_while_leased(self) -> None:
-        """Thread, on an agent without NIXL's progress thread: progress it while a lease
-        is open (a joiner's connection and reads need this side to answer); ends with the
-        last lease, ended or expired."""
-        while True:
-            with self._lease_cv:
-                now = time.monotonic()
-                if self._agent is None or not any(d > now for d in self._leases.values()):
-                    self._lease_poller = None
-                    self._lease_cv.notify_all()
-                    return
-            try:
-                self._agent.progress()
-            except Exception:  # a closed agent: the engine is going; nothing to serve
-                logger.debug("nixl: progress of a serving agent failed", exc_info=True)
-            time.sleep(_LEASE_POLL_S)
+    def _leased(self) -> bool:
+        """Whether a joiner's lease is open (the lease poller's condition)."""
+        with self._lease_cv:
+            now = time.monotonic()
+            return any(d > now for d in self._leases.values())
+
+    def _stop_lease_poller(self) -> None:
+        """Stop the lease poller (bounded join) before the agent is written or closed;
+        called without ``_lease_cv`` held (the poller takes it)."""
+        with self._lease_cv:
+            poller, self._lease_poller = self._lease_poller, None
+        if poller is not None:
+            poller.stop()
 
     def _wait_leases(self, version: Any) -> None:
         with self._lease_cv:
@@ -642,9 +639,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                     del self._leases[k]
                 if self._leases:
                     self._lease_cv.wait(min(self._leases.values()) - now)
-            # the poller is between two calls into the agent at most: let it end first
-            while self._lease_poller is not None:
-                self._lease_cv.wait(_LEASE_POLL_S * 10)
+        # the poller is between two calls into the agent at most: let it end first
+        self._stop_lease_poller()
 
     @classmethod
     def join_weights(cls, offers: list) -> list[list]:
@@ -773,6 +769,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         with self._lease_cv:
             self._leases.clear()
             self._lease_cv.notify_all()
+        self._stop_lease_poller()
         self._served = False
         self.reset_plan()
         if self._arena is not None:
