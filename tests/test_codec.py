@@ -8,6 +8,7 @@ import asyncio
 import math
 import multiprocessing as mp
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -527,3 +528,70 @@ def test_two_trainer_ranks_in_process(codec, pattern, monkeypatch):
     assert_clean(results, spec)
     for r in results[:2]:
         assert [s["codec"]["mode"] for s in r["steps"]] == ["dense", "delta", "delta"]
+
+
+def _two_ranks_one_sync(backend: str = "delta+inproc", *, skip_done: tuple = ()):
+    """Two trainer ranks (disjoint halves of one model) and two receivers, all engines in
+    this process, one sync. ``skip_done``: (role, rank) pairs whose ``done`` is dropped,
+    as if that engine died after its last read."""
+    kw = {"bucket_size": BUCKET, "timeout": 20}
+    trainers = [Registry.new(backend, role="trainer", **kw) for _ in range(2)]
+    receivers = [Registry.new(backend, role="rollout", **kw) for _ in range(2)]
+    engines = trainers + receivers
+    metas = [e.prepare() for e in engines]
+    tk, rk = type(trainers[0]).build_topology(2, 2, metas)
+    for i, e in enumerate(trainers):
+        e.init_process_group(**worker_kwargs(tk, i))
+    for j, e in enumerate(receivers):
+        e.init_process_group(**worker_kwargs(rk, j))
+    for e in engines:
+        link = e._link
+        if (link.role, link.rank) in skip_done:
+            link.done = lambda seq: None
+    names = sorted(Weights().d)
+    w = _model(Weights())
+    halves = [[(n, w[n]) for n in names[0::2]], [(n, w[n]) for n in names[1::2]]]
+
+    async def rx(engine):
+        return {n: t.clone() async for n, t in engine.receive_weights(1)}
+
+    async def main():
+        return await asyncio.gather(*[t.send_weights(h, 1) for t, h in zip(trainers, halves)],
+                                    *[rx(e) for e in receivers])
+    out = asyncio.run(main())
+    for got in out[2:]:
+        _exact(got, w)
+    return trainers, receivers
+
+
+def test_rank0_closes_the_store_without_waiting_on_a_rank_that_finished(codec, caplog):
+    """Every trainer rank prepares a store (it learns its rank only at init), but only rank
+    0's is the group's: a higher rank must still post ``done``, or rank 0's finalize waits
+    out the whole drain bound (it did: 10 s per finalize with 2+ trainer ranks)."""
+    from weightsync.transport.codec import engine as codec_engine
+    trainers, receivers = _two_ranks_one_sync()
+    for e in receivers + trainers[1:]:
+        e.finalize()
+    caplog.set_level("WARNING", logger="weightsync")
+    t0 = time.monotonic()
+    trainers[0].finalize()
+    took = time.monotonic() - t0
+    assert not [r for r in caplog.records if "drain" in r.getMessage()], caplog.text
+    # a hang-guard, not a timing goal: the bound itself is min(timeout 20, 10 s)
+    assert took < codec_engine.DRAIN_S / 2, took
+
+
+def test_rank0_closes_the_store_after_the_bound_naming_who_never_finished(codec, caplog,
+                                                                         monkeypatch):
+    """A receiver that never says ``done`` (died after its reads) costs rank 0 at most the
+    drain bound, and the warning names it."""
+    from weightsync.transport.codec import engine as codec_engine
+    monkeypatch.setattr(codec_engine, "DRAIN_S", 0.5)
+    trainers, receivers = _two_ranks_one_sync(skip_done=(("rollout", 1),))
+    for e in receivers + trainers[1:]:
+        e.finalize()
+    caplog.set_level("WARNING", logger="weightsync")
+    trainers[0].finalize()
+    msgs = [r.getMessage() for r in caplog.records if "drain" in r.getMessage()]
+    assert len(msgs) == 1 and "rollout rank 1" in msgs[0] and "trainer rank 1" not in msgs[0], \
+        caplog.text

@@ -23,6 +23,7 @@ not answer); a lost store is ``PeerFailed`` naming trainer rank 0.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any, Optional
 
@@ -31,6 +32,8 @@ from weightsync.transport.control.server import ControlClient, StoreTimeout
 
 __all__ = ["CodecLink"]
 
+logger = logging.getLogger(__name__)
+
 
 class CodecLink:
     def __init__(self, client: ControlClient, *, token: str, role: str, rank: int,
@@ -38,6 +41,8 @@ class CodecLink:
         self._client = client
         self._prefix = f"wsc/{token}"
         self.role, self.rank, self.world, self.receivers = role, rank, world, receivers
+        #: this engine's process serves the group's store (every other engine posts done)
+        self.hosts = role == "trainer" and rank == 0
         self._mine: list[str] = []
         self._gc: Optional[threading.Thread] = None
         self._gc_client: Optional[ControlClient] = None
@@ -67,7 +72,12 @@ class CodecLink:
         keys += [self._key(seq, "done/rollout", r) for r in range(self.receivers)]
         try:
             self._client.wait(keys, timeout)
-        except (StoreTimeout, OSError):   # one that failed, or the store is gone already
+        except StoreTimeout:              # one that failed or died after its last read
+            who = ["{} rank {}".format(*keys[i].split("/")[-2:]) for i in self._missing(keys)]
+            logger.warning("weightsync codec: closing the store after the %.1f s drain bound; "
+                           "%s did not finish sync %d", timeout, ", ".join(who) or "a peer",
+                           seq)
+        except OSError:                   # the store is gone already
             return
 
     def post_error(self, seq: int, what: str, exc: BaseException) -> None:

@@ -158,7 +158,7 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
 
     def finalize(self) -> None:
         self.bases.wait_refresh()
-        if self._server is not None and self._link is not None and self._done_seq:
+        if self._link is not None and self._link.hosts and self._done_seq:
             # this process hosts the codec store: the others finish their last reads first
             self._link.drain(self._done_seq, min(self.config.timeout, DRAIN_S))
         try:

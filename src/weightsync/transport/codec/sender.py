@@ -73,7 +73,7 @@ class CodecSender:
                     raise IntegrityError(f"codec: {still[:10]} still wrong after a dense "
                                          "resend", phase="codec", version=version)
             self.bases.id = mode["new"] if self._delta_on else None
-            if self._server is None:     # rank 0 hosts the store: nobody waits for its done
+            if not link.hosts:           # rank 0 hosts the store: nobody waits for its done
                 await self._offload(link.done, seq)
             self._done_seq = seq
         except BaseException as exc:
