@@ -256,7 +256,9 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #:   of its three commands before / after, two or three runs each), alternating in one
 #:   script each (:data:`CPU_RUNS_MORE`);
 #: - ``gpu-h100-2026-12-06-s26``: the ring codes of 11-29 and 12-01 on one held H100,
-#:   :data:`S26_RING`.
+#:   :data:`S26_RING`;
+#: - ``cpu-2026-12-04-s14``'s ``tuned`` and ``tuned_direct1m`` and session 27's runs of that
+#:   code with the same two commands (``cpu-2026-12-06-s27-s14code``, :data:`CPU_RUNS_MORE`).
 #: Runs of other days ran other code (the direct window of 12-03, the copy threads and
 #: pipelined nixl of later days), so they are not repeats of one another.
 REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
@@ -288,6 +290,11 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               f"CPU runs of 12-05 s22, bench-{cmd}{when}"
               for cmd in ("", "r1-", "readme-") for when in ("before", "after")
               for k in (1, 2, 3)},
+           **{f"cpu-2026-12-04-s14/{cmd}.json": f"CPU runs of the code of 12-04 s14, {cmd}"
+              for cmd in ("tuned", "tuned_direct1m")},
+           **{f"cpu-2026-12-06-s27-s14code/{cmd}_r{k}.json":
+              f"CPU runs of the code of 12-04 s14, {cmd}"
+              for cmd in ("tuned", "tuned_direct1m") for k in (1, 2, 3)},
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")}}
@@ -427,7 +434,10 @@ def _cpu_model(rec: dict) -> ModelSpec:
 #:   runs each, 1 GiB and Qwen2, R=1 and R=2;
 #: - session 21's collective after the 8 MiB direct size (``collective_direct_min``);
 #: - session 22's shm runs of a9f0600 (before) and of the full-bucket layout (after:
-#:   ``fill_open``), 4 GiB, three commands, alternating.
+#:   ``fill_open``), 4 GiB, three commands, alternating;
+#: - session 14's code (``git archive 299c7f2 src``) run again in session 27 with session
+#:   14's two ``tuned`` commands, alternating, three rounds (``cpu-2026-12-06-s27-s14code``):
+#:   repeats of those two cases (:data:`REPEATS`).
 #: Runs with ``--threads 0`` (torch's default threads) or ``--consume copy`` are not
 #: modelled, like the ``@readme`` rows.
 CPU_RUNS_MORE = (
@@ -437,6 +447,10 @@ CPU_RUNS_MORE = (
     ("cpu-2026-12-04-s14", "tuned_direct1m.json", "12-04 s14, direct from 1 MiB",
      {"links": {"direct_min_bytes": 1 << 20}}),
     ("cpu-2026-12-04-s14", "readme_rows.json", "12-04 s14, readme_rows run", {}),
+    *(("cpu-2026-12-06-s27-s14code", f"{cmd}_r{k}.json",
+       f"s14 code, 12-06 s27 run {k}{', direct from 1 MiB' if cmd != 'tuned' else ''}",
+       {"links": {"direct_min_bytes": 1 << 20}} if cmd != "tuned" else {})
+      for cmd in ("tuned", "tuned_direct1m") for k in (1, 2, 3)),
     *(("cpu-shm-window-2026-12-03", f"{kind}window{w}.json", f"12-03, direct window {w}", {})
       for kind in ("", "collective_") for w in (1, 2)),
     ("cpu-lasting-2026-12-03", "bench_1g.json", "12-03 lasting", {}),
