@@ -560,3 +560,21 @@ def test_more_cpu_runs_are_predicted_with_their_own_codes_settings(tmp_path):
     (auto,) = [r for r in rows if r["case"].endswith("(12-04 s14)")]
     (one,) = [r for r in rows if "direct from 1 MiB" in r["case"]]
     assert one["predicted_s"] != pytest.approx(auto["predicted_s"], rel=0.01)
+
+
+def test_session_14s_code_run_again_repeats_each_of_its_two_commands_apart():
+    """Session 27 ran session 14's code again with its two ``tuned`` commands (by default;
+    direct reads from 1 MiB): each command's runs are one group of repeats with 12-04's run
+    of it, never mixed with the other command's, and the 1 MiB runs read directly from 1 MiB."""
+    if not os.path.isdir(os.path.join(calibrate.results_dir(), "cpu-2026-12-06-s27-s14code")):
+        pytest.skip("session 27's runs of session 14's code are not in this checkout")
+    res = calibrate.run(("cpu",))
+    groups = {g["group"]: g for g in res["repeats"] if "code of 12-04 s14" in g["group"]}
+    assert len(groups) == 2, list(groups)
+    for g in groups.values():
+        direct = g["group"].endswith("tuned_direct1m]")
+        assert len(g["cases"]) == 4
+        assert all(("direct from 1 MiB" in c) == direct for c in g["cases"]), g["cases"]
+    again = [r for r in res["rows"] if "s14 code, 12-06 s27" in r["case"]]
+    assert len(again) == 6
+    assert sum("direct from 1 MiB" in r["case"] for r in again) == 3
