@@ -578,3 +578,17 @@ def test_session_14s_code_run_again_repeats_each_of_its_two_commands_apart():
     again = [r for r in res["rows"] if "s14 code, 12-06 s27" in r["case"]]
     assert len(again) == 6
     assert sum("direct from 1 MiB" in r["case"] for r in again) == 3
+
+
+def test_the_12_03_code_run_again_makes_each_of_its_cases_a_group_with_12_03s_run():
+    """Session 27 ran 12-03's code (4a44e05) again twice: every case of 12-03's run that
+    those runs measured too is one group of three repeats (12-03's run and the two)."""
+    if not os.path.isdir(os.path.join(calibrate.results_dir(), "cpu-2026-12-06-s27-1203code")):
+        pytest.skip("session 27's runs of 12-03's code are not in this checkout")
+    res = calibrate.run(("cpu",))
+    groups = [g for g in res["repeats"] if g["group"].endswith("[CPU runs of the code of 12-03]")]
+    # 0.25 GiB and Qwen2, shm / shm-buckets / shm-direct, R = 1, 2, 4
+    assert len(groups) == 18, [g["group"] for g in groups]
+    for g in groups:
+        assert len(g["cases"]) == 3
+        assert sum(c.endswith("(12-03)") for c in g["cases"]) == 1, g["cases"]

@@ -241,6 +241,11 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #:   11-29's run (``git archive dda6fe7 src``) run again on 12-06 with that run's bench
 #:   command less the cases no calibration reads (Ray and the other baselines) and the
 #:   0.25 GiB workload; every case's steps are paired with its own limits as on 11-29;
+#: - ``cpu-calib-2026-12-03`` and the two runs of ``cpu-2026-12-06-s27-1203code``: the code
+#:   at 4a44e05, the HEAD when 12-03's run started (its load average was 2.3 then), run again
+#:   on 12-06 with that run's command less the 1 and 4 GiB workloads and ``collective``. The
+#:   next commit to touch ``src/`` for the CPU path (354756b) changed ``shm`` only for GPU
+#:   trainers (pinned ring) and receivers with 3 or more copy threads (2 on this box);
 #: - ``cpu-calib-2026-12-04`` and ``-04b``: "two quiet-box runs of today's code ... the same
 #:   command" (12-04b adds the ``cma-raw`` limit; between the two only the bench, the planner
 #:   and nixl's plan compiler changed, none of ``shm`` / ``collective``);
@@ -264,6 +269,9 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            "cpu-2026-12-06-s25-1129code/bench_run1.json": "CPU runs of the code of 11-29",
            "cpu-2026-12-06-s25-1129code/bench_run2.json": "CPU runs of the code of 11-29",
+           "cpu-calib-2026-12-03/bench.json": "CPU runs of the code of 12-03",
+           "cpu-2026-12-06-s27-1203code/bench_run1.json": "CPU runs of the code of 12-03",
+           "cpu-2026-12-06-s27-1203code/bench_run2.json": "CPU runs of the code of 12-03",
            "cpu-calib-2026-12-04/bench.json": "CPU quiet-box runs of 12-04",
            "cpu-calib-2026-12-04b/bench.json": "CPU quiet-box runs of 12-04",
            "cpu-nixl-pipelined-2026-12-02/bench_1g_pipeline_off.json":
@@ -474,7 +482,8 @@ CPU_RUNS_MORE = (
 #: side (1 GiB, R=1 and R=2: ``shm``, ``shm-shared``, ``shm-push``), which recorded
 #: ``memcpy`` (one thread, paired with each step) and, paired with their ``@readme``
 #: steps, ``memcpy`` over both cores (:data:`_ALL_CORES`). Last, two runs of the code of
-#: 11-29 on 12-06 (repeats of 11-29's cases, :data:`REPEATS`).
+#: 11-29 on 12-06 (repeats of 11-29's cases, :data:`REPEATS`), and two of the code of 12-03
+#: on 12-06 (0.25 GiB and Qwen2, ``shm`` methods: repeats of 12-03's).
 CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
             ("cpu-calib-2026-12-03", "bench.json", "12-03"),
             ("cpu-calib-2026-12-04", "bench.json", "12-04"),
@@ -483,6 +492,8 @@ CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
             ("cpu-2026-12-04-s16", "r2.json", "12-04 s16"),
             ("cpu-2026-12-06-s25-1129code", "bench_run1.json", "11-29 code, 12-06 run 1"),
             ("cpu-2026-12-06-s25-1129code", "bench_run2.json", "11-29 code, 12-06 run 2"),
+            ("cpu-2026-12-06-s27-1203code", "bench_run1.json", "12-03 code, 12-06 run 1"),
+            ("cpu-2026-12-06-s27-1203code", "bench_run2.json", "12-03 code, 12-06 run 2"),
             *CPU_RUNS_MORE)
 
 #: what each CPU method is in the model: (strategy, fields of the Links replaced, fields of
