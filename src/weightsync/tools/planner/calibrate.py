@@ -246,6 +246,8 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #:   on 12-06 with that run's command less the 1 and 4 GiB workloads and ``collective``. The
 #:   next commit to touch ``src/`` for the CPU path (354756b) changed ``shm`` only for GPU
 #:   trainers (pinned ring) and receivers with 3 or more copy threads (2 on this box);
+#: - ``cpu-lasting-2026-12-03``'s ``bench_1g`` (a loaded box) and the three runs of
+#:   ``cpu-2026-12-06-s27-lastingcode``: the code of a958c09, that command less ``nixl``;
 #: - ``cpu-calib-2026-12-04`` and ``-04b``: "two quiet-box runs of today's code ... the same
 #:   command" (12-04b adds the ``cma-raw`` limit; between the two only the bench, the planner
 #:   and nixl's plan compiler changed, none of ``shm`` / ``collective``);
@@ -269,6 +271,9 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            "cpu-2026-12-06-s25-1129code/bench_run1.json": "CPU runs of the code of 11-29",
            "cpu-2026-12-06-s25-1129code/bench_run2.json": "CPU runs of the code of 11-29",
+           "cpu-lasting-2026-12-03/bench_1g.json": "CPU runs of the code of a958c09 (12-03)",
+           **{f"cpu-2026-12-06-s27-lastingcode/bench_1g_run{k}.json":
+              "CPU runs of the code of a958c09 (12-03)" for k in (1, 2, 3)},
            "cpu-calib-2026-12-03/bench.json": "CPU runs of the code of 12-03",
            "cpu-2026-12-06-s27-1203code/bench_run1.json": "CPU runs of the code of 12-03",
            "cpu-2026-12-06-s27-1203code/bench_run2.json": "CPU runs of the code of 12-03",
@@ -443,6 +448,8 @@ def _cpu_model(rec: dict) -> ModelSpec:
 #: - session 21's collective after the 8 MiB direct size (``collective_direct_min``);
 #: - session 22's shm runs of a9f0600 (before) and of the full-bucket layout (after:
 #:   ``fill_open``), 4 GiB, three commands, alternating;
+#: - the code of ``cpu-lasting-2026-12-03`` (a958c09) run again three times in session 27
+#:   (``cpu-2026-12-06-s27-lastingcode``): repeats of its ``shm`` case;
 #: - session 14's code (``git archive 299c7f2 src``) run again in session 27 with session
 #:   14's two ``tuned`` commands, alternating, three rounds (``cpu-2026-12-06-s27-s14code``):
 #:   repeats of those two cases (:data:`REPEATS`).
@@ -462,6 +469,8 @@ CPU_RUNS_MORE = (
     *(("cpu-shm-window-2026-12-03", f"{kind}window{w}.json", f"12-03, direct window {w}", {})
       for kind in ("", "collective_") for w in (1, 2)),
     ("cpu-lasting-2026-12-03", "bench_1g.json", "12-03 lasting", {}),
+    *(("cpu-2026-12-06-s27-lastingcode", f"bench_1g_run{k}.json",
+       f"12-03 lasting code, 12-06 s27 run {k}", {}) for k in (1, 2, 3)),
     *(("cpu-2026-12-05-s17", f"{when}-r{k}.json", f"12-05 s17 {when} posting ahead, run {k}",
        {}) for when in ("before", "after") for k in (1, 2)),
     ("cpu-2026-12-05-s21", "bench_collective.json", "12-05 s21, direct from 8 MiB",
