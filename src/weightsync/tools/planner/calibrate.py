@@ -448,6 +448,9 @@ def _cpu_model(rec: dict) -> ModelSpec:
 #: - session 21's collective after the 8 MiB direct size (``collective_direct_min``);
 #: - session 22's shm runs of a9f0600 (before) and of the full-bucket layout (after:
 #:   ``fill_open``), 4 GiB, three commands, alternating;
+#: - session 27's code (f3939a7) with 12-03's calibration command plus ``cma-raw``, 0.25 and
+#:   1 GiB and Qwen2, R=1/2/4 (``cpu-2026-12-06-s27``): full buckets, ``collective`` direct
+#:   from 8 MiB;
 #: - the code of ``cpu-lasting-2026-12-03`` (a958c09) run again three times in session 27
 #:   (``cpu-2026-12-06-s27-lastingcode``): repeats of its ``shm`` case;
 #: - session 14's code (``git archive 299c7f2 src``) run again in session 27 with session
@@ -462,6 +465,8 @@ CPU_RUNS_MORE = (
     ("cpu-2026-12-04-s14", "tuned_direct1m.json", "12-04 s14, direct from 1 MiB",
      {"links": {"direct_min_bytes": 1 << 20}}),
     ("cpu-2026-12-04-s14", "readme_rows.json", "12-04 s14, readme_rows run", {}),
+    ("cpu-2026-12-06-s27", "bench.json", "12-06 s27",
+     {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}),
     *(("cpu-2026-12-06-s27-s14code", f"{cmd}_r{k}.json",
        f"s14 code, 12-06 s27 run {k}{', direct from 1 MiB' if cmd != 'tuned' else ''}",
        {"links": {"direct_min_bytes": 1 << 20}} if cmd != "tuned" else {})
