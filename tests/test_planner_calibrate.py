@@ -320,6 +320,31 @@ def test_run_links_ceiling_is_the_most_of_its_limits():
     assert where["links.host_mem.GBps"].startswith("memcpy@all-cores")
 
 
+def test_host_mem_is_the_median_of_every_multi_process_copy_of_the_run():
+    """memcpy-parallel sets host_mem, a property of the host: the median over the run's
+    records of 2+ processes of every workload (`_limits_by_case` pools them), so one
+    workload's lucky record does not set that workload's host alone; R=1 records (one
+    process) are not among them, and a run with none of 2+ keeps its own best."""
+    gb = 10 ** 9
+
+    def mp(workload, receivers, seconds):
+        return {"status": "ok", "method": "memcpy-parallel", "workload": workload,
+                "dtype": "bfloat16", "receivers": receivers, "bytes": gb,
+                "warm_median_s": seconds}
+    # R x 1 GB each in s: a R=4 outlier of 40 GB/s; the others 10 (R=1), 12, 13, 14, 15
+    results = [mp("a", 1, 0.1), mp("a", 2, 2 / 12), mp("a", 4, 0.1),
+               mp("b", 1, 0.1), mp("b", 2, 2 / 13), mp("b", 4, 4 / 14), mp("c", 2, 2 / 15)]
+    limits = calibrate._limits_by_case(results)
+    rec = {"method": "shm-buckets", "receivers": 2, "bytes": gb, "paired": None}
+    for workload in ("a", "b", "c"):
+        sets, where = calibrate.run_links(rec, limits[(workload, "bfloat16")])
+        assert sets["links.host_mem.GBps"] == pytest.approx(14.0)     # median of 12..40
+        assert "median of the run's 5 records" in where["links.host_mem.GBps"]
+    # a run whose only record is one process: that record, as before
+    sets, _ = calibrate.run_links(rec, calibrate._limits_by_case(results[:1])[("a", "bfloat16")])
+    assert sets["links.host_mem.GBps"] == pytest.approx(10.0)
+
+
 def test_gpu_trainer_into_a_cpu_receiver_rows_use_the_runs_d2h(tmp_path):
     """shm_d2h (GPU trainer -> shm -> CPU receiver): the pinned ring (into) and the push
     (shared) are rows, views is not; d2h and host_mem come from the run's own pinned D2H
