@@ -11,7 +11,10 @@ Per sync ``seq`` (both sides count their syncs from ``init_process_group``)::
     any        -> done/<role>/i  {}                                after its last read
 
 Trainer rank 0 closes the store only once every other engine posted ``done`` for the
-last sync (bounded: :meth:`CodecLink.drain`), so none loses it in the middle of a read.
+last sync (bounded: :meth:`CodecLink.drain`, which warns naming whoever did not), so none
+loses it in the middle of a read. Every trainer engine serves a store of its own from
+``prepare`` (it learns its rank only at ``init_process_group``); only rank 0's is the
+group's (:attr:`CodecLink.hosts`), and every other trainer rank posts ``done`` too.
 
 Trainer ranks wait for every ``held`` before they encode, receivers for every ``mode``
 before they receive; everybody reads every ``needs/1``, so all agree whether a resend
