@@ -105,3 +105,34 @@ def test_the_benchs_raw_read_keeps_no_core_of_the_trainer_busy(monkeypatch):
         assert raw.poller is None and raw.agent.progress_thread
     finally:
         raw.teardown()
+
+
+def test_a_lease_opened_as_the_lease_poller_ends_starts_a_poller_of_its_own():
+    """The lease poller ends once ``_leased`` finds no lease open. That answer forgets it
+    under the lease lock, so a lease granted while its thread is still winding down starts
+    a new poller (before, the grant saw a poller still running and relied on it: the
+    joiner's reads went unanswered until it timed out)."""
+    import threading
+    from weightsync.transport.backends.nixl.engine import NixlEngine
+    agent = NixlAgent(f"lease-race-{time.monotonic_ns()}", progress_thread=False)
+    eng = object.__new__(NixlEngine)        # only the lease state the poller touches
+    eng._lease_cv, eng._leases, eng._lease_poller = threading.Condition(), {}, None
+    told_no, release = threading.Event(), threading.Event()
+
+    def needed() -> bool:
+        answer = eng._leased()
+        if not answer:                   # the poller's thread lingers after its last answer
+            told_no.set()
+            release.wait(10)
+        return answer
+    try:
+        with eng._lease_cv:
+            eng._lease_poller = poller = Poller(agent, 1e-3, needed=needed)
+        assert told_no.wait(10)
+        assert poller._thread.is_alive()
+        with eng._lease_cv:            # what a grant checks before it starts a poller
+            assert eng._lease_poller is None
+    finally:
+        release.set()
+        poller.stop()
+        agent.close()

@@ -205,9 +205,9 @@ class Poller:
                                         daemon=True)
         self._thread.start()
 
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
+    def is_current(self) -> bool:
+        """Whether the calling thread is this poller's (e.g. inside ``needed``)."""
+        return threading.current_thread() is self._thread
 
     def _run(self) -> None:
         while not self._stop.is_set() and (self._needed is None or self._needed()):

@@ -589,8 +589,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                                       "ended or given", peer=who, phase="join",
                                       version=self._served_version)
             self._leases[lease] = time.monotonic() + float(lease_s)
-            if not self._agent.progress_thread and not (self._lease_poller is not None
-                                                        and self._lease_poller.running):
+            if not self._agent.progress_thread and self._lease_poller is None:
                 # a joiner's connection and reads need this side to answer: progressed
                 # until the last lease ends or expires
                 self._lease_poller = Poller(self._agent, _LEASE_POLL_S, needed=self._leased)
@@ -615,10 +614,17 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         return found
 
     def _leased(self) -> bool:
-        """Whether a joiner's lease is open (the lease poller's condition)."""
+        """The lease poller's condition: whether a joiner's lease is open. A poller told
+        False ends without another call into the agent, so it is forgotten here, under the
+        same lock as a new lease: a lease opened a moment later starts a new poller instead
+        of counting on one that is ending."""
         with self._lease_cv:
             now = time.monotonic()
-            return any(d > now for d in self._leases.values())
+            if any(d > now for d in self._leases.values()):
+                return True
+            if self._lease_poller is not None and self._lease_poller.is_current():
+                self._lease_poller = None
+            return False
 
     def _stop_lease_poller(self) -> None:
         """Stop the lease poller (bounded join) before the agent is written or closed;
