@@ -10,8 +10,8 @@ takes ``max(load / rate over resources, busy seconds of any actor) + latency``: 
 model in which everything of a phase runs concurrently and only shared links (and each
 actor's own software time) serialize it. On a host whose links give ``cores``, copies,
 gloo's broadcasts and every actor's software time are one load on those cores. The
-fabric between NICs is taken as non-blocking (only endpoints contend). The resource or actor giving that maximum is the
-phase's bottleneck.
+fabric between NICs is taken as non-blocking (only endpoints contend). The resource or
+actor giving that maximum is the phase's bottleneck.
 """
 
 from __future__ import annotations
