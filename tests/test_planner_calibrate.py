@@ -617,3 +617,34 @@ def test_the_12_03_code_run_again_makes_each_of_its_cases_a_group_with_12_03s_ru
     for g in groups:
         assert len(g["cases"]) == 3
         assert sum(c.endswith("(12-03)") for c in g["cases"]) == 1, g["cases"]
+
+
+def test_runs_whose_trainer_waited_for_each_direct_read_are_priced_with_window_1(monkeypatch):
+    """The code before the direct window (4978907) and runs under
+    WEIGHTSYNC_SHM_DIRECT_WINDOW=1 waited for each direct read: those runs, and only those,
+    are predicted with links.ring.direct_window 1, which makes their direct rows slower and
+    leaves every other row as it was; a run of the window's own day at 2 is not among them."""
+    waited = {f"{f}/{n}" for f, n, _, *knob in calibrate.CPU_RUNS
+              if knob and knob[0] is calibrate.WAITED}
+    assert {"cpu-2026-11-29/bench.json", "cpu-1g-2026-12-02/into.json",
+            "cpu-shm-window-2026-12-03/window1.json", "cpu-lasting-2026-12-03/bench_1g.json",
+            "cpu-2026-12-06-s27-lastingcode/bench_1g_run1.json",
+            "cpu-2026-12-06-s25-1129code/bench_run1.json",
+            "cpu-shm-window-2026-12-06-s28/window1_r1.json"} <= waited
+    assert not waited & {"cpu-shm-window-2026-12-03/window2.json",
+                         "cpu-calib-2026-12-03/bench.json",
+                         "cpu-shm-window-2026-12-06-s28/window2_r1.json",
+                         "cpu-shm-window-2026-12-03/collective_window1.json"}
+    res = calibrate.run(("cpu",))
+    monkeypatch.setattr(calibrate, "CPU_RUNS", tuple(
+        r[:3] if len(r) > 3 and r[3] is calibrate.WAITED else r for r in calibrate.CPU_RUNS))
+    before = {r["case"]: r["predicted_s"] for r in calibrate.run(("cpu",))["rows"]}
+    moved = {r["case"] for r in res["rows"] if r["predicted_s"] != before[r["case"]]}
+    assert moved, "no row is priced with the window"
+    for r in res["rows"]:
+        if r["case"] in moved:
+            assert r["predicted_s"] > before[r["case"]]
+    labels = {label for f, n, label, *_ in calibrate.CPU_RUNS if f"{f}/{n}" in waited}
+    assert all(any(f"({label})" in c for label in labels) for c in moved)
+    assert any("s28, direct window 1" in c for c in moved)
+    assert not any("direct window 2" in c for c in moved)

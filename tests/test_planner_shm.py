@@ -109,6 +109,51 @@ def test_gpu_trainer_on_a_host_ring_and_push():
     assert res.bound["via"] == ["d2h"]
 
 
+def test_a_trainer_that_waits_for_each_direct_read_pays_direct_wait_us_a_read():
+    """ring.direct_window 1 (the engine waits for each direct read before its next item):
+    each of the 4 direct tensors adds software.direct_wait_us, serially (the receivers idle
+    meanwhile); the default window (2) adds nothing. Without direct_wait_us a waited read
+    adds control_us + tensor_us. Two receivers on two cores read nothing directly, so the
+    window changes nothing there."""
+    def links(window=None, **sw):
+        doc = host_links()
+        doc["software"].update(sw)
+        if window is not None:
+            doc["ring"]["direct_window"] = window
+        return doc
+
+    plain = ring(links(direct_wait_us=500))
+    assert ring(links(window=2, direct_wait_us=500)).seconds == plain.seconds
+    waited = ring(links(window=1, direct_wait_us=500))
+    assert waited.seconds - plain.seconds == pytest.approx(4 * 500e-6, rel=1e-9)
+    assert "read one at a time" in waited.bottleneck.limit
+    base = ring(links(control_us=100, tensor_us=20))
+    default = ring(links(window=1, control_us=100, tensor_us=20))
+    assert default.seconds - base.seconds == pytest.approx(4 * 120e-6, rel=1e-9)
+    assert ring(links(window=1, direct_wait_us=500), replicas=2).seconds == \
+        ring(links(direct_wait_us=500), replicas=2).seconds
+    # the CPU box's preset carries the measured cost; a --link-set reaches the window
+    assert load_links("cpu-2core").software["direct_wait_us"] == pytest.approx(370e-6)
+    assert load_links("cpu-2core", {"ring.direct_window": 1}).direct_window == 1
+    assert load_links("cpu-2core").direct_window == 2
+
+
+@pytest.mark.parametrize("mutate, field, words", [
+    (lambda d: d["ring"].update(direct_window=0), "links.ring.direct_window", "> 0"),
+    (lambda d: d["ring"].update(direct_window=1.5), "links.ring.direct_window",
+     "whole number"),
+    (lambda d: d["ring"].update(direct_window="one"), "links.ring.direct_window", "a number"),
+    (lambda d: d["software"].update(direct_wait_us=-1), "links.software.direct_wait_us",
+     ">= 0"),
+])
+def test_bad_direct_window_or_wait_names_the_field(mutate, field, words):
+    doc = host_links()
+    mutate(doc)
+    with pytest.raises(PlannerError, match=words) as exc:
+        load_links(doc)
+    assert exc.value.field == field
+
+
 @pytest.mark.parametrize("links, kw, field, words", [
     ("cpu-2core", {"shared": "nope"}, "shared", "must be one of none, trainer"),
     ("cpu-2core", {"trainer_device": "tpu"}, "trainer.device", "must be one of cpu, gpu"),

@@ -436,6 +436,10 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     shared_read = strategy == "ring" and sc.shared == "trainer" and pl.host
     what = "shared" if shared_read else "direct"
     direct_rate = _shared_read_rate(sc) if shared_read else sc.links.direct_rate
+    # a trainer that waits for each direct read before its next item (direct_window 1):
+    # the receivers idle while their acknowledgement travels and the next header comes
+    waited = sw.get("direct_wait_us", sw["control_us"] + sw["tensor_us"]) \
+        if sc.links.direct_window < 2 else 0.0
     cpu_pushes: dict[int, list[int]] = {}     # owner -> bytes of each tensor it pushes
     by_owner: dict[int, list[int]] = defaultdict(list)
     for i in step:
@@ -486,7 +490,7 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
             if strategy == "broadcast":
                 _wire(loads, sc, pl, strategy, src, b, True)
             else:       # shm direct: every receiver reads it, the trainer waits for all
-                serial += b * len(pl.worker) / direct_rate + sw["control_us"]
+                serial += b * len(pl.worker) / direct_rate + sw["control_us"] + waited
     pushing = strategy == "ring" and sc.push
     side = Loads(pl)        # what the serial part moves: for the links report only
     if cpu_pushes:

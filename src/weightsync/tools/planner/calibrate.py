@@ -287,7 +287,9 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #: - ``gpu-h100-2026-12-06-s26``: the ring codes of 11-29 and 12-01 on one held H100,
 #:   :data:`S26_RING`;
 #: - ``cpu-2026-12-04-s14``'s ``tuned`` and ``tuned_direct1m`` and session 27's runs of that
-#:   code with the same two commands (``cpu-2026-12-06-s27-s14code``, :data:`CPU_RUNS_MORE`).
+#:   code with the same two commands (``cpu-2026-12-06-s27-s14code``, :data:`CPU_RUNS_MORE`);
+#: - ``cpu-shm-window-2026-12-06-s28``: session 28's code, three rounds of the direct window
+#:   at 1 then at 2, each window's three runs a group.
 #: Runs of other days ran other code (the direct window of 12-03, the copy threads and
 #: pipelined nixl of later days), so they are not repeats of one another.
 REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
@@ -296,6 +298,8 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            "cpu-lasting-2026-12-03/bench_1g.json": "CPU runs of the code of a958c09 (12-03)",
            **{f"cpu-2026-12-06-s27-lastingcode/bench_1g_run{k}.json":
               "CPU runs of the code of a958c09 (12-03)" for k in (1, 2, 3)},
+           **{f"cpu-shm-window-2026-12-06-s28/window{w}_r{k}.json":
+              f"CPU runs of 12-06 s28, direct window {w}" for w in (1, 2) for k in (1, 2, 3)},
            "cpu-calib-2026-12-03/bench.json": "CPU runs of the code of 12-03",
            "cpu-2026-12-06-s27-1203code/bench_run1.json": "CPU runs of the code of 12-03",
            "cpu-2026-12-06-s27-1203code/bench_run2.json": "CPU runs of the code of 12-03",
@@ -455,6 +459,12 @@ def _cpu_model(rec: dict) -> ModelSpec:
     return model_from_tensors(w.name, w.tensors, note=w.note)
 
 
+#: The knob of a run whose ``shm`` trainer waited for each direct read before its next item
+#: (``links.ring.direct_window`` 1): the code before 4978907 (12-03 12:37: the 11-29 and 12-02
+#: runs, the lasting run's code a958c09 and its runs again) and runs under
+#: ``WEIGHTSYNC_SHM_DIRECT_WINDOW=1``.
+WAITED = {"links": {"direct_window": 1}}
+
 #: The other CPU bench runs of ``shm`` / ``collective`` with one torch thread a process and
 #: ``receive_into`` (the bench's defaults; session 26 added them): (folder, file, label,
 #: what that run's code or command set that the rows of :data:`CPU_RUNS` before them did
@@ -477,11 +487,13 @@ def _cpu_model(rec: dict) -> ModelSpec:
 #:   (``cpu-2026-12-06-s27-lastingcode``): repeats of its ``shm`` case;
 #: - session 14's code (``git archive 299c7f2 src``) run again in session 27 with session
 #:   14's two ``tuned`` commands, alternating, three rounds (``cpu-2026-12-06-s27-s14code``):
-#:   repeats of those two cases (:data:`REPEATS`).
+#:   repeats of those two cases (:data:`REPEATS`);
+#: - session 28's code with the direct window at 1 and 2, alternating, three rounds, 1 GiB
+#:   and Qwen2, R=1 (``cpu-shm-window-2026-12-06-s28``): repeats per window and case.
 #: Runs with ``--threads 0`` (torch's default threads) or ``--consume copy`` are not
 #: modelled, like the ``@readme`` rows.
 CPU_RUNS_MORE = (
-    ("cpu-1g-2026-12-02", "into.json", "12-02", {}),
+    ("cpu-1g-2026-12-02", "into.json", "12-02", WAITED),
     ("cpu-2026-12-04", "tuned.json", "12-04 tuned", {}),
     ("cpu-2026-12-04-s14", "tuned.json", "12-04 s14", {}),
     ("cpu-2026-12-04-s14", "tuned_direct1m.json", "12-04 s14, direct from 1 MiB",
@@ -493,11 +505,15 @@ CPU_RUNS_MORE = (
        f"s14 code, 12-06 s27 run {k}{', direct from 1 MiB' if cmd != 'tuned' else ''}",
        {"links": {"direct_min_bytes": 1 << 20}} if cmd != "tuned" else {})
       for cmd in ("tuned", "tuned_direct1m") for k in (1, 2, 3)),
-    *(("cpu-shm-window-2026-12-03", f"{kind}window{w}.json", f"12-03, direct window {w}", {})
+    *(("cpu-shm-window-2026-12-03", f"{kind}window{w}.json", f"12-03, direct window {w}",
+       WAITED if (kind, w) == ("", 1) else {})
       for kind in ("", "collective_") for w in (1, 2)),
-    ("cpu-lasting-2026-12-03", "bench_1g.json", "12-03 lasting", {}),
+    ("cpu-lasting-2026-12-03", "bench_1g.json", "12-03 lasting", WAITED),
     *(("cpu-2026-12-06-s27-lastingcode", f"bench_1g_run{k}.json",
-       f"12-03 lasting code, 12-06 s27 run {k}", {}) for k in (1, 2, 3)),
+       f"12-03 lasting code, 12-06 s27 run {k}", WAITED) for k in (1, 2, 3)),
+    *(("cpu-shm-window-2026-12-06-s28", f"window{w}_r{k}.json",
+       f"12-06 s28, direct window {w}, run {k}", WAITED if w == 1 else {})
+      for k in (1, 2, 3) for w in (1, 2)),
     *(("cpu-2026-12-05-s17", f"{when}-r{k}.json", f"12-05 s17 {when} posting ahead, run {k}",
        {}) for when in ("before", "after") for k in (1, 2)),
     ("cpu-2026-12-05-s21", "bench_collective.json", "12-05 s21, direct from 8 MiB",
@@ -520,14 +536,16 @@ CPU_RUNS_MORE = (
 #: steps, ``memcpy`` over both cores (:data:`_ALL_CORES`). Last, two runs of the code of
 #: 11-29 on 12-06 (repeats of 11-29's cases, :data:`REPEATS`), and two of the code of 12-03
 #: on 12-06 (0.25 GiB and Qwen2, ``shm`` methods: repeats of 12-03's).
-CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29"),
+CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29", WAITED),
             ("cpu-calib-2026-12-03", "bench.json", "12-03"),
             ("cpu-calib-2026-12-04", "bench.json", "12-04"),
             ("cpu-calib-2026-12-04b", "bench.json", "12-04b"),
             ("cpu-2026-12-04-s16", "r1.json", "12-04 s16"),
             ("cpu-2026-12-04-s16", "r2.json", "12-04 s16"),
-            ("cpu-2026-12-06-s25-1129code", "bench_run1.json", "11-29 code, 12-06 run 1"),
-            ("cpu-2026-12-06-s25-1129code", "bench_run2.json", "11-29 code, 12-06 run 2"),
+            ("cpu-2026-12-06-s25-1129code", "bench_run1.json", "11-29 code, 12-06 run 1",
+             WAITED),
+            ("cpu-2026-12-06-s25-1129code", "bench_run2.json", "11-29 code, 12-06 run 2",
+             WAITED),
             ("cpu-2026-12-06-s27-1203code", "bench_run1.json", "12-03 code, 12-06 run 1"),
             ("cpu-2026-12-06-s27-1203code", "bench_run2.json", "12-03 code, 12-06 run 2"),
             *CPU_RUNS_MORE)

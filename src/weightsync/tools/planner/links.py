@@ -18,11 +18,18 @@ YAML/JSON file). A links file describes one kind of node:
 * ``collective``: ``algo`` (``ring``: pipelined like NCCL; ``star``: the root sends every
   receiver its own copy, like gloo), optional ``GBps`` (a cap per broadcast stream);
 * ``ring``: ``direct_min_bytes`` / ``direct_max_receivers`` (shm reads tensors that big
-  straight from the trainer when there are at most that many receivers; 0: never) and
-  ``direct_GBps`` (what all those cross-memory reads of a host reach together);
+  straight from the trainer when there are at most that many receivers; 0: never),
+  ``direct_GBps`` (what all those cross-memory reads of a host reach together) and
+  optionally ``direct_window`` (default 2, the engine's ``WEIGHTSYNC_SHM_DIRECT_WINDOW``:
+  how many direct tensors the trainer leaves unread before it waits; 1: it waits for each
+  read before it asks for the next item, as the engine does for tensors whose storage does
+  not outlive their item, e.g. a trainer that yields fresh tensors every sync);
 * ``software``: host-side costs in microseconds: ``tensor_us`` (per tensor a rank packs or
   applies), ``bucket_us`` (per bucket), ``read_us`` (per READ a receiver posts),
-  ``control_us`` (one control-message round trip per sync), ``op_us`` (per collective op).
+  ``control_us`` (one control-message round trip per sync), ``op_us`` (per collective op),
+  and optionally ``direct_wait_us``: what each direct read the trainer waits for adds
+  (``direct_window`` 1: the receivers' acknowledgement reaches the trainer, which asks for
+  its next item and sends its header; default ``control_us + tensor_us``).
 
 Every number is required where its link is used, and must be >= 0 (``GBps`` > 0,
 ``efficiency`` in (0, 1]); a bad one is a :class:`~.errors.PlannerError` naming it.
@@ -81,6 +88,7 @@ class Links:
     direct_max_receivers: int
     direct_rate: Optional[float]           # bytes/s of all direct reads of a host, or None
     software: Mapping[str, float]          # seconds
+    direct_window: int = 2                 # direct tensors left unread before the trainer waits
     max_nodes: Optional[int] = None
     cores: Optional[int] = None            # a host's cores shared by its processes
     description: str = ""
@@ -162,6 +170,11 @@ def parse_links(doc: Any, name: str = "links") -> Links:
     ring = _section(doc, "ring", "links", required=False)
     sw = _section(doc, "software", "links")
     software = {k: _num(sw, k, "links.software") * 1e-6 for k in _SOFTWARE}
+    software["direct_wait_us"] = _num(sw, "direct_wait_us", "links.software", default=(
+        software["control_us"] + software["tensor_us"]) * 1e6) * 1e-6
+    window = _num(ring, "direct_window", "links.ring", positive=True, default=2)
+    if window != int(window):
+        raise PlannerError("links.ring.direct_window", f"must be a whole number >= 1, got {window}")
     max_nodes = doc.get("max_nodes")
     if max_nodes is not None:
         max_nodes = int(_num(doc, "max_nodes", "links", positive=True))
@@ -179,7 +192,8 @@ def parse_links(doc: Any, name: str = "links") -> Links:
                                                default=0)),
                  direct_rate=(_num(ring, "direct_GBps", "links.ring", positive=True) * 1e9
                               if ring.get("direct_min_bytes") else None),
-                 software=software, max_nodes=max_nodes, cores=cores,
+                 software=software, direct_window=int(window), max_nodes=max_nodes,
+                 cores=cores,
                  description=str(doc.get("description", "")), raw=dict(doc))
 
 
