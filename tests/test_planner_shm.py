@@ -127,6 +127,8 @@ def test_a_trainer_that_waits_for_each_direct_read_pays_direct_wait_us_a_read():
     waited = ring(links(window=1, direct_wait_us=500))
     assert waited.seconds - plain.seconds == pytest.approx(4 * 500e-6, rel=1e-9)
     assert "read one at a time" in waited.bottleneck.limit
+    assert any("waits for each direct read" in n and "+500 us" in n for n in waited.notes)
+    assert not any("waits for each direct read" in n for n in plain.notes)
     base = ring(links(control_us=100, tensor_us=20))
     default = ring(links(window=1, control_us=100, tensor_us=20))
     assert default.seconds - base.seconds == pytest.approx(4 * 120e-6, rel=1e-9)

@@ -676,6 +676,9 @@ def _shm_note(sc: Scenario, pl: Placement, strategy: str) -> str:
                f"{sc.links.direct_max_receivers}), so the trainer's shared memory is not read")
     else:
         how = "ring"
+    if sc.links.direct_window < 2 and not sc.push and _direct_min(sc, pl, strategy):
+        how += ("; the trainer waits for each direct read before its next item "
+                f"(ring.direct_window 1: +{sc.links.sw('direct_wait_us') * 1e6:.0f} us a read)")
     n = _rx_split_threads(sc, pl)
     if n > 1 and not sc.push:
         how += f"; receivers split bucket copies of >= 8 MiB over {n} threads"
