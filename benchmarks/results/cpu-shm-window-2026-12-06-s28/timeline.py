@@ -2,7 +2,9 @@
 processes of a host): the bench's workloads (argv[1]: synthetic | qwen2) through a plain shm pair, receive_into, one torch
 thread a process, WEIGHTSYNC_SHM_DIRECT_WINDOW as set outside. argv[2] syncs (the first is cold, not counted). argv[3]
 ``memcpy``: the trainer copies the workload's bytes (flat buffer to flat buffer, as the bench's paired ``memcpy`` step)
-right before each sync, whose time then counts from the trainer's start (``sync_from_tx``).
+right before each sync, whose time then counts from the trainer's start (``sync_from_tx``); ``barrier``: both
+processes meet at a barrier before each sync (as the bench's workers do through its parent), the receiver calling
+``receive_into`` only then.
 
 Receiver: each direct read (cma_read) and each copy out of a ring slot (_land), start and end. Trainer: each direct
 header out (_direct_deliver), each wait for acknowledgements (_await_acks), each copy into a slot (_copy_piece). Printed per
@@ -32,7 +34,7 @@ def wrap(cls, name, log, tag):
             log.append((tag, t, clock()))
     setattr(cls, name, timed)
 
-def rollout(addr, kind, syncs, q):
+def rollout(addr, kind, syncs, q, barrier=None):
     torch.set_num_threads(1)
     from weightsync.transport.backends.shm.engine import ShmEngine
     log = []
@@ -43,6 +45,8 @@ def rollout(addr, kind, syncs, q):
     spans = []
     async def go():
         for v in range(syncs):
+            if barrier is not None:
+                barrier.wait(60)
             log.clear(); t0 = clock()
             async for _ in eng.receive_into(params, version=v):
                 pass
@@ -84,11 +88,12 @@ def main():
     BucketedEngine._copy_piece = staticmethod(pack)
     addr = f"127.0.0.1:{port()}"
     ctx = mp.get_context("spawn"); q = ctx.Queue()
-    p = ctx.Process(target=rollout, args=(addr, kind, syncs, q)); p.start()
+    barrier = ctx.Barrier(2) if "barrier" in sys.argv[3:] else None
+    p = ctx.Process(target=rollout, args=(addr, kind, syncs, q, barrier)); p.start()
     eng = weightsync.connect("shm", role="trainer", address=addr, timeout=60)
     params = list(materialize(workload(kind)).items())
     flat = None
-    if len(sys.argv) > 3 and sys.argv[3] == "memcpy":
+    if "memcpy" in sys.argv[3:]:
         n = sum(t.numel() * t.element_size() for _, t in params)
         flat = (torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8))
     spans, unwaited = [], []
@@ -96,6 +101,8 @@ def main():
         for v in range(syncs):
             if flat is not None:
                 flat[1].copy_(flat[0])
+            if barrier is not None:
+                barrier.wait(60)
             log.clear(); t0 = clock()
             rep = await eng.send_weights(params, version=v)
             spans.append((t0, clock(), list(log)))
@@ -104,7 +111,7 @@ def main():
     rx = q.get(timeout=300); p.join(30); eng.finalize()
     rows = [summary(a, b) for a, b in zip(rx[1:], spans[1:])]
     window = os.environ.get("WEIGHTSYNC_SHM_DIRECT_WINDOW", "2")
-    print(f"{kind} window {window}{', a memcpy before each sync' if flat is not None else ''}, {len(rows)} warm syncs, median ms; direct tensors not waited for, per sync: {unwaited}")
+    print(f"{kind} window {window}{', a memcpy before each sync' if flat is not None else ''}{', a barrier before each sync' if barrier is not None else ''}, {len(rows)} warm syncs, median ms; direct tensors not waited for, per sync: {unwaited}")
     for k in rows[0]:
         vals = [r[k] for r in rows]
         med = statistics.median(vals)
