@@ -285,14 +285,18 @@ S16_D2H = ("gpu-h200-2026-12-04-s16", "shm_d2h.json")
 
 
 def test_shared_memory_rows_take_their_runs_all_core_memcpy(tmp_path):
-    """Session 16's CPU run: shm-shared and shm-push are modelled (shared read, push), the
-    @readme methods not. host_mem is the run's memcpy over both cores (paired with its
-    @readme steps): halving that rate makes the push, paced by the host's memory, nearly
-    twice as slow; the one-thread memcpy paired with each step still sets device_mem."""
+    """Session 16's CPU run: shm-shared and shm-push are modelled (shared read, push), and
+    the @readme row as its method. host_mem is the run's memcpy over both cores (paired with
+    its @readme steps): halving that rate makes the push, paced by the host's memory, nearly
+    twice as slow; the one-thread memcpy paired with each step still sets device_mem, and
+    the run's own one-thread memcpy the @readme row's."""
     doc = _recorded(*S16_CPU)
     before = calibrate.run(("cpu",), results=_write(tmp_path / "a", *S16_CPU, doc))
     assert {r["case"] for r in before["rows"]} == {
-        f"CPU synthetic-1GiB {m} R=2 (12-04 s16)" for m in ("shm", "shm-shared", "shm-push")}
+        f"CPU synthetic-1GiB {m} R=2 (12-04 s16)"
+        for m in ("shm", "shm-shared", "shm-push", "shm-push@readme")}
+    readme = _find(before["rows"], "CPU synthetic-1GiB shm-push@readme R=2 (12-04 s16)")
+    assert "device_mem 10.6 GB/s (memcpy, own run)" in readme["links_from"]
     case = "CPU synthetic-1GiB shm-push R=2 (12-04 s16)"
     b = _find(before["rows"], case)
     assert "shm push" in b["limited_by"]
@@ -303,6 +307,29 @@ def test_shared_memory_rows_take_their_runs_all_core_memcpy(tmp_path):
     after = calibrate.run(("cpu",), results=_write(tmp_path / "b", *S16_CPU, slow))
     a = _find(after["rows"], case)
     assert 1.8 * b["predicted_s"] < a["predicted_s"] < 2.1 * b["predicted_s"]
+
+
+def test_a_readme_row_is_its_methods_case_and_its_paired_copy_is_not_one_threads():
+    """A method's @readme row is predicted as the method (torch's default threads do not
+    enter the modelled paths: every landing is a memmove or a gloo op); the memcpy the bench
+    paired with it ran on torch's default threads too, so it does not set device_mem (one
+    thread's copy): the run's own memcpy record does, where the plain method's paired one
+    would."""
+    assert calibrate._cpu_method("shm@readme") == calibrate._CPU_METHODS["shm"]
+    assert calibrate._cpu_method("collective@readme") == calibrate._CPU_METHODS["collective"]
+    assert calibrate._cpu_method("nixl@readme") is None
+    gb = 10 ** 9
+    lim = {"memcpy": [{"receivers": 1, "bytes": gb, "warm_median_s": 0.1}]}
+    paired = {"method": "memcpy", "warm_median_s": 0.05}
+    sets, where = calibrate.run_links({"method": "shm", "receivers": 1, "bytes": gb,
+                                       "paired": paired}, lim)
+    assert sets["links.device_mem.GBps"] == pytest.approx(20.0)
+    assert where["links.device_mem.GBps"] == "memcpy, paired"
+    sets, where = calibrate.run_links({"method": "shm@readme", "receivers": 1, "bytes": gb,
+                                       "paired": paired}, lim)
+    assert sets["links.device_mem.GBps"] == pytest.approx(10.0)
+    assert where["links.device_mem.GBps"] == "memcpy, own run"
+    assert sets["ring.direct_GBps"] == pytest.approx(10.0)
 
 
 def test_run_links_ceiling_is_the_most_of_its_limits():

@@ -126,6 +126,8 @@ class RunLimit:
 #: the ``memcpy`` the bench paired with the steps of its ``@readme`` methods: torch's
 #: default threads in every process, the limit's too (one per core of the box)
 _ALL_CORES = "memcpy@all-cores"
+#: the bench's suffix of a method consumed the README's way
+README = "@readme"
 
 #: every limit the CPU bench records and the link it sets
 RUN_LIMITS = (
@@ -179,6 +181,10 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
     when the run recorded none of them. Without ``cma-raw``, or where the step has a paired
     ``memcpy``, the direct reads take the ``memcpy``'s rate."""
     paired = rec.get("paired") or {}
+    if rec["method"].endswith(README) and paired.get("method") == "memcpy":
+        # the bench ran that memcpy with torch's default threads too: a copy over every core
+        # (:data:`_ALL_CORES`, a ceiling of host_mem), not one thread's rate
+        paired = {}
     sets, where = {}, {}
     for lim in RUN_LIMITS:
         same = [r for r in limits.get(lim.method, ())
@@ -228,7 +234,7 @@ def _limits_by_case(results: list[dict]) -> dict[tuple, dict[str, list]]:
         if r["status"] == "ok" and r["method"] in names:
             out[(r["workload"], r["dtype"])][r["method"]].append(r)
         paired = r.get("paired") or {}
-        if r["status"] == "ok" and r["method"].endswith("@readme") and \
+        if r["status"] == "ok" and r["method"].endswith(README) and \
                 paired.get("method") == "memcpy":
             out[(r["workload"], r["dtype"])][_ALL_CORES].append(
                 {"method": _ALL_CORES, "receivers": r["receivers"], "bytes": r["bytes"],
@@ -482,7 +488,8 @@ WAITED = {"links": {"direct_window": 1}}
 #:   ``fill_open``), 4 GiB, three commands, alternating;
 #: - session 27's code (f3939a7) with 12-03's calibration command plus ``cma-raw``, 0.25 and
 #:   1 GiB and Qwen2, R=1/2/4 (``cpu-2026-12-06-s27``): full buckets, ``collective`` direct
-#:   from 8 MiB;
+#:   from 8 MiB; and its ``readme`` run (d790405, the same ``shm`` / ``collective``): 1 GiB,
+#:   R=1/2, each method and its ``@readme`` row;
 #: - the code of ``cpu-lasting-2026-12-03`` (a958c09) run again three times in session 27
 #:   (``cpu-2026-12-06-s27-lastingcode``): repeats of its ``shm`` case;
 #: - session 14's code (``git archive 299c7f2 src``) run again in session 27 with session
@@ -490,8 +497,8 @@ WAITED = {"links": {"direct_window": 1}}
 #:   repeats of those two cases (:data:`REPEATS`);
 #: - session 28's code with the direct window at 1 and 2, alternating, three rounds, 1 GiB
 #:   and Qwen2, R=1 (``cpu-shm-window-2026-12-06-s28``): repeats per window and case.
-#: Runs with ``--threads 0`` (torch's default threads) or ``--consume copy`` are not
-#: modelled, like the ``@readme`` rows.
+#: Runs with ``--threads 0`` (torch's default threads for every method) or ``--consume
+#: copy`` are not modelled (only ``@readme`` rows are read with torch's default threads).
 CPU_RUNS_MORE = (
     ("cpu-1g-2026-12-02", "into.json", "12-02", WAITED),
     ("cpu-2026-12-04", "tuned.json", "12-04 tuned", {}),
@@ -500,6 +507,8 @@ CPU_RUNS_MORE = (
      {"links": {"direct_min_bytes": 1 << 20}}),
     ("cpu-2026-12-04-s14", "readme_rows.json", "12-04 s14, readme_rows run", {}),
     ("cpu-2026-12-06-s27", "bench.json", "12-06 s27",
+     {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}),
+    ("cpu-2026-12-06-s27", "readme.json", "12-06 s27, readme run",
      {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}),
     *(("cpu-2026-12-06-s27-s14code", f"{cmd}_r{k}.json",
        f"s14 code, 12-06 s27 run {k}{', direct from 1 MiB' if cmd != 'tuned' else ''}",
@@ -551,8 +560,10 @@ CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29", WAITED),
             *CPU_RUNS_MORE)
 
 #: what each CPU method is in the model: (strategy, fields of the Links replaced, fields of
-#: the Scenario). ``@readme`` methods are not modelled (torch's default threads in the
-#: receivers' copies, which the model does not price).
+#: the Scenario). A method's ``@readme`` row (the same sync consumed as the README shows:
+#: ``receive_into`` with torch's default threads) is the method's case: on these paths every
+#: landing is a ``memmove`` (``fastcopy``) or a gloo op, none a torch op on its intra-op
+#: threads, so the model has nothing to price differently (:data:`README`).
 #: Every run in :data:`CPU_RUNS` sent ``collective``'s direct tensors from 16 MiB, the
 #: default until 2026-12-05 (8 MiB since), but session 21's (its ``scenario`` knob).
 _CPU_METHODS = {"shm": ("ring", {}, {}),
@@ -561,6 +572,11 @@ _CPU_METHODS = {"shm": ("ring", {}, {}),
                 "shm-direct": ("ring", {"direct_max_receivers": 64}, {}),
                 "shm-shared": ("ring", {}, {"shared": "trainer"}),
                 "shm-push": ("ring", {}, {"shared": "receivers"})}
+
+
+def _cpu_method(name: str) -> Optional[tuple]:
+    """:data:`_CPU_METHODS`' entry of a bench method, ``@readme`` rows as their method."""
+    return _CPU_METHODS.get(name[:-len(README)] if name.endswith(README) else name)
 
 
 def _cpu_cases(root: str) -> list[dict]:
@@ -572,9 +588,9 @@ def _cpu_cases(root: str) -> list[dict]:
         results = _json(root, folder, name)["results"]
         limits = _limits_by_case(results)
         for rec in results:
-            if rec["status"] != "ok" or rec["method"] not in _CPU_METHODS:
+            if rec["status"] != "ok" or _cpu_method(rec["method"]) is None:
                 continue
-            strategy, replace, extra = _CPU_METHODS[rec["method"]]
+            strategy, replace, extra = _cpu_method(rec["method"])
             # the run's own settings first, the method's over them (shm-buckets: no direct)
             replace = {**knob.get("links", {}), **replace}
             extra = {**extra, **knob.get("scenario", {})}
@@ -1037,8 +1053,9 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
                              "predict 24 ms where it took 13)",
                              "verl-style cuda_ipc baseline",
                              "ray, gloo-per-tensor, safetensors-shm baselines",
-                             "@readme CPU methods and CPU runs with --threads 0 or --consume copy "
-                             "(torch's default threads on receivers)",
+                             "CPU runs with --threads 0 or --consume copy (torch's default "
+                             "threads on receivers outside the @readme rows; receive_weights "
+                             "+ copy_)",
                              "shm_d2h receive_weights views and the unpinned ring",
                              "nixl TP workers consuming with receive_weights + copy "
                              "(cpu-nixl-tp-2026-12-04 readme_copy)",
