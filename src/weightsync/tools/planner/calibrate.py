@@ -3,7 +3,8 @@
 Owns :func:`run` (the cases and their rows), :func:`run_links` (the link rates a bench run
 recorded beside a case), :func:`format_text` and :func:`format_markdown`. Measurements come
 from ``benchmarks/results/`` of the checkout: the runs of :data:`CPU_RUNS` (``shm``,
-``shm-buckets``, ``shm-direct``, ``collective``; 1/2/4 receivers; the bench's own
+``shm-buckets``, ``shm-direct``, ``collective``, and each one's ``@readme`` row (consumed as
+the README shows: torch's default threads), read as the method; 1/2/4 receivers; the bench's own
 workloads, :mod:`weightsync.tools.bench.workloads`, on the ``cpu-2core`` preset; with every
 other recorded run of those methods, :data:`CPU_RUNS_MORE`, each with what its code set), the
 ``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the ``p2p`` strategy as the backend ran
@@ -27,7 +28,8 @@ loaded by path).
 A link model is judged given the link rates the box had during the run: every bench run
 records its own limits beside the weightsync methods (:data:`RUN_LIMITS`: ``memcpy``,
 ``memcpy-parallel``, ``gloo-flat``, ``nixl-raw``, ``cma-raw`` where a run has it, and the
-``memcpy`` over all cores paired with ``@readme`` steps; the GPU scripts a flat D2D copy,
+``memcpy`` over all cores paired with ``@readme`` steps, a ceiling of ``host_mem``, never
+``device_mem``; the GPU scripts a flat D2D copy,
 a raw NCCL broadcast, shm_d2h a pinned D2H copy and the receiver's host copy), so each case is predicted with the preset's links *set from the limits
 its own run recorded* (paired with its steps where the bench paired them). Those rows are
 the calibration (``rows``, counted against :data:`GOAL`). The same cases predicted with
@@ -40,8 +42,11 @@ where a run recorded both), and a step with a paired ``memcpy`` at that one, ove
 latencies) comes from the preset, whose file says which of those are measured and which are
 assumed. The limits themselves are inputs, not calibration cases. ``cuda_ipc`` zero-copy
 and pushes are the ``ring`` strategy with ``Scenario.shared`` ``"trainer"`` / ``"receivers"``
-on the GPU preset, for the code of 12-04 on (whose host costs its timeline measured). Not
-modelled: zero-copy of older code, the verl-style baseline, Ray and the other baselines.
+on the GPU preset, for the code of 12-04 on (whose host costs its timeline measured). Runs
+whose ``shm`` trainer waited for each direct read (the code before the direct window, or
+``WEIGHTSYNC_SHM_DIRECT_WINDOW=1``) are predicted with ``ring.direct_window`` 1
+(:data:`WAITED`). Not modelled: zero-copy of older code, the verl-style baseline, Ray and
+the other baselines.
 
 Repeats (:data:`REPEATS`, :func:`repeat_groups`): a case measured in several runs that
 BENCHMARKS.md documents as the same code and the same command is a group of repeats. Where
