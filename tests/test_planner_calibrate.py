@@ -675,3 +675,24 @@ def test_runs_whose_trainer_waited_for_each_direct_read_are_priced_with_window_1
     assert all(any(f"({label})" in c for label in labels) for c in moved)
     assert any("s28, direct window 1" in c for c in moved)
     assert not any("direct window 2" in c for c in moved)
+
+
+def test_session_27s_run_again_makes_each_of_its_cases_a_group_with_its_first_run():
+    """Session 28 ran session 27's code (f3939a7) with session 27's command twice more:
+    every case of that run is one group of three repeats, priced with that run's settings
+    (full buckets, collective direct from 8 MiB)."""
+    if not os.path.isdir(os.path.join(calibrate.results_dir(), "cpu-2026-12-06-s28-s27code")):
+        pytest.skip("session 28's runs of session 27's code are not in this checkout")
+    res = calibrate.run(("cpu",))
+    groups = [g for g in res["repeats"]
+              if g["group"].endswith("[CPU runs of the code of f3939a7 (12-06 s27)]")]
+    # 0.25 GiB, 1 GiB and Qwen2; shm / shm-buckets / shm-direct / collective; R = 1, 2, 4
+    assert len(groups) == 36, [g["group"] for g in groups]
+    for g in groups:
+        assert len(g["cases"]) == 3
+        assert sum(c.endswith("(12-06 s27)") for c in g["cases"]) == 1, g["cases"]
+    assert sum("s27 code, 12-06 s28 run" in r["case"] for r in res["rows"]) == 72
+    knobs = {f"{f}/{n}": k[0] for f, n, _, *k in calibrate.CPU_RUNS if k}
+    assert knobs["cpu-2026-12-06-s28-s27code/bench_run1.json"] == \
+        knobs["cpu-2026-12-06-s27/bench.json"] == \
+        {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}

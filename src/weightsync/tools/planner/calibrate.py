@@ -300,7 +300,9 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #: - ``cpu-2026-12-04-s14``'s ``tuned`` and ``tuned_direct1m`` and session 27's runs of that
 #:   code with the same two commands (``cpu-2026-12-06-s27-s14code``, :data:`CPU_RUNS_MORE`);
 #: - ``cpu-shm-window-2026-12-06-s28``: session 28's code, three rounds of the direct window
-#:   at 1 then at 2, each window's three runs a group.
+#:   at 1 then at 2, each window's three runs a group;
+#: - ``cpu-2026-12-06-s27/bench.json`` and ``cpu-2026-12-06-s28-s27code``: the code of
+#:   f3939a7 (``git archive``) with session 27's command, once then, twice in session 28.
 #: Runs of other days ran other code (the direct window of 12-03, the copy threads and
 #: pipelined nixl of later days), so they are not repeats of one another.
 REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
@@ -311,6 +313,10 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               "CPU runs of the code of a958c09 (12-03)" for k in (1, 2, 3)},
            **{f"cpu-shm-window-2026-12-06-s28/window{w}_r{k}.json":
               f"CPU runs of 12-06 s28, direct window {w}" for w in (1, 2) for k in (1, 2, 3)},
+           **{f: "CPU runs of the code of f3939a7 (12-06 s27)"
+              for f in ("cpu-2026-12-06-s27/bench.json",
+                        "cpu-2026-12-06-s28-s27code/bench_run1.json",
+                        "cpu-2026-12-06-s28-s27code/bench_run2.json")},
            "cpu-calib-2026-12-03/bench.json": "CPU runs of the code of 12-03",
            "cpu-2026-12-06-s27-1203code/bench_run1.json": "CPU runs of the code of 12-03",
            "cpu-2026-12-06-s27-1203code/bench_run2.json": "CPU runs of the code of 12-03",
@@ -501,7 +507,9 @@ WAITED = {"links": {"direct_window": 1}}
 #:   14's two ``tuned`` commands, alternating, three rounds (``cpu-2026-12-06-s27-s14code``):
 #:   repeats of those two cases (:data:`REPEATS`);
 #: - session 28's code with the direct window at 1 and 2, alternating, three rounds, 1 GiB
-#:   and Qwen2, R=1 (``cpu-shm-window-2026-12-06-s28``): repeats per window and case.
+#:   and Qwen2, R=1 (``cpu-shm-window-2026-12-06-s28``): repeats per window and case;
+#: - session 27's code and command run again twice in session 28
+#:   (``cpu-2026-12-06-s28-s27code``): repeats of session 27's cases.
 #: Runs with ``--threads 0`` (torch's default threads for every method) or ``--consume
 #: copy`` are not modelled (only ``@readme`` rows are read with torch's default threads).
 CPU_RUNS_MORE = (
@@ -515,6 +523,8 @@ CPU_RUNS_MORE = (
      {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}),
     ("cpu-2026-12-06-s27", "readme.json", "12-06 s27, readme run",
      {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}),
+    *(("cpu-2026-12-06-s28-s27code", f"bench_run{k}.json", f"s27 code, 12-06 s28 run {k}",
+       {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}) for k in (1, 2)),
     *(("cpu-2026-12-06-s27-s14code", f"{cmd}_r{k}.json",
        f"s14 code, 12-06 s27 run {k}{', direct from 1 MiB' if cmd != 'tuned' else ''}",
        {"links": {"direct_min_bytes": 1 << 20}} if cmd != "tuned" else {})
