@@ -438,8 +438,7 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     direct_rate = _shared_read_rate(sc) if shared_read else sc.links.direct_rate
     # a trainer that waits for each direct read before its next item (direct_window 1):
     # the receivers idle while their acknowledgement travels and the next header comes
-    waited = sw.get("direct_wait_us", sw["control_us"] + sw["tensor_us"]) \
-        if sc.links.direct_window < 2 else 0.0
+    waited = sw["direct_wait_us"] if sc.links.direct_window < 2 else 0.0
     cpu_pushes: dict[int, list[int]] = {}     # owner -> bytes of each tensor it pushes
     by_owner: dict[int, list[int]] = defaultdict(list)
     for i in step:

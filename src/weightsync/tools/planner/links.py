@@ -174,7 +174,8 @@ def parse_links(doc: Any, name: str = "links") -> Links:
         software["control_us"] + software["tensor_us"]) * 1e6) * 1e-6
     window = _num(ring, "direct_window", "links.ring", positive=True, default=2)
     if window != int(window):
-        raise PlannerError("links.ring.direct_window", f"must be a whole number >= 1, got {window}")
+        raise PlannerError("links.ring.direct_window",
+                           f"must be a whole number >= 1, got {window}")
     max_nodes = doc.get("max_nodes")
     if max_nodes is not None:
         max_nodes = int(_num(doc, "max_nodes", "links", positive=True))
