@@ -507,7 +507,8 @@ WAITED = {"links": {"direct_window": 1}}
 #:   14's two ``tuned`` commands, alternating, three rounds (``cpu-2026-12-06-s27-s14code``):
 #:   repeats of those two cases (:data:`REPEATS`);
 #: - session 28's code with the direct window at 1 and 2, alternating, three rounds, 1 GiB
-#:   and Qwen2, R=1 (``cpu-shm-window-2026-12-06-s28``): repeats per window and case;
+#:   and Qwen2, R=1 (``cpu-shm-window-2026-12-06-s28``): repeats per window and case; then
+#:   once more each with ``shm@readme`` beside ``shm`` (``readme.sh``);
 #: - session 27's code and command run again twice in session 28
 #:   (``cpu-2026-12-06-s28-s27code``): repeats of session 27's cases.
 #: Runs with ``--threads 0`` (torch's default threads for every method) or ``--consume
@@ -538,6 +539,8 @@ CPU_RUNS_MORE = (
     *(("cpu-shm-window-2026-12-06-s28", f"window{w}_r{k}.json",
        f"12-06 s28, direct window {w}, run {k}", WAITED if w == 1 else {})
       for k in (1, 2, 3) for w in (1, 2)),
+    *(("cpu-shm-window-2026-12-06-s28", f"readme_window{w}.json",
+       f"12-06 s28, direct window {w}, readme run", WAITED if w == 1 else {}) for w in (1, 2)),
     *(("cpu-2026-12-05-s17", f"{when}-r{k}.json", f"12-05 s17 {when} posting ahead, run {k}",
        {}) for when in ("before", "after") for k in (1, 2)),
     ("cpu-2026-12-05-s21", "bench_collective.json", "12-05 s21, direct from 8 MiB",
@@ -603,9 +606,10 @@ def _cpu_cases(root: str) -> list[dict]:
         results = _json(root, folder, name)["results"]
         limits = _limits_by_case(results)
         for rec in results:
-            if rec["status"] != "ok" or _cpu_method(rec["method"]) is None:
+            method = _cpu_method(rec["method"]) if rec["status"] == "ok" else None
+            if method is None:
                 continue
-            strategy, replace, extra = _cpu_method(rec["method"])
+            strategy, replace, extra = method
             # the run's own settings first, the method's over them (shm-buckets: no direct)
             replace = {**knob.get("links", {}), **replace}
             extra = {**extra, **knob.get("scenario", {})}
