@@ -696,3 +696,23 @@ def test_session_27s_run_again_makes_each_of_its_cases_a_group_with_its_first_ru
     assert knobs["cpu-2026-12-06-s28-s27code/bench_run1.json"] == \
         knobs["cpu-2026-12-06-s27/bench.json"] == \
         {"scenario": {"fill_open": True, "collective_direct_min": 8 << 20}}
+
+
+def test_the_11_29_h200_runs_are_one_group_per_ring_case():
+    """The 11-29 H200 folder holds the reported run and runs 6, 7 and 8, whose code differed
+    in the zero-copy half only: each ring configuration they timed is one group of repeats
+    (four runs for the 1 GiB and 4 GiB event rings, which run 8 timed too, else three), and
+    none of their zero-copy rows is a row."""
+    res = calibrate.run(("h200",))
+    groups = {g["group"]: g for g in res["repeats"]
+              if g["group"].endswith("[H200 runs of the code of 11-29]")}
+    assert len(groups) == 7, list(groups)      # event 256 MiB .. 4 GiB, host 1 and 4 GiB
+    for key, g in groups.items():
+        runs = 4 if ("1024 MiB (event" in key or "4096 MiB (event" in key) else 3
+        assert len(g["cases"]) == runs, g["cases"]
+        assert sum(", run " in c for c in g["cases"]) == runs - 1
+    rows = [r for r in res["rows"] if r["source"].startswith("gpu-h200-2026-11-29/")]
+    assert len(rows) == 7 + 7 + 7 + 2
+    assert not [r for r in rows if "zero-copy" in r["case"]]
+    # the single 12-01 run of other code is not one of them
+    assert not [g for g in groups.values() if any("2026-12-01" in c for c in g["cases"])]

@@ -297,6 +297,8 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #:   script each (:data:`CPU_RUNS_MORE`);
 #: - ``gpu-h100-2026-12-06-s26``: the ring codes of 11-29 and 12-01 on one held H100,
 #:   :data:`S26_RING`;
+#: - ``gpu-h200-2026-11-29``: the reported run and runs 6, 7 and 8 (:data:`H200_1129_RUNS`),
+#:   whose ring is the committed ring;
 #: - ``cpu-2026-12-04-s14``'s ``tuned`` and ``tuned_direct1m`` and session 27's runs of that
 #:   code with the same two commands (``cpu-2026-12-06-s27-s14code``, :data:`CPU_RUNS_MORE`);
 #: - ``cpu-shm-window-2026-12-06-s28``: session 28's code, three rounds of the direct window
@@ -353,7 +355,10 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               for cmd in ("tuned", "tuned_direct1m") for k in (1, 2, 3)},
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
-              for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")}}
+              for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
+           **{f"gpu-h200-2026-11-29/{name}": "H200 runs of the code of 11-29"
+              for name in ("bench_final.json", "bench_run6.json", "bench_run7.json",
+                           "bench_run8.json")}}
 
 #: the most two measurements of one case may differ (max / min) for one prediction to be
 #: within GOAL of both: p / (1 + GOAL) <= m <= p / (1 - GOAL)
@@ -655,6 +660,13 @@ _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
 #: held machine (``commands.txt``): each code's rows are a group of repeats.
 S26_RING = "gpu-h100-2026-12-06-s26"
 S26_CODES = {"c1129": "11-29", "c1201": "12-01"}
+#: The 11-29 H200 runs besides the reported one (``gpu-h200-2026-11-29/README.md``), by file:
+#: their code differed from the committed one in the zero-copy half only (run 6: no
+#: region-release fast path at the end of a sync; runs 7 and 8: zero-copy batches capped at
+#: 2 GiB), so their ring rows are repeats of the reported run's. Run 8 timed the 1 GiB and
+#: 4 GiB ring with event ordering only.
+H200_1129_RUNS = {"bench_run6.json": "run 6", "bench_run7.json": "run 7",
+                  "bench_run8.json": "run 8"}
 
 
 def _h200_cases(root: str) -> list[dict]:
@@ -664,6 +676,7 @@ def _h200_cases(root: str) -> list[dict]:
     else the preset's)."""
     rows = []
     for folder, name in (("gpu-h200-2026-11-29", "bench_final.json"),
+                         *(("gpu-h200-2026-11-29", n) for n in H200_1129_RUNS),
                          ("gpu-h200-2026-12-01", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05", "gpu_bench_zc.json"),
@@ -723,6 +736,8 @@ def _h200_cases(root: str) -> list[dict]:
                 call, code, k = name.split("/")[:3]
                 case += f", code of {S26_CODES[code]}"
                 run = f", {call} round {k[1:]}"
+            elif name in H200_1129_RUNS:
+                run = f", {H200_1129_RUNS[name]}"
             rows += _rows(f"{case}{run}, {when})", "ring", scenario,
                           e["median_ms"] / 1e3, f"{folder}/{name} median_ms",
                           "h200-8gpu-400g", sets, where,
