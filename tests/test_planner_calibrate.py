@@ -426,7 +426,9 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     their GPU, each priced with the run's own flat D2D / pinned D2H / host copy."""
     rows = calibrate.run(("h200", "shm-d2h"))["rows"]
     h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]
-            and "cuda_ipc push" not in r["case"] and calibrate.S26_RING not in r["source"]]
+            and "cuda_ipc push" not in r["case"]
+            and not r["source"].startswith((calibrate.S26_RING, calibrate.S29_RING + "/",
+                                            calibrate.S29_NOW))]
     assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
@@ -737,3 +739,28 @@ def test_the_11_29_ring_costs_are_the_least_squares_fit_to_that_codes_runs():
     for dt, db in ((1, 0), (-1, 0), (0, 10), (0, -10)):
         assert calibrate.ring_1129_loss(t + dt, b + db)[0] > best, (dt, db)
     assert calibrate.ring_1129_loss(70, 930)[0] > best
+
+
+def test_session_29s_h100_runs_are_groups_and_today_s_only_by_receive_into():
+    """Session 29's H100 runs: the two old ring codes at 256 MiB, 512 MiB and 4 GiB (event)
+    and 4 GiB (host), each code's two rounds one group per case, priced with the 11-29
+    code's costs and not in their fit; today's ring (s29b) read only where consumed with
+    receive_into (its diagnostic rows have no path in the model), priced with today's."""
+    res = calibrate.run(("h200",))
+    def of(rset: str) -> list[dict]:
+        return [g for g in res["repeats"] if g["group"].endswith(f"[{rset}]")]
+    old = of("H100 runs of 12-06 s29 on one machine")
+    now = of("H100 runs of 12-06 s29 of today's ring")
+    if not old or not now:
+        pytest.skip("session 29's H100 runs are not in this checkout")
+    assert len(old) == 8 and all(len(g["cases"]) == 2 for g in old)
+    assert len(now) == 5 and all(len(g["cases"]) == 2 for g in now)
+    assert all("receive_into" in c for g in now for c in g["cases"])
+    rows = {r["case"]: r for r in res["rows"]}
+    for g in now:
+        assert all("software tensor_us 19 " in rows[c]["links_from"] for c in g["cases"])
+    t = calibrate.RING_SOFTWARE_1129["software.tensor_us"]
+    for g in old:
+        assert all(f"tensor_us {t:g}," in rows[c]["links_from"] for c in g["cases"])
+    assert not [r for r in res["rows"]
+                if calibrate.S29_RING + "/" in r["source"] and calibrate.ring_code_of(r)]

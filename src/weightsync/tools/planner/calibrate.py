@@ -357,6 +357,11 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
+           **{f"gpu-h100-2026-12-06-s29b/r{k}/gpu_bench.json":
+              "H100 runs of 12-06 s29 of today's ring" for k in (1, 2)},
+           **{f"gpu-h100-2026-12-06-s29/{code}/r{k}/gpu_bench.json":
+              "H100 runs of 12-06 s29 on one machine"
+              for k in (1, 2) for code in ("c1129", "c1201")},
            **{f"gpu-h200-2026-11-29/{name}": "H200 runs of the code of 11-29"
               for name in ("bench_final.json", "bench_run6.json", "bench_run7.json",
                            "bench_run8.json")}}
@@ -692,7 +697,8 @@ _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
                              "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21",
-                             "gpu-h100-2026-12-05-s23", "gpu-h100-2026-12-06-s24"})
+                             "gpu-h100-2026-12-05-s23", "gpu-h100-2026-12-06-s24",
+                             "gpu-h100-2026-12-06-s29b"})
 
 
 #: Session 26's H100 runs of the ``cuda_ipc`` ring of the code of 11-29 (0218da3) and of
@@ -701,6 +707,17 @@ _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
 #: held machine (``commands.txt``): each code's rows are a group of repeats.
 S26_RING = "gpu-h100-2026-12-06-s26"
 S26_CODES = {"c1129": "11-29", "c1201": "12-01"}
+#: Session 29's H100 runs of the same two codes (``run.sh``), after the fit of
+#: :data:`RING_SOFTWARE_1129` and not in it: the bucket sizes session 26 did not time
+#: (256 MiB, 512 MiB and 4 GiB event, 4 GiB host), alternating, two rounds in one device
+#: call; each code's rows of one configuration are a group of repeats.
+S29_RING = "gpu-h100-2026-12-06-s29"
+#: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
+#: rounds): ``receive_into`` at 256 MiB to 4 GiB buckets, the first check of the presets'
+#: host costs below 2 GiB. Only its ``receive_into`` rows are read: the bench's other rows
+#: there (the consumer's views, stream waits, no control links, ...) are diagnostics the
+#: model has no path for.
+S29_NOW = "gpu-h100-2026-12-06-s29b"
 #: The 11-29 H200 runs besides the reported one (``gpu-h200-2026-11-29/README.md``), by file:
 #: their code differed from the committed one in the zero-copy half only (run 6: no
 #: region-release fast path at the end of a sync; runs 7 and 8: zero-copy batches capped at
@@ -734,7 +751,12 @@ def _h200_cases(root: str) -> list[dict]:
                          # session 26, H100: the ring code of 11-29 and of 12-01, alternating
                          *((S26_RING, f"call{c}/{code}/r{k}/gpu_bench.json")
                            for c, rounds in ((1, (1, 2)), (2, (1, 2, 3)))
-                           for k in rounds for code in S26_CODES)):
+                           for k in rounds for code in S26_CODES),
+                         # session 29, H100: the same two codes at other bucket sizes
+                         *((S29_RING, f"{code}/r{k}/gpu_bench.json")
+                           for k in (1, 2) for code in S26_CODES),
+                         # session 29, H100: today's ring, receive_into, 256 MiB to 4 GiB
+                         *((S29_NOW, f"r{k}/gpu_bench.json") for k in (1, 2))):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -751,6 +773,9 @@ def _h200_cases(root: str) -> list[dict]:
                 where[key] = "the code's own timeline (gpu-h200-2026-12-04-programs run 7)"
         for e in doc["engine"]:
             cfg = e["cfg"]
+            if folder == S29_NOW and (cfg.get("consume") != "into" or set(cfg) - {
+                    "bucket_size", "num_slots", "zero_copy", "sync", "consume"}):
+                continue
             # zero-copy: receivers read the trainer's tensors; pushes: the trainer writes
             # the receivers' (Scenario.shared on a gpu links file)
             path = "push" if cfg.get("push") else "zero-copy" if cfg["zero_copy"] else "ring"
@@ -777,6 +802,12 @@ def _h200_cases(root: str) -> list[dict]:
                 call, code, k = name.split("/")[:3]
                 case += f", code of {S26_CODES[code]}"
                 run = f", {call} round {k[1:]}"
+            elif folder == S29_NOW:    # r2/gpu_bench.json
+                run = f", round {name[1]}"
+            elif folder == S29_RING:   # c1201/r2/gpu_bench.json
+                code, k = name.split("/")[:2]
+                case += f", code of {S26_CODES[code]}"
+                run = f", round {k[1:]}"
             elif name in H200_1129_RUNS:
                 run = f", {H200_1129_RUNS[name]}"
             rows += _rows(f"{case}{run}, {when})", "ring", scenario,
