@@ -470,7 +470,12 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
     assert load_links("h200-8gpu-400g").sw("tensor_us") == pytest.approx(19e-6)
     for r in later:
         assert "software tensor_us 19 " in r["links_from"], r
+        assert "software handoff_us 440 " in r["links_from"], r
         assert r["within_goal"], r
+    # the presets carry today's handoff; the old codes' fitted bucket cost includes theirs
+    assert load_links("h100-8gpu-400g").sw("handoff_us") == pytest.approx(440e-6)
+    assert load_links("h200-8gpu-400g").sw("handoff_us") == pytest.approx(440e-6)
+    assert not [r for r in earlier if "handoff" in r["links_from"]]
     # the later code's ring is limited by the GPU's memory, the earlier code's by its host
     assert all(r["limited_by"].startswith("deliver: device_mem") for r in later)
     assert all("software" in r["limited_by"] for r in earlier)

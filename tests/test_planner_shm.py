@@ -313,3 +313,23 @@ def test_cuda_ipc_host_costs_of_zero_copy_and_pushes():
     assert zc.seconds == pytest.approx(max(copy, 12 * 10e-6 + 3 * 100e-6) + 10e-6, rel=1e-9)
     push = gpu_ring("receivers", links=links)
     assert push.seconds == pytest.approx(copy + 10e-6 + 12 * 10e-6, rel=1e-9)
+
+
+def test_a_cuda_ipc_ring_adds_each_buckets_handoff_one_after_another():
+    """software.handoff_us: each bucket of the GPU ring adds its slot's trip from trainer to
+    receiver and back, after the copies (not hidden by them); zero-copy and pushes have no
+    bucket and add nothing; a host ring (shm) ignores it; absent it is 0."""
+    plain = gpu_ring("none")
+    handed = gpu_ring("none", links=gpu_links(handoff_us=300))
+    buckets = plain.dest_reads[0]
+    assert buckets >= 2
+    assert handed.seconds - plain.seconds == pytest.approx(buckets * 300e-6, rel=1e-9)
+    slow = gpu_ring("none", links=gpu_links(handoff_us=10_000))   # it outlasts the copies
+    assert "handoff" in slow.bottleneck.limit, slow.bottleneck
+    for shared in ("trainer", "receivers"):
+        assert gpu_ring(shared, links=gpu_links(handoff_us=300)).seconds == \
+            gpu_ring(shared).seconds
+    assert load_links(gpu_links()).software["handoff_us"] == 0.0
+    with pytest.raises(PlannerError, match=">= 0") as exc:
+        load_links(gpu_links(handoff_us=-5))
+    assert exc.value.field == "links.software.handoff_us"

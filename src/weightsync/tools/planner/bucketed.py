@@ -26,7 +26,9 @@ host memory; CUDA IPC: the same GPU's memory, or NVLink); it needs one node. On 
 tensors of at least ``direct_min_bytes`` skip the buckets: ``collective`` broadcasts them
 as they are, ``shm`` lets each receiver read them from the trainer one at a time.
 Software: ``tensor_us`` per tensor on each side, ``bucket_us`` (+ ``op_us`` for a
-collective) per bucket or direct tensor.
+collective) per bucket or direct tensor. A ``cuda_ipc`` ring adds ``handoff_us`` per bucket
+one after another (the slot's trip from trainer to receiver and back, which the copies of
+the other slot do not hide; its owners hand off at once).
 
 ``shm`` on a host, as :mod:`weightsync.transport.backends.shm.engine` runs it:
 
@@ -419,7 +421,9 @@ _SERIAL = {"direct": "direct tensors, read one at a time (shm)",
            "shared": "direct tensors, copied out of the trainer's shared memory one at a "
                      "time (shm shared read)",
            "push": "pushes into every receiver's memory, tensor after tensor and receiver "
-                   "after receiver (shm push)"}
+                   "after receiver (shm push)",
+           "handoff": "each bucket's slot handed from trainer to receivers and back "
+                      "(cuda_ipc ring, software.handoff_us)"}
 
 
 def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
@@ -440,6 +444,7 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     # the receivers idle while their acknowledgement travels and the next header comes
     waited = sw["direct_wait_us"] if sc.links.direct_window < 2 else 0.0
     cpu_pushes: dict[int, list[int]] = {}     # owner -> bytes of each tensor it pushes
+    handoff = 0.0       # cuda_ipc ring: the busiest owner's bucket handoffs, one by one
     by_owner: dict[int, list[int]] = defaultdict(list)
     for i in step:
         by_owner[owners[i]].append(i)
@@ -471,6 +476,8 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
             loads.d2h(src, receivers * sum(pushed))
         elif pushed:
             cpu_pushes[o] = pushed
+        if strategy == "ring" and not pl.host:
+            handoff = max(handoff, buckets * sw["handoff_us"])
         ops = buckets + len(direct) + len({s["zc_batch_of"][i] for i in idx if i in zc})
         extra = sw["op_us"] if strategy == "broadcast" else 0.0
         loads.work(f"trainer rank {o}",
@@ -490,6 +497,9 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
                 _wire(loads, sc, pl, strategy, src, b, True)
             else:       # shm direct: every receiver reads it, the trainer waits for all
                 serial += b * len(pl.worker) / direct_rate + sw["control_us"] + waited
+    if handoff:
+        serial += handoff
+        what = "handoff"
     pushing = strategy == "ring" and sc.push
     side = Loads(pl)        # what the serial part moves: for the links report only
     if cpu_pushes:

@@ -452,7 +452,7 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     # GPU hosts: a run that did not record its code's own host costs is priced with the
     # costs of the code of 11-29, which every such run was checked with (the presets now
     # carry the current code's, RING_SOFTWARE_1204)
-    base = {k: v for k, v in RING_SOFTWARE_1129.items() if k not in sets} \
+    base = {k: v for k, v in {**RING_SOFTWARE_1129, **_NO_HANDOFF}.items() if k not in sets} \
         if preset in _GPU_PRESETS else {}
     rows = []
     if sets:
@@ -653,6 +653,11 @@ def _cpu_cases(root: str) -> list[dict]:
 #: free slots, and publishes each in 0.04-0.14 ms: ~19 us a tensor, ~0.15 ms a bucket).
 #: The GPU presets carry these costs since session 23.
 RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
+#: What each bucket of that code's ring adds beyond its copies, in the GPU presets since
+#: session 29: the slope of session 29's H100 runs (``gpu-h100-2026-12-06-s29b``,
+#: ``receive_into``, two rounds) between 512 MiB and 256 MiB buckets, 35.2 -> 49.3 ms for
+#: 32 more buckets. Its own 256 and 512 MiB rows are therefore not a check of it.
+RING_HANDOFF_1204 = {"software.handoff_us": 440.0}
 #: Host costs of the ring code of 11-29: every GPU run of code older than 12-04 is checked
 #: with them. That code's host costs were never timed as they ran (its one timeline, run 5
 #: of 11-29, is of earlier code), so they are fitted to its own runs: the least squared
@@ -662,6 +667,9 @@ RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
 #: tensor and 930 us a bucket, read off run 5's timeline (a bucket every ~2.2 ms); the GPU
 #: presets carried those until session 23.
 RING_SOFTWARE_1129 = {"software.tensor_us": 59.0, "software.bucket_us": 1060.0}
+#: The old codes' fitted bucket cost stands for the whole per-bucket cycle, its handoff
+#: included, so their rows add none (the presets' ``handoff_us`` is today's code's).
+_NO_HANDOFF = {"software.handoff_us": 0.0}
 
 
 def ring_code_of(row: Mapping) -> Optional[str]:
@@ -771,6 +779,9 @@ def _h200_cases(root: str) -> list[dict]:
             sets.update(RING_SOFTWARE_1204)
             for key in RING_SOFTWARE_1204:
                 where[key] = "the code's own timeline (gpu-h200-2026-12-04-programs run 7)"
+            sets.update(RING_HANDOFF_1204)
+            where.update(dict.fromkeys(RING_HANDOFF_1204, "the s29b H100 runs' slope, "
+                                                           "512 -> 256 MiB"))
         for e in doc["engine"]:
             cfg = e["cfg"]
             if folder == S29_NOW and (cfg.get("consume") != "into" or set(cfg) - {

@@ -29,7 +29,10 @@ YAML/JSON file). A links file describes one kind of node:
   ``control_us`` (one control-message round trip per sync), ``op_us`` (per collective op),
   and optionally ``direct_wait_us``: what each direct read the trainer waits for adds
   (``direct_window`` 1: the receivers' acknowledgement reaches the trainer, which asks for
-  its next item and sends its header; default ``control_us + tensor_us``).
+  its next item and sends its header; default ``control_us + tensor_us``) and
+  ``handoff_us``: what each bucket of a ``cuda_ipc`` ring adds that its copies do not hide
+  (a slot handed from trainer to receiver and back: the header, the receiver's event wait,
+  its release; default 0).
 
 Every number is required where its link is used, and must be >= 0 (``GBps`` > 0,
 ``efficiency`` in (0, 1]); a bad one is a :class:`~.errors.PlannerError` naming it.
@@ -172,6 +175,7 @@ def parse_links(doc: Any, name: str = "links") -> Links:
     software = {k: _num(sw, k, "links.software") * 1e-6 for k in _SOFTWARE}
     software["direct_wait_us"] = _num(sw, "direct_wait_us", "links.software", default=(
         software["control_us"] + software["tensor_us"]) * 1e6) * 1e-6
+    software["handoff_us"] = _num(sw, "handoff_us", "links.software", default=0.0) * 1e-6
     window = _num(ring, "direct_window", "links.ring", positive=True, default=2)
     if window != int(window):
         raise PlannerError("links.ring.direct_window",
