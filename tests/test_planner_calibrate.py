@@ -468,13 +468,17 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
     assert earlier and all(f"code of 11-29 (tensor_us {legacy:g}" in r["links_from"]
                            for r in earlier)
     assert load_links("h200-8gpu-400g").sw("tensor_us") == pytest.approx(19e-6)
-    for r in later:
-        assert "software tensor_us 19 " in r["links_from"], r
-        assert "software handoff_us 440 " in r["links_from"], r
+    for r in later:       # each host's own timeline of that code
+        t = 20 if r["case"].startswith("H100") else 19
+        assert f"software tensor_us {t} " in r["links_from"], r
+        assert "software handoff_us 206 " in r["links_from"], r
         assert r["within_goal"], r
-    # the presets carry today's handoff; the old codes' fitted bucket cost includes theirs
-    assert load_links("h100-8gpu-400g").sw("handoff_us") == pytest.approx(440e-6)
-    assert load_links("h200-8gpu-400g").sw("handoff_us") == pytest.approx(440e-6)
+    # the presets carry today's costs (the H100 host's timeline for both hosts' handoff);
+    # the old codes' fitted bucket cost includes their handoff
+    h100 = load_links("h100-8gpu-400g")
+    assert (h100.sw("tensor_us"), h100.sw("bucket_us")) == pytest.approx((20e-6, 262e-6))
+    assert h100.sw("handoff_us") == pytest.approx(206e-6)
+    assert load_links("h200-8gpu-400g").sw("handoff_us") == pytest.approx(206e-6)
     assert not [r for r in earlier if "handoff" in r["links_from"]]
     # the later code's ring is limited by the GPU's memory, the earlier code's by its host
     assert all(r["limited_by"].startswith("deliver: device_mem") for r in later)
@@ -763,7 +767,7 @@ def test_session_29s_h100_runs_are_groups_and_today_s_only_by_receive_into():
     assert all("receive_into" in c for g in now for c in g["cases"])
     rows = {r["case"]: r for r in res["rows"]}
     for g in now:
-        assert all("software tensor_us 19 " in rows[c]["links_from"] for c in g["cases"])
+        assert all("software tensor_us 20 " in rows[c]["links_from"] for c in g["cases"])
     t = calibrate.RING_SOFTWARE_1129["software.tensor_us"]
     for g in old:
         assert all(f"tensor_us {t:g}," in rows[c]["links_from"] for c in g["cases"])

@@ -653,11 +653,16 @@ def _cpu_cases(root: str) -> list[dict]:
 #: free slots, and publishes each in 0.04-0.14 ms: ~19 us a tensor, ~0.15 ms a bucket).
 #: The GPU presets carry these costs since session 23.
 RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
-#: What each bucket of that code's ring adds beyond its copies, in the GPU presets since
-#: session 29: the slope of session 29's H100 runs (``gpu-h100-2026-12-06-s29b``,
-#: ``receive_into``, two rounds) between 512 MiB and 256 MiB buckets, 35.2 -> 49.3 ms for
-#: 32 more buckets. Its own 256 and 512 MiB rows are therefore not a check of it.
-RING_HANDOFF_1204 = {"software.handoff_us": 440.0}
+#: The same code's host costs on an H100 host, from its own timeline there
+#: (``gpu-h100-2026-12-06-s29c``, ``receive_into``): the trainer packs and publishes 291
+#: tensors in 4 buckets in 6.88 ms and in 72 (256 MiB) in 24.71 ms: ~20 us a tensor, ~262 us
+#: a bucket. The H100 preset carries them since session 29.
+RING_SOFTWARE_1204_H100 = {"software.tensor_us": 20.0, "software.bucket_us": 262.0}
+#: What each bucket of that code's ring adds one after another beyond its host work and
+#: copies, in the GPU presets since session 29: the trainer's wait for a free slot at
+#: 256 MiB buckets in that timeline (14.84 ms over 72 buckets), where its host work, not
+#: the copies, sets the pace. Measured on the H100 host only.
+RING_HANDOFF_1204 = {"software.handoff_us": 206.0}
 #: Host costs of the ring code of 11-29: every GPU run of code older than 12-04 is checked
 #: with them. That code's host costs were never timed as they ran (its one timeline, run 5
 #: of 11-29, is of earlier code), so they are fitted to its own runs: the least squared
@@ -776,12 +781,15 @@ def _h200_cases(root: str) -> list[dict]:
             sets["links.device_mem.GBps"] = d2d["bytes"] / (d2d["flat_ms"] / 1e3) / 1e9
             where["links.device_mem.GBps"] = "flat D2D copy, own run"
         if folder in _RING_1204_RUNS:
-            sets.update(RING_SOFTWARE_1204)
-            for key in RING_SOFTWARE_1204:
-                where[key] = "the code's own timeline (gpu-h200-2026-12-04-programs run 7)"
+            h100 = folder.startswith("gpu-h100-")
+            costs = RING_SOFTWARE_1204_H100 if h100 else RING_SOFTWARE_1204
+            sets.update(costs)
+            where.update(dict.fromkeys(costs, "the code's own timeline ("
+                                       + ("gpu-h100-2026-12-06-s29c" if h100 else
+                                          "gpu-h200-2026-12-04-programs run 7") + ")"))
             sets.update(RING_HANDOFF_1204)
-            where.update(dict.fromkeys(RING_HANDOFF_1204, "the s29b H100 runs' slope, "
-                                                           "512 -> 256 MiB"))
+            where.update(dict.fromkeys(RING_HANDOFF_1204, "slot waits at 256 MiB in the "
+                                                           "H100 timeline (s29c)"))
         for e in doc["engine"]:
             cfg = e["cfg"]
             if folder == S29_NOW and (cfg.get("consume") != "into" or set(cfg) - {
