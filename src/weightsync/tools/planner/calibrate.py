@@ -451,7 +451,7 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
 
     # GPU hosts: a run that did not record its code's own host costs is priced with the
     # costs of the code of 11-29, which every such run was checked with (the presets now
-    # carry the current code's, RING_SOFTWARE_1204)
+    # carry the current code's, ring_costs_1204)
     base = {k: v for k, v in {**RING_SOFTWARE_1129, **_NO_HANDOFF}.items() if k not in sets} \
         if preset in _GPU_PRESETS else {}
     rows = []
@@ -647,22 +647,25 @@ def _cpu_cases(root: str) -> list[dict]:
 
 
 #: Host costs of the ``cuda_ipc`` ring's code from session 14 on (replayed layouts and copy
-#: programs), as that code's own host timeline measured them on the H200 host
-#: (``gpu-h200-2026-12-04-programs/gpu_bench_run7.txt``, ring 4 GiB, ``receive_into``: the
-#: trainer packs 291 tensors into 4 buckets in 5.8 ms of host time between its waits for
-#: free slots, and publishes each in 0.04-0.14 ms: ~19 us a tensor, ~0.15 ms a bucket).
-#: The GPU presets carry these costs since session 23.
-RING_SOFTWARE_1204 = {"software.tensor_us": 19.0, "software.bucket_us": 150.0}
-#: The same code's host costs on an H100 host, from its own timeline there
-#: (``gpu-h100-2026-12-06-s29c``, ``receive_into``): the trainer packs and publishes 291
-#: tensors in 4 buckets in 6.88 ms and in 72 (256 MiB) in 24.71 ms: ~20 us a tensor, ~262 us
-#: a bucket. The H100 preset carries them since session 29.
-RING_SOFTWARE_1204_H100 = {"software.tensor_us": 20.0, "software.bucket_us": 262.0}
-#: What each bucket of that code's ring adds one after another beyond its host work and
-#: copies, in the GPU presets since session 29: the trainer's wait for a free slot at
-#: 256 MiB buckets in that timeline (14.84 ms over 72 buckets), where its host work, not
-#: the copies, sets the pace. Measured on the H100 host only.
-RING_HANDOFF_1204 = {"software.handoff_us": 206.0}
+#: programs) are the GPU presets' own (``tensor_us``, ``bucket_us``, ``handoff_us``; each
+#: preset's ``source`` says where they come from): that code's host timeline on each host,
+#: ``h200-8gpu-400g`` from the H200 host's (``gpu-h200-2026-12-04-programs`` run 7: 19 us a
+#: tensor, 150 us a bucket), ``h100-8gpu-400g`` from the H100 host's
+#: (``gpu-h100-2026-12-06-s29c``: 20 us, 262 us), and both presets' ``handoff_us`` from the
+#: latter's slot waits at 256 MiB buckets (206 us; not measured on an H200 host).
+_TIMELINE_1204 = {"h200-8gpu-400g": "gpu-h200-2026-12-04-programs run 7",
+                  "h100-8gpu-400g": "gpu-h100-2026-12-06-s29c"}
+_HANDOFF_1204 = "slot waits at 256 MiB in the H100 timeline (s29c)"
+
+
+def ring_costs_1204(preset: str) -> dict[str, float]:
+    """The ring code of 12-04 on: its host costs on ``preset``'s host, as ``--link-set``
+    keys (microseconds), read from the preset itself."""
+    sw = load_links(preset).software
+    return {f"software.{k}": round(sw[k] * 1e6, 6)
+            for k in ("tensor_us", "bucket_us", "handoff_us")}
+
+
 #: Host costs of the ring code of 11-29: every GPU run of code older than 12-04 is checked
 #: with them. That code's host costs were never timed as they ran (its one timeline, run 5
 #: of 11-29, is of earlier code), so they are fitted to its own runs: the least squared
@@ -743,9 +746,10 @@ H200_1129_RUNS = {"bench_run6.json": "run 6", "bench_run7.json": "run 7",
 def _h200_cases(root: str) -> list[dict]:
     """The ``cuda_ipc`` ring on one H200 (and one H100 run); the device-memory rate from the
     run's own flat D2D copy of the same bytes (``d2d``), where it recorded one, and the
-    host costs of the run's own code (:data:`RING_SOFTWARE_1204` for the code of 12-04 on,
+    host costs of the run's own code (:func:`ring_costs_1204` for the code of 12-04 on,
     else the preset's)."""
     rows = []
+    costs_1204 = {host: ring_costs_1204(host) for host in _TIMELINE_1204}
     for folder, name in (("gpu-h200-2026-11-29", "bench_final.json"),
                          *(("gpu-h200-2026-11-29", n) for n in H200_1129_RUNS),
                          ("gpu-h200-2026-12-01", "gpu_bench.json"),
@@ -780,16 +784,12 @@ def _h200_cases(root: str) -> list[dict]:
         if d2d.get("flat_ms"):
             sets["links.device_mem.GBps"] = d2d["bytes"] / (d2d["flat_ms"] / 1e3) / 1e9
             where["links.device_mem.GBps"] = "flat D2D copy, own run"
-        if folder in _RING_1204_RUNS:
-            h100 = folder.startswith("gpu-h100-")
-            costs = RING_SOFTWARE_1204_H100 if h100 else RING_SOFTWARE_1204
-            sets.update(costs)
-            where.update(dict.fromkeys(costs, "the code's own timeline ("
-                                       + ("gpu-h100-2026-12-06-s29c" if h100 else
-                                          "gpu-h200-2026-12-04-programs run 7") + ")"))
-            sets.update(RING_HANDOFF_1204)
-            where.update(dict.fromkeys(RING_HANDOFF_1204, "slot waits at 256 MiB in the "
-                                                           "H100 timeline (s29c)"))
+        if folder in _RING_1204_RUNS:     # the host's own preset costs of that code
+            host = "h100-8gpu-400g" if folder.startswith("gpu-h100-") else "h200-8gpu-400g"
+            sets.update(costs_1204[host])
+            where.update(dict.fromkeys(("software.tensor_us", "software.bucket_us"),
+                                       f"the code's own timeline ({_TIMELINE_1204[host]})"),
+                         **{"software.handoff_us": _HANDOFF_1204})
         for e in doc["engine"]:
             cfg = e["cfg"]
             if folder == S29_NOW and (cfg.get("consume") != "into" or set(cfg) - {
