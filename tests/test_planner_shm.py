@@ -329,6 +329,9 @@ def test_a_cuda_ipc_ring_adds_each_buckets_handoff_one_after_another():
     for shared in ("trainer", "receivers"):
         assert gpu_ring(shared, links=gpu_links(handoff_us=300)).seconds == \
             gpu_ring(shared).seconds
+    host = host_links()
+    host["software"]["handoff_us"] = 300
+    assert ring(host).seconds == ring(host_links()).seconds       # shm: no handoff
     assert load_links(gpu_links()).software["handoff_us"] == 0.0
     with pytest.raises(PlannerError, match=">= 0") as exc:
         load_links(gpu_links(handoff_us=-5))
