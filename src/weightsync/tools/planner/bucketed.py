@@ -28,7 +28,10 @@ as they are, ``shm`` lets each receiver read them from the trainer one at a time
 Software: ``tensor_us`` per tensor on each side, ``bucket_us`` (+ ``op_us`` for a
 collective) per bucket or direct tensor. A ``cuda_ipc`` ring adds ``handoff_us`` per bucket
 one after another (the slot's trip from trainer to receiver and back, which the copies of
-the other slot do not hide; its owners hand off at once).
+the other slot do not hide; its owners hand off at once). With ``Scenario.ring_sync``
+``"host"`` (``cuda_ipc``'s ``sync="host"``) the trainer synchronizes its stream before each
+publish, so each bucket's pack (a copy of its bytes at ``device_mem``'s rate) is part of
+the trainer's own serial work instead of overlapping it.
 
 ``shm`` on a host, as :mod:`weightsync.transport.backends.shm.engine` runs it:
 
@@ -478,6 +481,8 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
             cpu_pushes[o] = pushed
         if strategy == "ring" and not pl.host:
             handoff = max(handoff, buckets * sw["handoff_us"])
+            if sc.ring_sync == "host":  # the trainer waits for each pack before its publish
+                loads.work(f"trainer rank {o}", nb / pl.links_of(src).link("device_mem").rate)
         ops = buckets + len(direct) + len({s["zc_batch_of"][i] for i in idx if i in zc})
         extra = sw["op_us"] if strategy == "broadcast" else 0.0
         loads.work(f"trainer rank {o}",
@@ -670,6 +675,9 @@ def _shm_note(sc: Scenario, pl: Placement, strategy: str) -> str:
         if sc.shared == "trainer":
             return ("cuda_ipc zero-copy: receivers copy every tensor sent as it is kept "
                     "straight out of the trainer's memory, no ring")
+        if sc.ring_sync == "host":
+            return ("cuda_ipc ring, sync=host: the trainer waits for each bucket's pack "
+                    "before it publishes it (its copies join the trainer's host work)")
         return ""
     gpu = sc.trainer_device == "gpu"
     src = "GPU trainer (device-to-host over links.d2h)" if gpu else "CPU trainer"

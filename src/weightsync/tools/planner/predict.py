@@ -129,7 +129,7 @@ def _to_dict(p: Prediction) -> dict:
                                  "tp": sc.trainer_tp, "ep": sc.trainer_ep,
                                  "layout": sc.trainer_layout,
                                  "device": sc.trainer_device},
-                     "shared": sc.shared,
+                     "shared": sc.shared, "ring_sync": sc.ring_sync,
                      "rollout": {"replicas": sc.replicas, "tp": sc.tp, "ep": sc.ep,
                                  "workers": sc.workers, "placement": sc.placement},
                      "links": links.name,

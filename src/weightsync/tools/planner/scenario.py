@@ -40,6 +40,10 @@ TRAINER_DEVICES = ("cpu", "gpu")
 Device = tuple[int, int]          # (node, index in node)
 
 
+#: ``cuda_ipc``'s orderings of a bucket's copies (its ``sync`` option)
+RING_SYNCS = ("event", "host")
+
+
 def _positive(v, field_name: str, low: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise PlannerError(field_name, f"must be an integer >= {low}, got {v!r}")
@@ -90,6 +94,9 @@ class Scenario:
     #: bigger than a bucket starts in the open bucket's free space); ``False``, the code's
     #: before 2026-12-05 (it closed the open bucket first), for predicting runs of that code
     fill_open: bool = True
+    #: ring on GPUs (``cuda_ipc``'s ``sync``): ``"event"`` (default) orders the copies on the
+    #: GPU; ``"host"``: the trainer waits for each bucket's pack before it publishes it
+    ring_sync: str = "event"
 
     def __post_init__(self) -> None:
         _positive(self.trainer_gpus, "trainer.gpus")
@@ -114,6 +121,9 @@ class Scenario:
         if self.placement not in PLACEMENTS:
             raise PlannerError("rollout.placement", f"must be one of {', '.join(PLACEMENTS)}, "
                                f"got {self.placement!r}")
+        if self.ring_sync not in RING_SYNCS:
+            raise PlannerError("ring_sync", f"must be one of {', '.join(RING_SYNCS)}, got "
+                                            f"{self.ring_sync!r}")
         self._check_shm()
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad or not self.strategies:
