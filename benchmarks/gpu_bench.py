@@ -527,6 +527,8 @@ VARIANTS = (
      {"links": False}),
     ("--into-buckets", "2048", "ring, consumed with receive_into (the README's way)",
      {"consume": "into"}),
+    ("--into-host-buckets", "", "ring, consumed with receive_into, sync=host (the trainer "
+     "waits for each bucket's pack before it publishes it)", {"consume": "into", "sync": "host"}),
     ("--into-zero-copy-buckets", "1024", "zero-copy, consumed with receive_into",
      {"consume": "into", "zero_copy": True}),
     ("--into-detach-buckets", "", "ring, receive_into new views of the parameters every "
@@ -567,8 +569,9 @@ def main() -> None:
     ap.add_argument("--host-buckets", default="1024,4096", help="MiB (sync=host)")
     ap.add_argument("--zero-copy-buckets", default="256,1024", help="MiB (event)")
     ap.add_argument("--zero-copy-host-buckets", default="1024", help="MiB")
-    for flag, default, what, _ in VARIANTS:
-        ap.add_argument(flag, default=default, help=f"MiB, sync=event: {what}")
+    for flag, default, what, extra in VARIANTS:
+        ap.add_argument(flag, default=default,
+                        help=f"MiB, sync={extra.get('sync', 'event')}: {what}")
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
     ap.add_argument("--branches", default="2,4",
                     help="graph_branches of the *-branches rows (comma-separated)")

@@ -1,0 +1,131 @@
+"""The ``cuda_ipc`` ring trainer's host costs, read off ``gpu_bench.py --timeline`` outputs.
+
+A ``--timeline`` run prints, per engine configuration, both processes' engine steps of its
+last warm sync on one clock. Per sync (:func:`syncs`) this takes, from the trainer's steps:
+
+* packing: from the end of each wait for a free slot (``_tx_wait_free``) to the start of
+  the next publish (the tensors of that bucket copied into its slot);
+* publishing: each ``_publish`` span;
+* slot waits: each ``_tx_wait_free`` span (the slot's trip to the receivers and back that
+  the trainer's own work did not hide).
+
+:func:`host_costs` turns the syncs of one code on one host, ordered by events (``sync``
+``"event"``) and at two or more bucket sizes, into the planner's ``software`` costs (us):
+``tensor_us`` and ``bucket_us`` are the intercept (over the model's tensors) and the slope of
+the least-squares line of packing + publishing against the number of buckets, and
+``handoff_us`` is the slot waits per bucket at the smallest bucket size timed. This is how
+the GPU presets' costs of today's ring were read (``gpu-h100-2026-12-06-s29c``).
+
+    python3 benchmarks/timeline_costs.py DIR [DIR ...]   # each DIR: gpu_bench.txt + .json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+_STEP = re.compile(r"\s+([\d.]+) ms  ([TR]) (\S+)")
+
+
+@dataclass(frozen=True)
+class SyncSteps:
+    """The trainer's steps in one timed sync of a ``--timeline`` run (milliseconds)."""
+    cfg: dict
+    publishes: int
+    packing_ms: float
+    publish_ms: float
+    wait_ms: float
+    sync_ms: float
+
+
+def _spans(rows: list, step: str) -> list[tuple[float, float]]:
+    out, start = [], None
+    for t, side, name in rows:
+        if side != "T":
+            continue
+        if name == step + ">":
+            start = t
+        elif name == "<" + step and start is not None:
+            out.append((start, t))
+            start = None
+    return out
+
+
+def syncs(path: str) -> list[SyncSteps]:
+    """Each configuration's printed sync in one ``gpu_bench.txt`` of a ``--timeline`` run."""
+    blocks, cfg, rows = [], None, []
+    for line in open(path):
+        if line.startswith("engine "):
+            if cfg is not None:
+                blocks.append((cfg, rows))
+            cfg, rows = json.loads(line[len("engine "):])["cfg"], []
+            continue
+        m = _STEP.match(line)
+        if m and cfg is not None:
+            rows.append((float(m.group(1)), m.group(2), m.group(3)))
+    if cfg is not None:
+        blocks.append((cfg, rows))
+    out = []
+    for cfg, rows in blocks:
+        pubs, waits = _spans(rows, "_publish"), _spans(rows, "_tx_wait_free")
+        if not pubs:
+            continue
+        starts = [a for a, _ in pubs]
+        packing = [next((p for p in starts if p >= b), b) - b for _, b in waits]
+        out.append(SyncSteps(cfg, len(pubs), sum(packing), sum(b - a for a, b in pubs),
+                             sum(b - a for a, b in waits), max(t for t, _, _ in rows)))
+    return out
+
+
+def tensors_of(run_dir: str) -> int:
+    """Tensors of the model a run synced (its ``gpu_bench.json``'s ``layers``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from gpu_bench import model_shapes
+    finally:
+        sys.path.pop(0)
+    with open(os.path.join(run_dir, "gpu_bench.json")) as f:
+        return len(model_shapes(json.load(f)["layers"]))
+
+
+def host_costs(run_dirs: list[str]) -> dict[str, float]:
+    """``software.tensor_us`` / ``bucket_us`` / ``handoff_us`` (microseconds) from the
+    event-ordered ring syncs (no zero-copy, no pushes) of ``--timeline`` runs of one code
+    on one host; raises ``ValueError`` unless they span two bucket sizes."""
+    points, tensors = [], set()
+    for d in run_dirs:
+        for s in syncs(os.path.join(d, "gpu_bench.txt")):
+            c = s.cfg
+            if c.get("sync") == "event" and not c.get("zero_copy") and not c.get("push"):
+                points.append((c["bucket_size"], s))
+                tensors.add(tensors_of(d))
+    if len({b for b, _ in points}) < 2 or len(tensors) != 1:
+        raise ValueError(f"need event ring syncs at two bucket sizes of one model, got "
+                         f"{sorted({b >> 20 for b, _ in points})} MiB of {sorted(tensors)} tensors")
+    xs = [s.publishes for _, s in points]
+    ys = [s.packing_ms + s.publish_ms for _, s in points]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    small = min(b for b, _ in points)
+    at_small = [s for b, s in points if b == small]
+    handoff = sum(s.wait_ms for s in at_small) / sum(s.publishes for s in at_small)
+    return {"software.tensor_us": round(intercept / tensors.pop() * 1e3, 1),
+            "software.bucket_us": round(slope * 1e3, 1),
+            "software.handoff_us": round(handoff * 1e3, 1)}
+
+
+def main(argv: list[str]) -> None:
+    for d in argv:
+        for s in syncs(os.path.join(d, "gpu_bench.txt")):
+            print(f"{d}: {json.dumps(s.cfg)}: {s.publishes} publishes, packing "
+                  f"{s.packing_ms:.2f} ms, publishing {s.publish_ms:.2f} ms, slot waits "
+                  f"{s.wait_ms:.2f} ms, sync {s.sync_ms:.2f} ms")
+    print(host_costs(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
