@@ -575,7 +575,8 @@ def test_runs_with_the_benchs_spinning_raw_agent_are_shown_apart_not_counted(tmp
 def test_the_h100_runs_of_two_ring_codes_are_a_group_per_code_and_case():
     """Session 26 ran the cuda_ipc ring of 11-29's and of 12-01's code alternating on one
     H100 (calibrate.S26_RING): each code's runs of one configuration are one group of
-    repeats, never mixed with the other code's, priced with the host costs of 11-29."""
+    repeats, never mixed with the other code's, priced with that code's H100 host costs
+    (calibrate.ring_costs_old, from its own timelines there)."""
     res = calibrate.run(("h200",))
     when = calibrate.S26_RING.split("-", 2)[2]            # 2026-12-06-s26
     groups = [g for g in res["repeats"] if f"{when})" in g["group"]]
@@ -586,8 +587,11 @@ def test_the_h100_runs_of_two_ring_codes_are_a_group_per_code_and_case():
         (code,) = [c for c in calibrate.S26_CODES.values() if f"code of {c}," in g["group"]]
         assert len(g["cases"]) >= 4 and all(f"code of {code}," in c for c in g["cases"])
     rows = [r for r in res["rows"] if calibrate.S26_RING in r["source"]]
-    t, b = (calibrate.RING_SOFTWARE_1129[f"software.{k}_us"] for k in ("tensor", "bucket"))
-    assert rows and all(f"tensor_us {t:g}, bucket_us {b:g}" in r["links_from"] for r in rows)
+    assert rows
+    for r in rows:
+        costs, _ = calibrate.ring_costs_old(calibrate.ring_code_of(r))
+        t, b = (costs[f"software.{k}_us"] for k in ("tensor", "bucket"))
+        assert f"tensor_us {t:g}, bucket_us {b:g}" in r["links_from"], r
 
 
 def test_more_cpu_runs_are_predicted_with_their_own_codes_settings(tmp_path):
@@ -734,27 +738,34 @@ def test_the_11_29_h200_runs_are_one_group_per_ring_case():
 
 
 def test_the_11_29_ring_costs_are_the_least_squares_fit_to_that_codes_runs():
-    """RING_SOFTWARE_1129 minimises the squared log error over the runs of the ring code of
-    11-29 (fit_ring_1129.py searched a 1 us x 10 us grid): each neighbour on that grid does
-    worse, and so do the costs read off run 5's timeline before (70 us, 930 us). The fit
-    has 38 rows; the code of 12-01's rows (an H200 run, four H100 runs) are not in it."""
+    """RING_SOFTWARE_1129 (the old ring codes' costs on an H200 host) minimises the squared
+    log error over the H200 runs of the ring code of 11-29 (fit_ring_1129.py of session 30
+    searched a 1 us x 10 us grid): each neighbour on that grid does worse, and so do session
+    29's fit (59 us, 1060 us) and the costs read off run 5's timeline before (70 us, 930 us).
+    The fit has 23 rows; the code of 12-01's H200 rows and both codes' H100 rows (priced with
+    their H100 timelines' costs) are not in it."""
     t = calibrate.RING_SOFTWARE_1129["software.tensor_us"]
     b = calibrate.RING_SOFTWARE_1129["software.bucket_us"]
     best, rows = calibrate.ring_1129_loss(t, b)
-    codes = [calibrate.ring_code_of(r) for r in rows]
-    if codes.count("11-29") < 38:
+    fit = [r for r in rows if calibrate.ring_code_of(r) == "11-29" and r["case"][:5] == "H200 "]
+    if len(fit) < 23:
         pytest.skip("not every run of the 11-29 ring code is in this checkout")
-    assert codes.count("11-29") == 38 and codes.count("12-01") == 15
+    assert len(fit) == 23
+    assert [r["case"][:5] for r in rows if calibrate.ring_code_of(r) == "12-01"].count("H200 ") == 3
+    assert not [r for r in rows if r["case"].startswith("H100 ")
+                and f"tensor_us {t:g}," in r["links_from"]]
     for dt, db in ((1, 0), (-1, 0), (0, 10), (0, -10)):
         assert calibrate.ring_1129_loss(t + dt, b + db)[0] > best, (dt, db)
+    assert calibrate.ring_1129_loss(59, 1060)[0] > best
     assert calibrate.ring_1129_loss(70, 930)[0] > best
 
 
 def test_session_29s_h100_runs_are_groups_and_today_s_only_by_receive_into():
     """Session 29's H100 runs: the two old ring codes at 256 MiB, 512 MiB and 4 GiB (event)
-    and 4 GiB (host), each code's two rounds one group per case, priced with the 11-29
-    code's costs and not in their fit; today's ring (s29b) read only where consumed with
-    receive_into (its diagnostic rows have no path in the model), priced with today's."""
+    and 4 GiB (host), each code's two rounds one group per case, priced with that code's
+    H100 timeline costs (calibrate.ring_costs_old; not fitted to any run); today's ring
+    (s29b) read only where consumed with receive_into (its diagnostic rows have no path in
+    the model), priced with today's."""
     res = calibrate.run(("h200",))
     def of(rset: str) -> list[dict]:
         return [g for g in res["repeats"] if g["group"].endswith(f"[{rset}]")]
@@ -768,8 +779,93 @@ def test_session_29s_h100_runs_are_groups_and_today_s_only_by_receive_into():
     rows = {r["case"]: r for r in res["rows"]}
     for g in now:
         assert all("software tensor_us 20 " in rows[c]["links_from"] for c in g["cases"])
-    t = calibrate.RING_SOFTWARE_1129["software.tensor_us"]
     for g in old:
-        assert all(f"tensor_us {t:g}," in rows[c]["links_from"] for c in g["cases"])
-    assert not [r for r in res["rows"]
-                if calibrate.S29_RING + "/" in r["source"] and calibrate.ring_code_of(r)]
+        for c in g["cases"]:
+            costs, _ = calibrate.ring_costs_old(calibrate.ring_code_of(rows[c]))
+            assert f"tensor_us {costs['software.tensor_us']:g}," in rows[c]["links_from"]
+
+
+def _timeline(path, bucket_mib: int, steps: list[tuple[float, str]], layers: int = 32) -> None:
+    """A --timeline run's gpu_bench.txt (one event-ordered ring sync) and its json."""
+    os.makedirs(path, exist_ok=True)
+    cfg = {"bucket_size": bucket_mib << 20, "num_slots": 2, "zero_copy": False, "sync": "event"}
+    lines = ["d2d {}", "engine " + json.dumps({"cfg": cfg, "median_ms": 1.0})]
+    lines += [f"  {t:7.2f} ms  {step}" for t, step in steps]
+    with open(os.path.join(path, "gpu_bench.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(path, "gpu_bench.json"), "w") as f:
+        json.dump({"layers": layers, "engine": [{"cfg": cfg}]}, f)
+
+
+def _buckets(n: int, pack: float, publish: float, wait: float) -> list[tuple[float, str]]:
+    """n buckets: wait for a free slot, pack, publish (ms), one after another; receiver
+    steps between them, which the reading must skip."""
+    out, t = [(0.0, "T send_weights>")], 0.0
+    for _ in range(n):
+        out += [(t, "T _tx_wait_free>"), (t + wait, "T <_tx_wait_free"),
+                (t + wait + 0.01, "R _rx_fetch>"), (t + wait + 0.02, "R <_rx_fetch")]
+        t += wait + pack
+        out += [(t, "T _publish>"), (t + publish, "T <_publish")]
+        t += publish
+    return out + [(t + 1, "T <send_weights")]
+
+
+def test_timeline_costs_reads_tensor_bucket_and_handoff_costs_off_timelines(tmp_path):
+    """benchmarks/timeline_costs.py: packing + publishing against the number of buckets is
+    a line whose intercept over the model's tensors is tensor_us and slope bucket_us; the
+    slot waits per bucket at the smallest bucket size are handoff_us. One bucket size is
+    not enough (a ValueError)."""
+    tool = calibrate._script("timeline_costs")
+    tensors = len(calibrate._script("gpu_bench").model_shapes(32))
+    # 4 buckets at 4 GiB and 72 at 256 MiB: packing 0.2 + 0.02 x tensors/bucket, publish 0.1
+    per_t = 0.02 * 291 / tensors        # ms a tensor, whatever the model's count
+    for n, mib, wait in ((4, 4096, 2.0), (72, 256, 0.25)):
+        _timeline(tmp_path / f"b{mib}", mib,
+                  _buckets(n, 0.2 + per_t * tensors / n, 0.1, wait))
+    costs = tool.host_costs([str(tmp_path / "b4096"), str(tmp_path / "b256")])
+    assert costs["software.bucket_us"] == pytest.approx(300, abs=0.2)
+    assert costs["software.tensor_us"] == pytest.approx(per_t * 1e3, abs=0.1)
+    assert costs["software.handoff_us"] == pytest.approx(250, abs=0.2)
+    with pytest.raises(ValueError, match="two bucket sizes"):
+        tool.host_costs([str(tmp_path / "b256")])
+
+
+def test_the_h100_presets_ring_costs_are_what_timeline_costs_reads_off_its_timeline():
+    """The H100 preset's host costs of today's ring (20 us, 262 us, handoff 206 us) are what
+    timeline_costs.py reads off that code's H100 timeline (gpu-h100-2026-12-06-s29c/now):
+    the old codes' H100 costs (calibrate.ring_costs_old) are read the same way."""
+    d = os.path.join(calibrate.results_dir(), "gpu-h100-2026-12-06-s29c", "now")
+    if not os.path.exists(d):
+        pytest.skip("session 29's H100 timeline is not in this checkout")
+    got = calibrate._script("timeline_costs").host_costs([d])
+    want = calibrate.ring_costs_1204("h100-8gpu-400g")
+    assert {k: round(v) for k, v in got.items()} == {k: round(v) for k, v in want.items()}
+
+
+def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_wait():
+    """The ring codes of 11-29 and 12-01 on an H100 host are priced with the costs
+    timeline_costs.py reads off their own --timeline runs there (calibrate.ring_costs_old;
+    12-01's, timed at one bucket size, are 11-29's), never with the H200 fit; a run ordered
+    by the host (sync=host) is predicted slower than the same run's event-ordered rows at
+    that bucket size: its trainer waits for each pack."""
+    res = calibrate.run(("h200",))
+    old = [r for r in res["rows"] if calibrate.ring_code_of(r) and r["case"].startswith("H100")]
+    if not old:
+        pytest.skip("no H100 runs of the old ring codes in this checkout")
+    c1129, src = calibrate.ring_costs_old("11-29")
+    assert "11-29 code's H100 timelines" in src
+    assert c1129 == pytest.approx({"software.tensor_us": 30.6, "software.bucket_us": 547.3,
+                                   "software.handoff_us": 229.6}, abs=0.05)
+    tool = calibrate._script("timeline_costs")
+    assert c1129 == tool.host_costs([os.path.join(calibrate.results_dir(), d)
+                                     for d in calibrate.OLD_H100_TIMELINES["11-29"]])
+    for r in old:
+        assert "host costs of its code, from the" in r["links_from"], r
+        assert "fitted" not in r["links_from"], r
+    by_run: dict = {}
+    for r in old:
+        key = r["source"], re.search(r"ring (\d+) MiB \((\w+)", r["case"]).groups()
+        by_run[key] = r["predicted_s"]
+    pairs = [(v, by_run[(src, (mib, "event"))]) for (src, (mib, how)), v in by_run.items()
+             if how == "host" and (src, (mib, "event")) in by_run]
+    assert pairs and all(host > event for host, event in pairs)

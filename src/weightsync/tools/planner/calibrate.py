@@ -68,6 +68,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import statistics
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Optional
@@ -103,6 +104,7 @@ def _script(name: str) -> Any:
     path = os.path.join(_ROOT, "benchmarks", name + ".py")
     spec = importlib.util.spec_from_file_location(f"weightsync_bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod        # dataclasses look their module up while it loads
     spec.loader.exec_module(mod)
     return mod
 
@@ -439,13 +441,15 @@ def _row(case: str, strategy: str, sc: Scenario, measured: float, source: str,
 def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measured: float,
           source: str, preset: str, sets: Mapping[str, float], where: Mapping[str, str],
           check: Optional[Callable] = None, repeat_of: Optional[str] = None,
-          fill_open: bool = False) -> list[dict]:
+          fill_open: bool = False, code_costs: Optional[tuple[dict, str]] = None) -> list[dict]:
     """One case: with the links its run recorded (counted) and with the preset alone (not
     counted); only the preset's, counted, when the run recorded no limit. ``repeat_of``:
     its group of repeats (:func:`_repeat_of`), if any. Buckets are laid out as the run's
     code did: ``fill_open`` only for session 22's "after" runs, every other recorded run of
     ``shm`` / ``collective`` / ``cuda_ipc`` predates 2026-12-05's layout (the ``p2p``
-    strategy does not read it)."""
+    strategy does not read it). ``code_costs``: the host costs of the run's code on its host
+    and where they come from, in both rows (a GPU preset's rows otherwise take the fitted
+    costs of the old ring codes where the run set none)."""
     def recorded(links: Links) -> Scenario:   # laid out as the run's code did
         return dataclasses.replace(scenario(links), fill_open=fill_open)
 
@@ -453,18 +457,22 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     # costs of the code of 11-29, which every such run was checked with (the presets now
     # carry the current code's, ring_costs_1204)
     base = {k: v for k, v in {**RING_SOFTWARE_1129, **_NO_HANDOFF}.items() if k not in sets} \
-        if preset in _GPU_PRESETS else {}
+        if preset in _GPU_PRESETS and not code_costs else {}
+    note = _legacy_note(base)
+    if code_costs:
+        base, costs_from = code_costs
+        note = "; host costs of its code, from " + costs_from + ": " + ", ".join(
+            f"{k.split('.')[-1]} {v:g}" for k, v in base.items())
     rows = []
     if sets:
         row = _row(case, strategy, recorded(load_links(preset, {**base, **sets})), measured,
                    source, check)
-        row.update(links="run", links_from=_describe(sets, where) + _legacy_note(base),
-                   counted=True)
+        row.update(links="run", links_from=_describe(sets, where) + note, counted=True)
         rows.append(row)
     row = _row(case, strategy, recorded(load_links(preset, base)), measured, source, check)
     row.update(links="preset", counted=not sets,
                links_from=f"preset {preset}" + ("" if sets else " (the run recorded no limit)")
-               + _legacy_note(base))
+               + note)
     rows.append(row)
     for row in rows:
         row["repeat_of"] = repeat_of
@@ -666,37 +674,67 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
             for k in ("tensor_us", "bucket_us", "handoff_us")}
 
 
-#: Host costs of the ring code of 11-29: every GPU run of code older than 12-04 is checked
-#: with them. That code's host costs were never timed as they ran (its one timeline, run 5
-#: of 11-29, is of earlier code), so they are fitted to its own runs: the least squared
-#: log(predicted / measured) over the 38 rows of the four 11-29 H200 runs and session 26's
-#: five H100 runs of that code (``planner-calib-2026-12-06-s29/fit_ring_1129.py``). The runs
-#: of the code of 12-01 are left out of the fit and check it. Until session 29: 70 us a
-#: tensor and 930 us a bucket, read off run 5's timeline (a bucket every ~2.2 ms); the GPU
-#: presets carried those until session 23.
-RING_SOFTWARE_1129 = {"software.tensor_us": 59.0, "software.bucket_us": 1060.0}
+#: Host costs of the ring codes older than 12-04 (11-29's and 12-01's) on an H200 host, where
+#: neither was ever timed as it ran (the one H200 timeline, run 5 of 11-29, is of earlier
+#: code): fitted to the 11-29 code's own H200 runs, the least squared log(predicted /
+#: measured) over the rows of the four 11-29 H200 runs
+#: (``planner-calib-2026-12-06-s30/fit_ring_1129.py``); the H200 run of 12-01 is left out of
+#: the fit and checks it. Every other GPU run without its code's own costs (the CPU-trainer
+#: and shm_d2h rows on ``h200-host``) takes them too. Session 29 fitted 59 / 1060 over those
+#: rows and the H100 ones (which now take that host's timeline costs,
+#: :func:`ring_costs_old`), without the host ordering's wait
+#: (:attr:`~weightsync.tools.planner.scenario.Scenario.ring_sync`); until then 70 / 930, read
+#: off run 5's timeline.
+RING_SOFTWARE_1129 = {"software.tensor_us": 48.0, "software.bucket_us": 1080.0}
 #: The old codes' fitted bucket cost stands for the whole per-bucket cycle, its handoff
 #: included, so their rows add none (the presets' ``handoff_us`` is today's code's).
 _NO_HANDOFF = {"software.handoff_us": 0.0}
+#: ``--timeline`` runs of the old ring codes on H100 hosts, by code: their host costs there
+#: (:func:`ring_costs_old`), read the way the H100 preset's are for today's code.
+OLD_H100_TIMELINES = {
+    "11-29": ("gpu-h100-2026-12-06-s26/call1/c1129/timeline",
+              "gpu-h100-2026-12-06-s26/call2/c1129/timeline", "gpu-h100-2026-12-06-s29c/c1129"),
+    "12-01": ("gpu-h100-2026-12-06-s26/call2/c1201/timeline",)}
+
+
+def ring_costs_old(code: str, root: Optional[str] = None) -> tuple[dict[str, float], str]:
+    """Host costs (``--link-set`` keys, microseconds) of the ring code of ``code`` (``"11-29"``
+    or ``"12-01"``) on an H100 host, from its own ``--timeline`` runs there
+    (``benchmarks/timeline_costs.py``: packing and publishing against the number of buckets,
+    slot waits at the smallest bucket), and where they come from; a code timed there at one
+    bucket size only takes the 11-29 code's."""
+    root = root or results_dir()
+    tool = _script("timeline_costs")
+    try:
+        costs = tool.host_costs([os.path.join(root, d) for d in OLD_H100_TIMELINES[code]])
+    except ValueError:
+        if code == "11-29":
+            raise
+        costs, _ = ring_costs_old("11-29", root)
+        return costs, (f"the 11-29 code's H100 timelines (the {code} code's were timed at "
+                       f"one bucket size)")
+    return costs, f"the {code} code's H100 timelines"
 
 
 def ring_code_of(row: Mapping) -> Optional[str]:
-    """``"11-29"`` or ``"12-01"`` for a calibration row of a run of that ring code (the fit
-    rows of :data:`RING_SOFTWARE_1129` and its check rows), else None."""
+    """``"11-29"`` or ``"12-01"`` for a calibration row of a run of that ring code (on an
+    H200 host: the fit rows of :data:`RING_SOFTWARE_1129` and its check rows; on an H100
+    host: rows priced with :func:`ring_costs_old`), else None."""
     src = row["source"]
     if src.startswith("gpu-h200-2026-11-29/"):
         return "11-29"
     if src.startswith("gpu-h200-2026-12-01/"):
         return "12-01"
-    if src.startswith(f"{S26_RING}/"):
-        return S26_CODES.get(src.split("/")[2])
+    folder, *parts = src.split("/")
+    if folder in _OLD_H100_RUNS:
+        return next((S26_CODES[p] for p in parts if p in S26_CODES), None)
     return None
 
 
 def ring_1129_loss(tensor_us: float, bucket_us: float,
                    results: Optional[str] = None) -> tuple[float, list[dict]]:
     """The objective :data:`RING_SOFTWARE_1129` minimises, at these host costs: the sum of
-    squared log(predicted / measured) over the counted rows of the ring code of 11-29;
+    squared log(predicted / measured) over the counted H200 rows of the ring code of 11-29;
     with the rows of both codes (see :func:`ring_code_of`) as predicted with them."""
     global RING_SOFTWARE_1129
     kept = RING_SOFTWARE_1129
@@ -707,7 +745,7 @@ def ring_1129_loss(tensor_us: float, bucket_us: float,
     finally:
         RING_SOFTWARE_1129 = kept
     loss = sum(math.log(r["predicted_s"] / r["measured_s"]) ** 2
-               for r in rows if ring_code_of(r) == "11-29")
+               for r in rows if ring_code_of(r) == "11-29" and r["case"].startswith("H200 "))
     return loss, rows
 _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
@@ -728,6 +766,8 @@ S26_CODES = {"c1129": "11-29", "c1201": "12-01"}
 #: (256 MiB, 512 MiB and 4 GiB event, 4 GiB host), alternating, two rounds in one device
 #: call; each code's rows of one configuration are a group of repeats.
 S29_RING = "gpu-h100-2026-12-06-s29"
+#: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
+_OLD_H100_RUNS = frozenset({S26_RING, S29_RING})
 #: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
 #: rounds): ``receive_into`` at 256 MiB to 4 GiB buckets, the first check of the presets'
 #: host costs below 2 GiB. Only its ``receive_into`` rows are read: the bench's other rows
@@ -750,6 +790,7 @@ def _h200_cases(root: str) -> list[dict]:
     else the preset's)."""
     rows = []
     costs_1204 = {host: ring_costs_1204(host) for host in _TIMELINE_1204}
+    costs_old = {code: ring_costs_old(code, root) for code in OLD_H100_TIMELINES}
     for folder, name in (("gpu-h200-2026-11-29", "bench_final.json"),
                          *(("gpu-h200-2026-11-29", n) for n in H200_1129_RUNS),
                          ("gpu-h200-2026-12-01", "gpu_bench.json"),
@@ -784,12 +825,15 @@ def _h200_cases(root: str) -> list[dict]:
         if d2d.get("flat_ms"):
             sets["links.device_mem.GBps"] = d2d["bytes"] / (d2d["flat_ms"] / 1e3) / 1e9
             where["links.device_mem.GBps"] = "flat D2D copy, own run"
+        code = ring_code_of({"source": f"{folder}/{name}"})
         if folder in _RING_1204_RUNS:     # the host's own preset costs of that code
             host = "h100-8gpu-400g" if folder.startswith("gpu-h100-") else "h200-8gpu-400g"
             sets.update(costs_1204[host])
             where.update(dict.fromkeys(("software.tensor_us", "software.bucket_us"),
                                        f"the code's own timeline ({_TIMELINE_1204[host]})"),
                          **{"software.handoff_us": _HANDOFF_1204})
+        # an old code on an H100 host: its timeline costs there, in both rows
+        old_costs = costs_old[code] if code and folder.startswith("gpu-h100-") else None
         for e in doc["engine"]:
             cfg = e["cfg"]
             if folder == S29_NOW and (cfg.get("consume") != "into" or set(cfg) - {
@@ -805,7 +849,8 @@ def _h200_cases(root: str) -> list[dict]:
             def scenario(links: Links, cfg=cfg, shared=shared) -> Scenario:
                 return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
                                 placement="colocated", bucket_size=cfg["bucket_size"],
-                                strategies=("ring",), shared=shared)
+                                strategies=("ring",), shared=shared,
+                                ring_sync=cfg["sync"])
             # fill programs: asked for by name until session 21, the default since
             fills = path == "ring" and cfg.get("fill_graphs",
                                                folder == "gpu-h100-2026-12-05-s23")
@@ -831,7 +876,7 @@ def _h200_cases(root: str) -> list[dict]:
                 run = f", {H200_1129_RUNS[name]}"
             rows += _rows(f"{case}{run}, {when})", "ring", scenario,
                           e["median_ms"] / 1e3, f"{folder}/{name} median_ms",
-                          "h200-8gpu-400g", sets, where,
+                          "h200-8gpu-400g", sets, where, code_costs=old_costs,
                           repeat_of=_repeat_of(folder, name, f"{case}, {when})"))
     return rows
 
