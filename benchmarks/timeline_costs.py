@@ -14,7 +14,12 @@ last warm sync on one clock. Per sync (:func:`syncs`) this takes, from the train
 ``tensor_us`` and ``bucket_us`` are the intercept (over the model's tensors) and the slope of
 the least-squares line of packing + publishing against the number of buckets, and
 ``handoff_us`` is the slot waits per bucket at the smallest bucket size timed. This is how
-the GPU presets' costs of today's ring were read (``gpu-h100-2026-12-06-s29c``).
+the GPU presets' costs of today's ring were read (``gpu-h100-2026-12-06-s29c``). Where the
+runs also timed host-ordered syncs (``sync="host"``: the trainer synchronizes its stream
+inside each publish), ``pack_wait_x`` is what those publishes take beyond the event-ordered
+ones at the same bucket size, over one flat copy of the model (the run's ``d2d``
+``flat_ms``): the trainer's wait for its packs in multiples of those copies alone, the mean
+over the bucket sizes timed both ways.
 
     python3 benchmarks/timeline_costs.py DIR [DIR ...]   # each DIR: gpu_bench.txt + .json
 """
@@ -91,17 +96,28 @@ def tensors_of(run_dir: str) -> int:
         return len(model_shapes(json.load(f)["layers"]))
 
 
+def _flat_ms(run_dir: str) -> float:
+    with open(os.path.join(run_dir, "gpu_bench.json")) as f:
+        return float(json.load(f)["d2d"]["flat_ms"])
+
+
 def host_costs(run_dirs: list[str]) -> dict[str, float]:
     """``software.tensor_us`` / ``bucket_us`` / ``handoff_us`` (microseconds) from the
     event-ordered ring syncs (no zero-copy, no pushes) of ``--timeline`` runs of one code
-    on one host; raises ``ValueError`` unless they span two bucket sizes."""
-    points, tensors = [], set()
+    on one host, and ``software.pack_wait_x`` where a run timed host-ordered ones too;
+    raises ``ValueError`` unless the event-ordered syncs span two bucket sizes."""
+    points, tensors, waits = [], set(), []
     for d in run_dirs:
-        for s in syncs(os.path.join(d, "gpu_bench.txt")):
-            c = s.cfg
-            if c.get("sync") == "event" and not c.get("zero_copy") and not c.get("push"):
-                points.append((c["bucket_size"], s))
-                tensors.add(tensors_of(d))
+        ring = [s for s in syncs(os.path.join(d, "gpu_bench.txt"))
+                if not s.cfg.get("zero_copy") and not s.cfg.get("push")]
+        event = {s.cfg["bucket_size"]: s for s in ring if s.cfg.get("sync") == "event"}
+        for s in event.values():
+            points.append((s.cfg["bucket_size"], s))
+            tensors.add(tensors_of(d))
+        for s in ring:
+            e = event.get(s.cfg["bucket_size"])
+            if s.cfg.get("sync") == "host" and e is not None:
+                waits.append((s.publish_ms - e.publish_ms) / _flat_ms(d))
     if len({b for b, _ in points}) < 2 or len(tensors) != 1:
         raise ValueError(f"need event ring syncs at two bucket sizes of one model, got "
                          f"{sorted({b >> 20 for b, _ in points})} MiB of {sorted(tensors)} tensors")
@@ -113,9 +129,12 @@ def host_costs(run_dirs: list[str]) -> dict[str, float]:
     small = min(b for b, _ in points)
     at_small = [s for b, s in points if b == small]
     handoff = sum(s.wait_ms for s in at_small) / sum(s.publishes for s in at_small)
-    return {"software.tensor_us": round(intercept / tensors.pop() * 1e3, 1),
-            "software.bucket_us": round(slope * 1e3, 1),
-            "software.handoff_us": round(handoff * 1e3, 1)}
+    out = {"software.tensor_us": round(intercept / tensors.pop() * 1e3, 1),
+           "software.bucket_us": round(slope * 1e3, 1),
+           "software.handoff_us": round(handoff * 1e3, 1)}
+    if waits:
+        out["software.pack_wait_x"] = round(sum(waits) / len(waits), 2)
+    return out
 
 
 def main(argv: list[str]) -> None:

@@ -428,7 +428,7 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]
             and "cuda_ipc push" not in r["case"]
             and not r["source"].startswith((calibrate.S26_RING, calibrate.S29_RING + "/",
-                                            calibrate.S29_NOW))]
+                                            calibrate.S29_NOW, calibrate.S30_RING))]
     assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
@@ -469,16 +469,18 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
                            for r in earlier)
     assert load_links("h200-8gpu-400g").sw("tensor_us") == pytest.approx(19e-6)
     for r in later:       # each host's own timeline of that code
-        t = 20 if r["case"].startswith("H100") else 19
-        assert f"software tensor_us {t} " in r["links_from"], r
-        assert "software handoff_us 206 " in r["links_from"], r
+        t = 15.6 if r["case"].startswith("H100") else 19
+        assert f"software tensor_us {t:g} " in r["links_from"], r
+        assert "software handoff_us 219 " in r["links_from"], r
         assert r["within_goal"], r
-    # the presets carry today's costs (the H100 host's timeline for both hosts' handoff);
-    # the old codes' fitted bucket cost includes their handoff
+    # the presets carry today's costs (the H100 hosts' timelines for both hosts' handoff
+    # and pack wait); the old codes' fitted bucket cost includes their handoff
     h100 = load_links("h100-8gpu-400g")
-    assert (h100.sw("tensor_us"), h100.sw("bucket_us")) == pytest.approx((20e-6, 262e-6))
-    assert h100.sw("handoff_us") == pytest.approx(206e-6)
-    assert load_links("h200-8gpu-400g").sw("handoff_us") == pytest.approx(206e-6)
+    assert (h100.sw("tensor_us"), h100.sw("bucket_us")) == pytest.approx((15.6e-6, 226e-6))
+    assert h100.sw("handoff_us") == pytest.approx(218.8e-6)
+    assert load_links("h200-8gpu-400g").sw("handoff_us") == pytest.approx(218.8e-6)
+    assert h100.software["pack_wait_x"] == load_links("h200-8gpu-400g").software["pack_wait_x"] \
+        == pytest.approx(1.59)
     assert not [r for r in earlier if "handoff" in r["links_from"]]
     # the later code's ring is limited by the GPU's memory, the earlier code's by its host
     assert all(r["limited_by"].startswith("deliver: device_mem") for r in later)
@@ -778,23 +780,28 @@ def test_session_29s_h100_runs_are_groups_and_today_s_only_by_receive_into():
     assert all("receive_into" in c for g in now for c in g["cases"])
     rows = {r["case"]: r for r in res["rows"]}
     for g in now:
-        assert all("software tensor_us 20 " in rows[c]["links_from"] for c in g["cases"])
+        assert all("software tensor_us 15.6 " in rows[c]["links_from"] for c in g["cases"])
     for g in old:
         for c in g["cases"]:
             costs, _ = calibrate.ring_costs_old(calibrate.ring_code_of(rows[c]))
             assert f"tensor_us {costs['software.tensor_us']:g}," in rows[c]["links_from"]
 
 
-def _timeline(path, bucket_mib: int, steps: list[tuple[float, str]], layers: int = 32) -> None:
-    """A --timeline run's gpu_bench.txt (one event-ordered ring sync) and its json."""
+def _timeline(path, bucket_mib: int, syncs: dict, layers: int = 32) -> None:
+    """A --timeline run's gpu_bench.txt (a ring sync per ordering in ``syncs``: its steps)
+    and its json, whose flat copy of the model took 10 ms."""
     os.makedirs(path, exist_ok=True)
-    cfg = {"bucket_size": bucket_mib << 20, "num_slots": 2, "zero_copy": False, "sync": "event"}
-    lines = ["d2d {}", "engine " + json.dumps({"cfg": cfg, "median_ms": 1.0})]
-    lines += [f"  {t:7.2f} ms  {step}" for t, step in steps]
+    lines, cfgs = ["d2d {}"], []
+    for sync, steps in syncs.items():
+        cfgs.append({"bucket_size": bucket_mib << 20, "num_slots": 2, "zero_copy": False,
+                     "sync": sync})
+        lines.append("engine " + json.dumps({"cfg": cfgs[-1], "median_ms": 1.0}))
+        lines += [f"  {t:7.2f} ms  {step}" for t, step in steps]
     with open(os.path.join(path, "gpu_bench.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(path, "gpu_bench.json"), "w") as f:
-        json.dump({"layers": layers, "engine": [{"cfg": cfg}]}, f)
+        json.dump({"layers": layers, "d2d": {"flat_ms": 10.0},
+                   "engine": [{"cfg": c} for c in cfgs]}, f)
 
 
 def _buckets(n: int, pack: float, publish: float, wait: float) -> list[tuple[float, str]]:
@@ -813,52 +820,67 @@ def _buckets(n: int, pack: float, publish: float, wait: float) -> list[tuple[flo
 def test_timeline_costs_reads_tensor_bucket_and_handoff_costs_off_timelines(tmp_path):
     """benchmarks/timeline_costs.py: packing + publishing against the number of buckets is
     a line whose intercept over the model's tensors is tensor_us and slope bucket_us; the
-    slot waits per bucket at the smallest bucket size are handoff_us. One bucket size is
-    not enough (a ValueError)."""
+    slot waits per bucket at the smallest bucket size are handoff_us; what host-ordered
+    publishes take beyond event-ordered ones at a bucket size, over one flat copy of the
+    model, is pack_wait_x (averaged over sizes). One bucket size is not enough (a
+    ValueError)."""
     tool = calibrate._script("timeline_costs")
     tensors = len(calibrate._script("gpu_bench").model_shapes(32))
     # 4 buckets at 4 GiB and 72 at 256 MiB: packing 0.2 + 0.02 x tensors/bucket, publish 0.1
     per_t = 0.02 * 291 / tensors        # ms a tensor, whatever the model's count
-    for n, mib, wait in ((4, 4096, 2.0), (72, 256, 0.25)):
-        _timeline(tmp_path / f"b{mib}", mib,
-                  _buckets(n, 0.2 + per_t * tensors / n, 0.1, wait))
+    # host-ordered publishes: 4 GiB 14 ms (1.4 flat copies) longer, 256 MiB 18 ms (1.8)
+    for n, mib, wait, host in ((4, 4096, 2.0, 3.5), (72, 256, 0.25, 0.25)):
+        pack = 0.2 + per_t * tensors / n
+        _timeline(tmp_path / f"b{mib}", mib, {"event": _buckets(n, pack, 0.1, wait),
+                                              "host": _buckets(n, pack, 0.1 + host, wait)})
     costs = tool.host_costs([str(tmp_path / "b4096"), str(tmp_path / "b256")])
     assert costs["software.bucket_us"] == pytest.approx(300, abs=0.2)
     assert costs["software.tensor_us"] == pytest.approx(per_t * 1e3, abs=0.1)
     assert costs["software.handoff_us"] == pytest.approx(250, abs=0.2)
+    assert costs["software.pack_wait_x"] == pytest.approx(1.6, abs=0.005)
     with pytest.raises(ValueError, match="two bucket sizes"):
         tool.host_costs([str(tmp_path / "b256")])
 
 
-def test_the_h100_presets_ring_costs_are_what_timeline_costs_reads_off_its_timeline():
-    """The H100 preset's host costs of today's ring (20 us, 262 us, handoff 206 us) are what
-    timeline_costs.py reads off that code's H100 timeline (gpu-h100-2026-12-06-s29c/now):
-    the old codes' H100 costs (calibrate.ring_costs_old) are read the same way."""
-    d = os.path.join(calibrate.results_dir(), "gpu-h100-2026-12-06-s29c", "now")
-    if not os.path.exists(d):
-        pytest.skip("session 29's H100 timeline is not in this checkout")
-    got = calibrate._script("timeline_costs").host_costs([d])
+def test_the_h100_presets_ring_costs_are_what_timeline_costs_reads_off_its_timelines():
+    """The H100 preset's host costs of today's ring (15.6 us, 226 us, handoff 219 us, pack
+    wait 1.59) are what timeline_costs.py reads off that code's two H100 timelines
+    (calibrate.TODAY_H100_TIMELINES); the old codes' H100 costs (calibrate.ring_costs_old)
+    are read the same way. Session 29's one timeline alone gave its 20 / 262 / 206."""
+    root = calibrate.results_dir()
+    dirs = [os.path.join(root, d) for d in calibrate.TODAY_H100_TIMELINES]
+    if not all(os.path.exists(d) for d in dirs):
+        pytest.skip("the H100 timelines of today's ring are not in this checkout")
+    tool = calibrate._script("timeline_costs")
+    got = tool.host_costs(dirs)
     want = calibrate.ring_costs_1204("h100-8gpu-400g")
-    assert {k: round(v) for k, v in got.items()} == {k: round(v) for k, v in want.items()}
+    assert got == pytest.approx(want, abs=1e-6)
+    assert tool.host_costs(dirs[:1]) == {"software.tensor_us": 20.0, "software.bucket_us": 262.2,
+                                         "software.handoff_us": 206.1}
 
 
 def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_wait():
     """The ring codes of 11-29 and 12-01 on an H100 host are priced with the costs
-    timeline_costs.py reads off their own --timeline runs there (calibrate.ring_costs_old;
-    12-01's, timed at one bucket size, are 11-29's), never with the H200 fit; a run ordered
-    by the host (sync=host) is predicted slower than the same run's event-ordered rows at
-    that bucket size: its trainer waits for each pack."""
+    timeline_costs.py reads off their own --timeline runs there (calibrate.ring_costs_old,
+    all of a code's H100 timelines at once), never with the H200 fit; the H200 rows take the
+    11-29 code's wait for each pack from its timeline; a run ordered by the host (sync=host)
+    is predicted slower than the same run's event-ordered rows at that bucket size: its
+    trainer waits for each pack."""
     res = calibrate.run(("h200",))
     old = [r for r in res["rows"] if calibrate.ring_code_of(r) and r["case"].startswith("H100")]
     if not old:
         pytest.skip("no H100 runs of the old ring codes in this checkout")
     c1129, src = calibrate.ring_costs_old("11-29")
     assert "11-29 code's H100 timelines" in src
-    assert c1129 == pytest.approx({"software.tensor_us": 30.6, "software.bucket_us": 547.3,
-                                   "software.handoff_us": 229.6}, abs=0.05)
+    assert c1129 == pytest.approx({"software.tensor_us": 29.3, "software.bucket_us": 413.6,
+                                   "software.handoff_us": 230.1, "software.pack_wait_x": 1.35},
+                                  abs=0.05)
     tool = calibrate._script("timeline_costs")
     assert c1129 == tool.host_costs([os.path.join(calibrate.results_dir(), d)
                                      for d in calibrate.OLD_H100_TIMELINES["11-29"]])
+    assert calibrate.OLD_PACK_WAIT_X["software.pack_wait_x"] == c1129["software.pack_wait_x"]
+    c1201, src = calibrate.ring_costs_old("12-01")
+    assert "12-01 code's H100 timelines" in src and c1201 != c1129
     for r in old:
         assert "host costs of its code, from the" in r["links_from"], r
         assert "fitted" not in r["links_from"], r
@@ -869,3 +891,27 @@ def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_
     pairs = [(v, by_run[(src, (mib, "event"))]) for (src, (mib, how)), v in by_run.items()
              if how == "host" and (src, (mib, "event")) in by_run]
     assert pairs and all(host > event for host, event in pairs)
+
+
+def test_session_30s_h100_runs_are_a_group_per_code_and_case_and_timelines_no_rows():
+    """Session 30's H100 runs (calibrate.S30_RING): each code's four rounds of one
+    configuration are one group (the old codes: 256 MiB - 1 GiB event, 1 / 4 GiB host;
+    today's receive_into: 256 / 512 MiB event, 1 / 4 GiB host), priced with that code's H100
+    costs (the old codes' timelines, today's the H100 preset); its --timeline runs (tl/)
+    give those costs and are not rows."""
+    res = calibrate.run(("h200",))
+    groups = [g for g in res["repeats"]
+              if g["group"].endswith("[H100 runs of 12-06 s30 on one machine]")]
+    if not groups:
+        pytest.skip("session 30's H100 runs are not in this checkout")
+    assert len(groups) == 5 + 5 + 4 and all(len(g["cases"]) == 4 for g in groups)
+    rows = [r for r in res["rows"] if r["source"].startswith(calibrate.S30_RING + "/")]
+    assert len(rows) == 56 and not [r for r in rows if "/tl/" in r["source"]]
+    today = [r for r in rows if "/now/" in r["source"]]
+    assert len(today) == 16 and all("receive_into" in r["case"] for r in today)
+    assert all("software tensor_us 15.6 " in r["links_from"] for r in today)
+    assert sum("(host," in r["case"] for r in today) == 8
+    for r in rows:
+        if r not in today:
+            costs, _ = calibrate.ring_costs_old(calibrate.ring_code_of(r))
+            assert f"tensor_us {costs['software.tensor_us']:g}," in r["links_from"], r

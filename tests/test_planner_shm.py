@@ -348,12 +348,18 @@ def test_a_host_ordered_cuda_ipc_ring_waits_for_each_pack_on_the_trainer():
     trainer's serial host work. Where that work is the limit, the sync takes exactly those
     copies longer than with "event"; where the GPU's copies are, no longer than the slower
     of the two; zero-copy and pushes have no pack. Other values are refused, naming the
-    field."""
+    field; software.pack_wait_x scales the wait (the pack shares the GPU with the copy of
+    the bucket before)."""
     slow = gpu_links(tensor_us=2000)                  # the trainer's host work is the limit
     event = gpu_ring("none", links=slow)
     host = gpu_ring("none", links=slow, ring_sync="host")
     assert "software of trainer rank 0" in event.bottleneck.limit
     assert host.seconds - event.seconds == pytest.approx((BIG + SMALL) / 100e9, rel=1e-6)
+    shared = gpu_ring("none", links=gpu_links(tensor_us=2000, pack_wait_x=1.5), ring_sync="host")
+    assert shared.seconds - event.seconds == pytest.approx(1.5 * (BIG + SMALL) / 100e9, rel=1e-6)
+    with pytest.raises(PlannerError, match="> 0") as exc:
+        load_links(gpu_links(pack_wait_x=0))
+    assert exc.value.field == "links.software.pack_wait_x"
     fast_e = gpu_ring("none", links=gpu_links(tensor_us=1))
     fast_h = gpu_ring("none", links=gpu_links(tensor_us=1), ring_sync="host")
     assert "device_mem" in fast_e.bottleneck.limit

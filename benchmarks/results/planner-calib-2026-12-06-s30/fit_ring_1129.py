@@ -4,7 +4,9 @@ run of the code of 12-01.
 
 Fit rows: every counted calibration row of the four H200 runs of ``gpu-h200-2026-11-29``
 (the code of 11-29), predicted with the run's ordering (``sync="host"`` rows: the trainer
-waits for each pack, ``Scenario.ring_sync``). Objective (``calibrate.ring_1129_loss``): the sum
+waits for each pack, ``Scenario.ring_sync``, 1.35 times that copy alone:
+``calibrate.OLD_PACK_WAIT_X``, the 11-29 code's H100 timeline). A first fit that waited for
+each pack once (no ``pack_wait_x``) gave 48 us / 1080 us (``fit_ring_1129_wait1.txt``). Objective (``calibrate.ring_1129_loss``): the sum
 of squared log(predicted / measured), each row once. Search: a grid of 5 us x 50 us, then
 1 us x 10 us around its best. Check rows: the H200 run of ``gpu-h200-2026-12-01``; the H100
 rows of both codes (priced with their own H100 timelines, ``calibrate.ring_costs_old``) are
@@ -27,7 +29,7 @@ def fitted(r) -> bool:
 
 
 def main() -> None:
-    before = (59, 1060)        # session 29's fit (with the H100 rows, no host ordering's wait)
+    before = (48, 1080)        # the fit with the pack waited for once (no pack_wait_x)
     t0, b0 = search(range(30, 91, 5), range(500, 1601, 50))
     fit = search(range(t0 - 5, t0 + 6), range(b0 - 50, b0 + 51, 10))
     for label, (t, b) in (("before", before), ("fit", fit)):

@@ -30,8 +30,9 @@ collective) per bucket or direct tensor. A ``cuda_ipc`` ring adds ``handoff_us``
 one after another (the slot's trip from trainer to receiver and back, which the copies of
 the other slot do not hide; its owners hand off at once). With ``Scenario.ring_sync``
 ``"host"`` (``cuda_ipc``'s ``sync="host"``) the trainer synchronizes its stream before each
-publish, so each bucket's pack (a copy of its bytes at ``device_mem``'s rate) is part of
-the trainer's own serial work instead of overlapping it.
+publish, so its wait for each bucket's pack (``pack_wait_x`` times a copy of the bucket's
+bytes at ``device_mem``'s rate: the pack shares the GPU with the receivers' copy of the
+bucket before) is part of the trainer's own serial work instead of overlapping it.
 
 ``shm`` on a host, as :mod:`weightsync.transport.backends.shm.engine` runs it:
 
@@ -482,7 +483,8 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
         if strategy == "ring" and not pl.host:
             handoff = max(handoff, buckets * sw["handoff_us"])
             if sc.ring_sync == "host":  # the trainer waits for each pack before its publish
-                loads.work(f"trainer rank {o}", nb / pl.links_of(src).link("device_mem").rate)
+                loads.work(f"trainer rank {o}", sw["pack_wait_x"] * nb
+                           / pl.links_of(src).link("device_mem").rate)
         ops = buckets + len(direct) + len({s["zc_batch_of"][i] for i in idx if i in zc})
         extra = sw["op_us"] if strategy == "broadcast" else 0.0
         loads.work(f"trainer rank {o}",

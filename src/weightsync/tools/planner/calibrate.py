@@ -64,6 +64,7 @@ of rows, every run's miss included, is printed beside it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -361,6 +362,9 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
            **{f"gpu-h100-2026-12-06-s29b/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s29 of today's ring" for k in (1, 2)},
+           **{f"gpu-h100-2026-12-06-s30/{code}/r{k}/gpu_bench.json":
+              "H100 runs of 12-06 s30 on one machine"
+              for code in ("c1129", "c1201", "now") for k in (1, 2, 3, 4)},
            **{f"gpu-h100-2026-12-06-s29/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s29 on one machine"
               for k in (1, 2) for code in ("c1129", "c1201")},
@@ -456,7 +460,8 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     # GPU hosts: a run that did not record its code's own host costs is priced with the
     # costs of the code of 11-29, which every such run was checked with (the presets now
     # carry the current code's, ring_costs_1204)
-    base = {k: v for k, v in {**RING_SOFTWARE_1129, **_NO_HANDOFF}.items() if k not in sets} \
+    base = {k: v for k, v in {**RING_SOFTWARE_1129, **_NO_HANDOFF, **OLD_PACK_WAIT_X}.items()
+            if k not in sets} \
         if preset in _GPU_PRESETS and not code_costs else {}
     note = _legacy_note(base)
     if code_costs:
@@ -655,23 +660,28 @@ def _cpu_cases(root: str) -> list[dict]:
 
 
 #: Host costs of the ``cuda_ipc`` ring's code from session 14 on (replayed layouts and copy
-#: programs) are the GPU presets' own (``tensor_us``, ``bucket_us``, ``handoff_us``; each
-#: preset's ``source`` says where they come from): that code's host timeline on each host,
-#: ``h200-8gpu-400g`` from the H200 host's (``gpu-h200-2026-12-04-programs`` run 7: 19 us a
-#: tensor, 150 us a bucket), ``h100-8gpu-400g`` from the H100 host's
-#: (``gpu-h100-2026-12-06-s29c``: 20 us, 262 us), and both presets' ``handoff_us`` from the
-#: latter's slot waits at 256 MiB buckets (206 us; not measured on an H200 host).
+#: programs) are the GPU presets' own (``tensor_us``, ``bucket_us``, ``handoff_us``,
+#: ``pack_wait_x``; each preset's ``source`` says where they come from): that code's host
+#: timelines, read by ``benchmarks/timeline_costs.py``; ``h200-8gpu-400g``'s tensor and
+#: bucket costs from the H200 host's (``gpu-h200-2026-12-04-programs`` run 7: 19 us, 150 us),
+#: ``h100-8gpu-400g``'s from two H100 hosts' (``TODAY_H100_TIMELINES``: 15.6 us, 226 us), and
+#: both presets' ``handoff_us`` (the slot waits at 256 MiB, 219 us) and ``pack_wait_x`` (the
+#: wait for each pack under host ordering, 1.59) from the latter (not measured on an H200).
 _TIMELINE_1204 = {"h200-8gpu-400g": "gpu-h200-2026-12-04-programs run 7",
-                  "h100-8gpu-400g": "gpu-h100-2026-12-06-s29c"}
-_HANDOFF_1204 = "slot waits at 256 MiB in the H100 timeline (s29c)"
+                  "h100-8gpu-400g": "gpu-h100-2026-12-06-s29c and -s30"}
+_HANDOFF_1204 = "slot waits at 256 MiB in the H100 timelines (s29c, s30)"
+_PACK_WAIT_1204 = "host-ordered publishes in the H100 timeline (s30 tl/now)"
+#: Today's ring code's ``--timeline`` runs on H100 hosts (the H100 preset's costs).
+TODAY_H100_TIMELINES = ("gpu-h100-2026-12-06-s29c/now", "gpu-h100-2026-12-06-s30/tl/now")
 
 
 def ring_costs_1204(preset: str) -> dict[str, float]:
     """The ring code of 12-04 on: its host costs on ``preset``'s host, as ``--link-set``
     keys (microseconds), read from the preset itself."""
     sw = load_links(preset).software
-    return {f"software.{k}": round(sw[k] * 1e6, 6)
-            for k in ("tensor_us", "bucket_us", "handoff_us")}
+    return {**{f"software.{k}": round(sw[k] * 1e6, 6)
+               for k in ("tensor_us", "bucket_us", "handoff_us")},
+            "software.pack_wait_x": sw["pack_wait_x"]}
 
 
 #: Host costs of the ring codes older than 12-04 (11-29's and 12-01's) on an H200 host, where
@@ -685,7 +695,10 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
 #: :func:`ring_costs_old`), without the host ordering's wait
 #: (:attr:`~weightsync.tools.planner.scenario.Scenario.ring_sync`); until then 70 / 930, read
 #: off run 5's timeline.
-RING_SOFTWARE_1129 = {"software.tensor_us": 48.0, "software.bucket_us": 1080.0}
+RING_SOFTWARE_1129 = {"software.tensor_us": 47.0, "software.bucket_us": 1070.0}
+#: The old codes' wait for each pack under host ordering on any host: the 11-29 code's, read
+#: off its H100 timeline (``gpu-h100-2026-12-06-s30/tl/c1129``; not measured on an H200).
+OLD_PACK_WAIT_X = {"software.pack_wait_x": 1.35}
 #: The old codes' fitted bucket cost stands for the whole per-bucket cycle, its handoff
 #: included, so their rows add none (the presets' ``handoff_us`` is today's code's).
 _NO_HANDOFF = {"software.handoff_us": 0.0}
@@ -693,27 +706,28 @@ _NO_HANDOFF = {"software.handoff_us": 0.0}
 #: (:func:`ring_costs_old`), read the way the H100 preset's are for today's code.
 OLD_H100_TIMELINES = {
     "11-29": ("gpu-h100-2026-12-06-s26/call1/c1129/timeline",
-              "gpu-h100-2026-12-06-s26/call2/c1129/timeline", "gpu-h100-2026-12-06-s29c/c1129"),
-    "12-01": ("gpu-h100-2026-12-06-s26/call2/c1201/timeline",)}
+              "gpu-h100-2026-12-06-s26/call2/c1129/timeline", "gpu-h100-2026-12-06-s29c/c1129",
+              "gpu-h100-2026-12-06-s30/tl/c1129"),
+    "12-01": ("gpu-h100-2026-12-06-s26/call2/c1201/timeline",
+              "gpu-h100-2026-12-06-s30/tl/c1201")}
 
 
 def ring_costs_old(code: str, root: Optional[str] = None) -> tuple[dict[str, float], str]:
     """Host costs (``--link-set`` keys, microseconds) of the ring code of ``code`` (``"11-29"``
     or ``"12-01"``) on an H100 host, from its own ``--timeline`` runs there
     (``benchmarks/timeline_costs.py``: packing and publishing against the number of buckets,
-    slot waits at the smallest bucket), and where they come from; a code timed there at one
-    bucket size only takes the 11-29 code's."""
-    root = root or results_dir()
+    slot waits at the smallest bucket, the wait for each pack under host ordering), and
+    where they come from."""
+    costs, source = _timeline_costs(code, root or results_dir())
+    return dict(costs), source
+
+
+@functools.lru_cache(maxsize=None)
+def _timeline_costs(code: str, root: str) -> tuple[tuple[tuple[str, float], ...], str]:
+    """:func:`ring_costs_old`, read once per process (the timelines are recorded files)."""
     tool = _script("timeline_costs")
-    try:
-        costs = tool.host_costs([os.path.join(root, d) for d in OLD_H100_TIMELINES[code]])
-    except ValueError:
-        if code == "11-29":
-            raise
-        costs, _ = ring_costs_old("11-29", root)
-        return costs, (f"the 11-29 code's H100 timelines (the {code} code's were timed at "
-                       f"one bucket size)")
-    return costs, f"the {code} code's H100 timelines"
+    costs = tool.host_costs([os.path.join(root, d) for d in OLD_H100_TIMELINES[code]])
+    return tuple(costs.items()), f"the {code} code's H100 timelines"
 
 
 def ring_code_of(row: Mapping) -> Optional[str]:
@@ -766,8 +780,15 @@ S26_CODES = {"c1129": "11-29", "c1201": "12-01"}
 #: (256 MiB, 512 MiB and 4 GiB event, 4 GiB host), alternating, two rounds in one device
 #: call; each code's rows of one configuration are a group of repeats.
 S29_RING = "gpu-h100-2026-12-06-s29"
+#: Session 30's H100 runs (``run.sh``, then ``run_b.sh`` on the same held machine): first a
+#: ``--timeline`` run of each ring code (``tl/c1129``, ``tl/c1201``, ``tl/now``: the old codes
+#: at 256 MiB - 4 GiB event and 1 / 4 GiB host, today's receive_into the same), then four
+#: rounds of timed runs alternating the three codes (the old codes at 256 MiB - 1 GiB event
+#: and 1 / 4 GiB host; today's receive_into at 256 / 512 MiB event and 1 / 4 GiB host). Each
+#: code's rows of one configuration are a group of repeats.
+S30_RING = "gpu-h100-2026-12-06-s30"
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
-_OLD_H100_RUNS = frozenset({S26_RING, S29_RING})
+_OLD_H100_RUNS = frozenset({S26_RING, S29_RING, S30_RING})
 #: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
 #: rounds): ``receive_into`` at 256 MiB to 4 GiB buckets, the first check of the presets'
 #: host costs below 2 GiB. Only its ``receive_into`` rows are read: the bench's other rows
@@ -814,7 +835,10 @@ def _h200_cases(root: str) -> list[dict]:
                          *((S29_RING, f"{code}/r{k}/gpu_bench.json")
                            for k in (1, 2) for code in S26_CODES),
                          # session 29, H100: today's ring, receive_into, 256 MiB to 4 GiB
-                         *((S29_NOW, f"r{k}/gpu_bench.json") for k in (1, 2))):
+                         *((S29_NOW, f"r{k}/gpu_bench.json") for k in (1, 2)),
+                         # session 30, H100: the three codes alternating, four rounds
+                         *((S30_RING, f"{code}/r{k}/gpu_bench.json")
+                           for k in (1, 2, 3, 4) for code in (*S26_CODES, "now"))):
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
@@ -826,23 +850,26 @@ def _h200_cases(root: str) -> list[dict]:
             sets["links.device_mem.GBps"] = d2d["bytes"] / (d2d["flat_ms"] / 1e3) / 1e9
             where["links.device_mem.GBps"] = "flat D2D copy, own run"
         code = ring_code_of({"source": f"{folder}/{name}"})
-        if folder in _RING_1204_RUNS:     # the host's own preset costs of that code
+        today = folder in _RING_1204_RUNS or (folder == S30_RING and name.startswith("now/"))
+        if today:                         # the host's own preset costs of that code
             host = "h100-8gpu-400g" if folder.startswith("gpu-h100-") else "h200-8gpu-400g"
             sets.update(costs_1204[host])
             where.update(dict.fromkeys(("software.tensor_us", "software.bucket_us"),
                                        f"the code's own timeline ({_TIMELINE_1204[host]})"),
-                         **{"software.handoff_us": _HANDOFF_1204})
+                         **{"software.handoff_us": _HANDOFF_1204,
+                            "software.pack_wait_x": _PACK_WAIT_1204})
         # an old code on an H100 host: its timeline costs there, in both rows
         old_costs = costs_old[code] if code and folder.startswith("gpu-h100-") else None
         for e in doc["engine"]:
             cfg = e["cfg"]
-            if folder == S29_NOW and (cfg.get("consume") != "into" or set(cfg) - {
-                    "bucket_size", "num_slots", "zero_copy", "sync", "consume"}):
+            if (folder == S29_NOW or today and folder == S30_RING) and (
+                    cfg.get("consume") != "into" or set(cfg) - {
+                        "bucket_size", "num_slots", "zero_copy", "sync", "consume"}):
                 continue
             # zero-copy: receivers read the trainer's tensors; pushes: the trainer writes
             # the receivers' (Scenario.shared on a gpu links file)
             path = "push" if cfg.get("push") else "zero-copy" if cfg["zero_copy"] else "ring"
-            if path != "ring" and folder not in _RING_1204_RUNS:
+            if path != "ring" and not today:
                 continue    # host costs never measured: see "not_modelled"
             shared = {"push": "receivers", "zero-copy": "trainer", "ring": "none"}[path]
 
@@ -868,9 +895,9 @@ def _h200_cases(root: str) -> list[dict]:
                 run = f", {call} round {k[1:]}"
             elif folder == S29_NOW:    # r2/gpu_bench.json
                 run = f", round {name[1]}"
-            elif folder == S29_RING:   # c1201/r2/gpu_bench.json
+            elif folder in (S29_RING, S30_RING):   # c1201/r2/gpu_bench.json, now/r2/...
                 code, k = name.split("/")[:2]
-                case += f", code of {S26_CODES[code]}"
+                case += f", code of {S26_CODES[code]}" if code in S26_CODES else ""
                 run = f", round {k[1:]}"
             elif name in H200_1129_RUNS:
                 run = f", {H200_1129_RUNS[name]}"

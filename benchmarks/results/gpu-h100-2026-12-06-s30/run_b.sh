@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 30, one H100, a second call on the held machine: rounds 3 and 4 of run_s30.sh's timed runs.
+# (run_s30.sh:) each ring code's host costs on this host from its own --timeline, and timed runs on the same
+# machine. c1129 / c1201: the ring codes of 11-29 (0218da3) and 12-01 (1005ea0); now: today's tree (receive_into).
+set -u
+RES=${OUT:-/tmp/out}; OUT=/tmp/w; mkdir -p "$OUT" "$RES"
+ROOT=$(pwd)
+{ date -u; nvidia-smi; lscpu | head -20; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; } > "$OUT/env.txt" 2>&1
+NONE="--stream-waits-buckets= --no-links-buckets= --into-zero-copy-buckets= --zero-copy-first-bucket-buckets= --rx-waits-buckets= --rx-waits-zero-copy-buckets= --views-buckets= --zero-copy-buckets= --zero-copy-host-buckets= --baseline-buckets="
+OLD="--zero-copy-buckets= --zero-copy-host-buckets= --baseline-buckets="
+bench() {  # dir code args...
+  local d=$1 code=$2; shift 2; mkdir -p "$OUT/$d"
+  local t0=$(date +%s.%N)
+  if [ "$code" = now ]; then
+    PYTHONPATH=src TORCH_CPP_LOG_LEVEL=ERROR timeout 110 python3 benchmarks/gpu_bench.py "$@" --out "$OUT/$d" > "$OUT/$d/gpu_bench.txt" 2>&1
+  else
+    (cd devcode/$code && PYTHONPATH=src TORCH_CPP_LOG_LEVEL=ERROR timeout 110 python3 benchmarks/gpu_bench.py "$@" --out "$OUT/$d" > "$OUT/$d/gpu_bench.txt" 2>&1)
+  fi
+  echo "$d exit $? $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s: $(grep -h '^| cuda_ipc' $OUT/$d/gpu_bench.txt | awk -F'|' '{print $2 $3 $4 $6}' | tr '\n' ';')" | tee -a "$RES/progress.txt"
+  tar czf /tmp/all.tgz -C "$OUT" . && mv /tmp/all.tgz "$RES/all.tgz"
+}
+# 2. timed runs, alternating, two rounds
+for r in 3 4; do
+  for code in c1129 c1201; do
+    bench $code/r$r $code --warm 8 --buckets 256,512,1024 --host-buckets 1024,4096 $OLD
+  done
+  bench now/r$r now --warm 8 --buckets= --host-buckets= --into-buckets 256,512 --into-host-buckets 1024,4096 $NONE
+done
