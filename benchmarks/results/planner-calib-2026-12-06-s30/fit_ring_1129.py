@@ -8,9 +8,10 @@ waits for each pack, ``Scenario.ring_sync``, 1.35 times that copy alone:
 ``calibrate.OLD_PACK_WAIT_X``, the 11-29 code's H100 timeline). A first fit that waited for
 each pack once (no ``pack_wait_x``) gave 48 us / 1080 us (``fit_ring_1129_wait1.txt``). Objective (``calibrate.ring_1129_loss``): the sum
 of squared log(predicted / measured), each row once. Search: a grid of 5 us x 50 us, then
-1 us x 10 us around its best. Check rows: the H200 run of ``gpu-h200-2026-12-01``; the H100
-rows of both codes (priced with their own H100 timelines, ``calibrate.ring_costs_old``) are
-printed beside, not fitted. About 8 minutes on this box.
+1 us x 10 us around its best. Check rows: the H200 run of ``gpu-h200-2026-12-01``. The H100
+rows of both codes are priced with their own H100 timelines (``calibrate.ring_costs_old``),
+not with these costs; the session-30 runs of this script (1245 s) printed them too, before
+``ring_1129_loss`` predicted the H200 runs alone (about 4 minutes since).
 
     .venv/bin/python benchmarks/results/planner-calib-2026-12-06-s30/fit_ring_1129.py
 """

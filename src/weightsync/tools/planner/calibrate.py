@@ -749,18 +749,24 @@ def ring_1129_loss(tensor_us: float, bucket_us: float,
                    results: Optional[str] = None) -> tuple[float, list[dict]]:
     """The objective :data:`RING_SOFTWARE_1129` minimises, at these host costs: the sum of
     squared log(predicted / measured) over the counted H200 rows of the ring code of 11-29;
-    with the rows of both codes (see :func:`ring_code_of`) as predicted with them."""
+    with the counted H200 rows of both codes (see :func:`ring_code_of`) as predicted with
+    them (only those runs are predicted: the H100 ones do not take these costs)."""
     global RING_SOFTWARE_1129
     kept = RING_SOFTWARE_1129
     RING_SOFTWARE_1129 = {"software.tensor_us": float(tensor_us),
                           "software.bucket_us": float(bucket_us)}
     try:
-        rows = [r for r in run(("h200",), results)["rows"] if ring_code_of(r)]
+        rows = [r for r in _h200_cases(results or results_dir(), _OLD_H200_FOLDERS)
+                if r.pop("counted") and ring_code_of(r)]
     finally:
         RING_SOFTWARE_1129 = kept
     loss = sum(math.log(r["predicted_s"] / r["measured_s"]) ** 2
-               for r in rows if ring_code_of(r) == "11-29" and r["case"].startswith("H200 "))
+               for r in rows if ring_code_of(r) == "11-29")
     return loss, rows
+
+
+#: The H200 runs of the old ring codes (the fit and check rows of :data:`RING_SOFTWARE_1129`).
+_OLD_H200_FOLDERS = frozenset({"gpu-h200-2026-11-29", "gpu-h200-2026-12-01"})
 _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
@@ -804,11 +810,11 @@ H200_1129_RUNS = {"bench_run6.json": "run 6", "bench_run7.json": "run 7",
                   "bench_run8.json": "run 8"}
 
 
-def _h200_cases(root: str) -> list[dict]:
+def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
     """The ``cuda_ipc`` ring on one H200 (and one H100 run); the device-memory rate from the
     run's own flat D2D copy of the same bytes (``d2d``), where it recorded one, and the
     host costs of the run's own code (:func:`ring_costs_1204` for the code of 12-04 on,
-    else the preset's)."""
+    else the preset's). ``folders``: only the runs of these result folders."""
     rows = []
     costs_1204 = {host: ring_costs_1204(host) for host in _TIMELINE_1204}
     costs_old = {code: ring_costs_old(code, root) for code in OLD_H100_TIMELINES}
@@ -839,7 +845,8 @@ def _h200_cases(root: str) -> list[dict]:
                          # session 30, H100: the three codes alternating, four rounds
                          *((S30_RING, f"{code}/r{k}/gpu_bench.json")
                            for k in (1, 2, 3, 4) for code in (*S26_CODES, "now"))):
-        if not os.path.exists(os.path.join(root, folder, name)):
+        if folders is not None and folder not in folders or \
+                not os.path.exists(os.path.join(root, folder, name)):
             continue
         doc = _json(root, folder, name)
         model = model_from_tensors("llama3-8b-shapes",
