@@ -677,7 +677,7 @@ TODAY_H100_TIMELINES = ("gpu-h100-2026-12-06-s29c/now", "gpu-h100-2026-12-06-s30
 
 def ring_costs_1204(preset: str) -> dict[str, float]:
     """The ring code of 12-04 on: its host costs on ``preset``'s host, as ``--link-set``
-    keys (microseconds), read from the preset itself."""
+    keys (microseconds; ``pack_wait_x`` a factor), read from the preset itself."""
     sw = load_links(preset).software
     return {**{f"software.{k}": round(sw[k] * 1e6, 6)
                for k in ("tensor_us", "bucket_us", "handoff_us")},
@@ -687,9 +687,9 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
 #: Host costs of the ring codes older than 12-04 (11-29's and 12-01's) on an H200 host, where
 #: neither was ever timed as it ran (the one H200 timeline, run 5 of 11-29, is of earlier
 #: code): fitted to the 11-29 code's own H200 runs, the least squared log(predicted /
-#: measured) over the rows of the four 11-29 H200 runs
-#: (``planner-calib-2026-12-06-s30/fit_ring_1129.py``); the H200 run of 12-01 is left out of
-#: the fit and checks it. Every other GPU run without its code's own costs (the CPU-trainer
+#: measured) over the rows of the four 11-29 H200 runs, host-ordered ones waiting
+#: :data:`OLD_PACK_WAIT_X` for each pack (``planner-calib-2026-12-06-s30/fit_ring_1129.py``);
+#: the H200 run of 12-01 is left out of the fit and checks it. Every other GPU run without its code's own costs (the CPU-trainer
 #: and shm_d2h rows on ``h200-host``) takes them too. Session 29 fitted 59 / 1060 over those
 #: rows and the H100 ones (which now take that host's timeline costs,
 #: :func:`ring_costs_old`), without the host ordering's wait
@@ -713,7 +713,8 @@ OLD_H100_TIMELINES = {
 
 
 def ring_costs_old(code: str, root: Optional[str] = None) -> tuple[dict[str, float], str]:
-    """Host costs (``--link-set`` keys, microseconds) of the ring code of ``code`` (``"11-29"``
+    """Host costs (``--link-set`` keys: microseconds, ``pack_wait_x`` a factor) of the ring
+    code of ``code`` (``"11-29"``
     or ``"12-01"``) on an H100 host, from its own ``--timeline`` runs there
     (``benchmarks/timeline_costs.py``: packing and publishing against the number of buckets,
     slot waits at the smallest bucket, the wait for each pack under host ordering), and
@@ -767,6 +768,7 @@ def ring_1129_loss(tensor_us: float, bucket_us: float,
 
 #: The H200 runs of the old ring codes (the fit and check rows of :data:`RING_SOFTWARE_1129`).
 _OLD_H200_FOLDERS = frozenset({"gpu-h200-2026-11-29", "gpu-h200-2026-12-01"})
+
 _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
