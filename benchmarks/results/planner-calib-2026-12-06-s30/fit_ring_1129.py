@@ -10,8 +10,8 @@ each pack once (no ``pack_wait_x``) gave 48 us / 1080 us (``fit_ring_1129_wait1.
 of squared log(predicted / measured), each row once. Search: a grid of 5 us x 50 us, then
 1 us x 10 us around its best. Check rows: the H200 run of ``gpu-h200-2026-12-01``. The H100
 rows of both codes are priced with their own H100 timelines (``calibrate.ring_costs_old``),
-not with these costs; the session-30 runs of this script (1245 s) printed them too, before
-``ring_1129_loss`` predicted the H200 runs alone (about 4 minutes since).
+not with these costs; the session-30 runs of this script (800 s and 1245 s) printed them
+too, before ``ring_1129_loss`` predicted the H200 runs alone (ec0732b; faster since).
 
     .venv/bin/python benchmarks/results/planner-calib-2026-12-06-s30/fit_ring_1129.py
 """
