@@ -46,10 +46,11 @@ class SyncSteps:
     sync_ms: float
 
 
-def _spans(rows: list, step: str) -> list[tuple[float, float]]:
+def spans(rows: list, side: str, step: str) -> list[tuple[float, float]]:
+    """(start, end) of each ``step`` of one side (``"T"`` trainer, ``"R"`` receiver)."""
     out, start = [], None
-    for t, side, name in rows:
-        if side != "T":
+    for t, who, name in rows:
+        if who != side:
             continue
         if name == step + ">":
             start = t
@@ -59,8 +60,9 @@ def _spans(rows: list, step: str) -> list[tuple[float, float]]:
     return out
 
 
-def syncs(path: str) -> list[SyncSteps]:
-    """Each configuration's printed sync in one ``gpu_bench.txt`` of a ``--timeline`` run."""
+def timeline_blocks(path: str) -> list[tuple[dict, list[tuple[float, str, str]]]]:
+    """Each configuration of one ``gpu_bench.txt`` of a ``--timeline`` run: its engine
+    config and its printed sync's steps, (ms, side, step) in order."""
     blocks, cfg, rows = [], None, []
     for line in open(path):
         if line.startswith("engine "):
@@ -73,9 +75,14 @@ def syncs(path: str) -> list[SyncSteps]:
             rows.append((float(m.group(1)), m.group(2), m.group(3)))
     if cfg is not None:
         blocks.append((cfg, rows))
+    return blocks
+
+
+def syncs(path: str) -> list[SyncSteps]:
+    """Each configuration's printed sync in one ``gpu_bench.txt`` of a ``--timeline`` run."""
     out = []
-    for cfg, rows in blocks:
-        pubs, waits = _spans(rows, "_publish"), _spans(rows, "_tx_wait_free")
+    for cfg, rows in timeline_blocks(path):
+        pubs, waits = spans(rows, "T", "_publish"), spans(rows, "T", "_tx_wait_free")
         if not pubs:
             continue
         starts = [a for a, _ in pubs]
@@ -85,20 +92,17 @@ def syncs(path: str) -> list[SyncSteps]:
     return out
 
 
-def tensors_of(run_dir: str) -> int:
-    """Tensors of the model a run synced (its ``gpu_bench.json``'s ``layers``)."""
+def run_info(run_dir: str) -> tuple[int, float]:
+    """Tensors of the model a run synced (its ``gpu_bench.json``'s ``layers``) and its flat
+    copy of that model (``d2d`` ``flat_ms``)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         from gpu_bench import model_shapes
     finally:
         sys.path.pop(0)
     with open(os.path.join(run_dir, "gpu_bench.json")) as f:
-        return len(model_shapes(json.load(f)["layers"]))
-
-
-def _flat_ms(run_dir: str) -> float:
-    with open(os.path.join(run_dir, "gpu_bench.json")) as f:
-        return float(json.load(f)["d2d"]["flat_ms"])
+        doc = json.load(f)
+    return len(model_shapes(doc["layers"])), float(doc["d2d"]["flat_ms"])
 
 
 def host_costs(run_dirs: list[str]) -> dict[str, float]:
@@ -111,19 +115,21 @@ def host_costs(run_dirs: list[str]) -> dict[str, float]:
         ring = [s for s in syncs(os.path.join(d, "gpu_bench.txt"))
                 if not s.cfg.get("zero_copy") and not s.cfg.get("push")]
         event = {s.cfg["bucket_size"]: s for s in ring if s.cfg.get("sync") == "event"}
-        for s in event.values():
-            points.append((s.cfg["bucket_size"], s))
-            tensors.add(tensors_of(d))
+        if not event:
+            continue
+        count, flat_ms = run_info(d)
+        tensors.add(count)
+        points += [(b, s) for b, s in event.items()]
         for s in ring:
             e = event.get(s.cfg["bucket_size"])
             if s.cfg.get("sync") == "host" and e is not None:
-                waits.append((s.publish_ms - e.publish_ms) / _flat_ms(d))
+                waits.append((s.publish_ms - e.publish_ms) / flat_ms)
     if len({b for b, _ in points}) < 2 or len(tensors) != 1:
         raise ValueError(f"need event ring syncs at two bucket sizes of one model, got "
                          f"{sorted({b >> 20 for b, _ in points})} MiB of {sorted(tensors)} tensors")
     xs = [s.publishes for _, s in points]
     ys = [s.packing_ms + s.publish_ms for _, s in points]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
     small = min(b for b, _ in points)

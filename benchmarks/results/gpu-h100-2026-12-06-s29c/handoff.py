@@ -5,37 +5,18 @@ from a release to its next fetch.
 
     python3 handoff.py now/gpu_bench.txt c1129/gpu_bench.txt
 """
-import re
+import json
+import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from timeline_costs import spans, timeline_blocks  # noqa: E402  (benchmarks/)
+
 
 def syncs(path):
-    cfg, rows = None, []
-    for line in open(path):
-        if line.startswith("engine "):
-            if cfg is not None:
-                yield cfg, rows
-            cfg, rows = line.split('"cfg": ', 1)[1].split("}", 1)[0] + "}", []
-            continue
-        m = re.match(r"\s+([\d.]+) ms  ([TR]) (\S+)", line)
-        if m and cfg is not None:
-            rows.append((float(m.group(1)), m.group(2), m.group(3)))
-    if cfg is not None:
-        yield cfg, rows
-
-
-def spans(rows, side, step):
-    out, start = [], None
-    for t, s, e in rows:
-        if s != side:
-            continue
-        if e == step + ">":
-            start = t
-        elif e == "<" + step and start is not None:
-            out.append((start, t))
-            start = None
-    return out
+    for cfg, rows in timeline_blocks(path):
+        yield json.dumps(cfg), rows
 
 
 for path in sys.argv[1:]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 30, one H100: each ring code's host costs on this host from its own --timeline, and timed runs on the same
 # machine. c1129 / c1201: the ring codes of 11-29 (0218da3) and 12-01 (1005ea0); now: today's tree (receive_into).
+# ROUNDS (default "1 2"): the timed rounds; TIMELINES=0 skips step 1 (the second call: ROUNDS="3 4" TIMELINES=0).
 set -u
 RES=${OUT:-/tmp/out}; OUT=/tmp/w; mkdir -p "$OUT" "$RES"
 ROOT=$(pwd)
@@ -19,12 +20,14 @@ bench() {  # dir code args...
   tar czf /tmp/all.tgz -C "$OUT" . && mv /tmp/all.tgz "$RES/all.tgz"
 }
 # 1. timelines (the last warm sync of each configuration, both processes' engine steps on one clock)
-for code in c1129 c1201; do
-  bench tl/$code $code --warm 3 --timeline --buckets 256,512,1024,4096 --host-buckets 1024,4096 $OLD
-done
-bench tl/now now --warm 3 --timeline --buckets= --host-buckets= --into-buckets 256,512,1024,4096 --into-host-buckets 1024,4096 $NONE
+if [ "${TIMELINES:-1}" = 1 ]; then
+  for code in c1129 c1201; do
+    bench tl/$code $code --warm 3 --timeline --buckets 256,512,1024,4096 --host-buckets 1024,4096 $OLD
+  done
+  bench tl/now now --warm 3 --timeline --buckets= --host-buckets= --into-buckets 256,512,1024,4096 --into-host-buckets 1024,4096 $NONE
+fi
 # 2. timed runs, alternating, two rounds
-for r in 1 2; do
+for r in ${ROUNDS:-1 2}; do
   for code in c1129 c1201; do
     bench $code/r$r $code --warm 8 --buckets 256,512,1024 --host-buckets 1024,4096 $OLD
   done

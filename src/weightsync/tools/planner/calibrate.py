@@ -457,17 +457,18 @@ def _rows(case: str, strategy: str, scenario: Callable[[Links], Scenario], measu
     def recorded(links: Links) -> Scenario:   # laid out as the run's code did
         return dataclasses.replace(scenario(links), fill_open=fill_open)
 
-    # GPU hosts: a run that did not record its code's own host costs is priced with the
-    # costs of the code of 11-29, which every such run was checked with (the presets now
-    # carry the current code's, ring_costs_1204)
-    base = {k: v for k, v in {**RING_SOFTWARE_1129, **_NO_HANDOFF, **OLD_PACK_WAIT_X}.items()
-            if k not in sets} \
-        if preset in _GPU_PRESETS and not code_costs else {}
-    note = _legacy_note(base)
     if code_costs:
         base, costs_from = code_costs
         note = "; host costs of its code, from " + costs_from + ": " + ", ".join(
             f"{k.split('.')[-1]} {v:g}" for k, v in base.items())
+    elif preset in _GPU_PRESETS:
+        # GPU hosts: a run that did not record its code's own host costs is priced with the
+        # old ring codes' fitted ones (the presets carry the current code's, ring_costs_1204)
+        base = {k: v for k, v in {**RING_SOFTWARE_1129, **_NO_HANDOFF,
+                                  **OLD_PACK_WAIT_X}.items() if k not in sets}
+        note = _legacy_note(base)
+    else:
+        base, note = {}, ""
     rows = []
     if sets:
         row = _row(case, strategy, recorded(load_links(preset, {**base, **sets})), measured,
@@ -788,7 +789,7 @@ S26_CODES = {"c1129": "11-29", "c1201": "12-01"}
 #: (256 MiB, 512 MiB and 4 GiB event, 4 GiB host), alternating, two rounds in one device
 #: call; each code's rows of one configuration are a group of repeats.
 S29_RING = "gpu-h100-2026-12-06-s29"
-#: Session 30's H100 runs (``run.sh``, then ``run_b.sh`` on the same held machine): first a
+#: Session 30's H100 runs (``run.sh``, run twice on the same held machine): first a
 #: ``--timeline`` run of each ring code (``tl/c1129``, ``tl/c1201``, ``tl/now``: the old codes
 #: at 256 MiB - 4 GiB event and 1 / 4 GiB host, today's receive_into the same), then four
 #: rounds of timed runs alternating the three codes (the old codes at 256 MiB - 1 GiB event
@@ -860,6 +861,8 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
             where["links.device_mem.GBps"] = "flat D2D copy, own run"
         code = ring_code_of({"source": f"{folder}/{name}"})
         today = folder in _RING_1204_RUNS or (folder == S30_RING and name.startswith("now/"))
+        # runs whose other rows are the bench's diagnostics: only receive_into is read
+        into_only = folder == S29_NOW or (today and folder == S30_RING)
         if today:                         # the host's own preset costs of that code
             host = "h100-8gpu-400g" if folder.startswith("gpu-h100-") else "h200-8gpu-400g"
             sets.update(costs_1204[host])
@@ -871,9 +874,8 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
         old_costs = costs_old[code] if code and folder.startswith("gpu-h100-") else None
         for e in doc["engine"]:
             cfg = e["cfg"]
-            if (folder == S29_NOW or today and folder == S30_RING) and (
-                    cfg.get("consume") != "into" or set(cfg) - {
-                        "bucket_size", "num_slots", "zero_copy", "sync", "consume"}):
+            if into_only and (cfg.get("consume") != "into" or set(cfg) - {
+                    "bucket_size", "num_slots", "zero_copy", "sync", "consume"}):
                 continue
             # zero-copy: receivers read the trainer's tensors; pushes: the trainer writes
             # the receivers' (Scenario.shared on a gpu links file)
