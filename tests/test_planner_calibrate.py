@@ -344,6 +344,45 @@ def test_a_readme_row_is_its_methods_case_and_its_paired_copy_is_not_one_threads
     assert sets["ring.direct_GBps"] == pytest.approx(10.0)
 
 
+T0_RUN = ("cpu-2026-12-04", "readme.json")
+
+
+def test_a_threads_0_run_is_read_as_its_readme_rows_and_a_copy_run_not_at_all(tmp_path):
+    """A run with ``--threads 0`` (torch's default threads everywhere, ``receive_into``) is
+    the bench's @readme rows: each method is predicted as its @readme row, where the same
+    numbers read as a one-thread run are not; its memcpy ran on every core, so it sets
+    host_mem (a ceiling), never device_mem (one thread's copy), and doubling its time halves
+    host_mem. The same run recorded as ``--consume copy`` (receive_weights + copy_) gives
+    no row."""
+    doc = _recorded(*T0_RUN)
+    assert doc["config"]["threads"] == 0 and doc["config"]["consume"] == "into"
+    rows = calibrate.run(("cpu",), results=_write(tmp_path / "a", *T0_RUN, doc))["rows"]
+    assert {r["case"] for r in rows} == {f"CPU synthetic-1GiB {m}@readme R=1 (12-04, "
+                                         f"--threads 0)" for m in ("shm", "collective")}
+    shm = _find(rows, "CPU synthetic-1GiB shm@readme R=1 (12-04, --threads 0)")
+    assert "memcpy@all-cores, own run" in shm["links_from"]
+    assert "device_mem" not in shm["links_from"]
+    tuned = copy.deepcopy(doc)          # the same numbers as a one-thread run's
+    tuned["config"]["threads"] = 1
+    rows1 = calibrate.run(("cpu",), results=_write(tmp_path / "b", *T0_RUN, tuned))["rows"]
+    one = _find(rows1, "CPU synthetic-1GiB shm R=1 (12-04, --threads 0)")
+    assert "device_mem" in one["links_from"] and "memcpy@all-cores" not in one["links_from"]
+    slow = copy.deepcopy(doc)
+    for r in slow["results"]:
+        if r["method"] == "memcpy":
+            r["warm_median_s"] *= 2
+        if (r.get("paired") or {}).get("method") == "memcpy":
+            r["paired"]["warm_median_s"] *= 2
+    rows2 = calibrate.run(("cpu",), results=_write(tmp_path / "c", *T0_RUN, slow))["rows"]
+    host = [float(re.search(r"host_mem ([0-9.]+) GB/s", r["links_from"]).group(1))
+            for r in (shm, _find(rows2, shm["case"]))]
+    assert host[1] == pytest.approx(host[0] / 2, rel=0.01)
+    copied = copy.deepcopy(doc)
+    copied["config"]["consume"] = "copy"
+    assert calibrate.run(("cpu",), results=_write(tmp_path / "d", *T0_RUN, copied))["rows"] \
+        == []
+
+
 def test_run_links_ceiling_is_the_most_of_its_limits():
     """host_mem: the higher of memcpy-parallel (R processes) and the memcpy over all cores."""
     gb = 10 ** 9

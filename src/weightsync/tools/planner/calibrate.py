@@ -4,7 +4,8 @@ Owns :func:`run` (the cases and their rows), :func:`run_links` (the link rates a
 recorded beside a case), :func:`format_text` and :func:`format_markdown`. Measurements come
 from ``benchmarks/results/`` of the checkout: the runs of :data:`CPU_RUNS` (``shm``,
 ``shm-buckets``, ``shm-direct``, ``collective``, and each one's ``@readme`` row (consumed as
-the README shows: torch's default threads), read as the method; 1/2/4 receivers; the bench's own
+the README shows: torch's default threads), read as the method, as is every method of a
+run with ``--threads 0`` (:func:`_readme_run`); 1/2/4 receivers; the bench's own
 workloads, :mod:`weightsync.tools.bench.workloads`, on the ``cpu-2core`` preset; with every
 other recorded run of those methods, :data:`CPU_RUNS_MORE`, each with what its code set), the
 ``cpu-nixl-*`` runs of :data:`NIXL_RUNS` (``nixl``: the ``p2p`` strategy as the backend ran
@@ -46,7 +47,7 @@ on the GPU preset, for the code of 12-04 on (whose host costs its timeline measu
 whose ``shm`` trainer waited for each direct read (the code before the direct window, or
 ``WEIGHTSYNC_SHM_DIRECT_WINDOW=1``) are predicted with ``ring.direct_window`` 1
 (:data:`WAITED`). Not modelled: zero-copy of older code, the verl-style baseline, Ray and
-the other baselines.
+the other baselines, receivers consuming with ``receive_weights`` + ``copy_``.
 
 Repeats (:data:`REPEATS`, :func:`repeat_groups`): a case measured in several runs that
 BENCHMARKS.md documents as the same code and the same command is a group of repeats. Where
@@ -539,9 +540,20 @@ WAITED = {"links": {"direct_window": 1}}
 #:   once more each with ``shm@readme`` beside ``shm`` (``readme.sh``);
 #: - session 27's code and command run again twice in session 28
 #:   (``cpu-2026-12-06-s28-s27code``): repeats of session 27's cases.
-#: Runs with ``--threads 0`` (torch's default threads for every method) or ``--consume
-#: copy`` are not modelled (only ``@readme`` rows are read with torch's default threads).
+#: - runs with ``--threads 0`` (torch's default threads in every process, ``receive_into``):
+#:   each method is its ``@readme`` row, and the run's ``memcpy`` a copy over every core
+#:   (:func:`_readme_run`): 12-02's (the code of ``into.json``), 12-03's direct window at 1
+#:   and 2 (shm), the 12-03 review's collective at window 1 and 2 (after its mend), 12-04's
+#:   and session 14's ``readme`` runs.
+#: Runs with ``--consume copy`` (``receive_weights`` + ``copy_``) are not modelled.
 CPU_RUNS_MORE = (
+    ("cpu-1g-2026-12-02", "threads0_into.json", "12-02, --threads 0", WAITED),
+    *(("cpu-shm-window-2026-12-03", f"window{w}_threads0.json",
+       f"12-03, direct window {w}, --threads 0", WAITED if w == 1 else {}) for w in (1, 2)),
+    *(("review-2026-12-03", f"collective_window{w}_threads0.json",
+       f"12-03 review, direct window {w}, --threads 0", {}) for w in (1, 2)),
+    ("cpu-2026-12-04", "readme.json", "12-04, --threads 0", {}),
+    ("cpu-2026-12-04-s14", "readme.json", "12-04 s14, --threads 0", {}),
     ("cpu-1g-2026-12-02", "into.json", "12-02", WAITED),
     ("cpu-2026-12-04", "tuned.json", "12-04 tuned", {}),
     ("cpu-2026-12-04-s14", "tuned.json", "12-04 s14", {}),
@@ -625,13 +637,33 @@ def _cpu_method(name: str) -> Optional[tuple]:
     return _CPU_METHODS.get(name[:-len(README)] if name.endswith(README) else name)
 
 
+def _readme_run(results: list[dict]) -> list[dict]:
+    """A run with ``--threads 0 --consume into`` as the bench's ``@readme`` rows: every
+    process ran torch's default threads and consumed with ``receive_into``, so each method
+    is its ``@readme`` row (its paired ``memcpy`` the copy over every core), and so is each
+    unpaired ``memcpy`` (:data:`_ALL_CORES`, a ceiling of ``host_mem``, not the one-thread
+    ``device_mem``, which such a run never timed)."""
+    out = []
+    for r in results:
+        if _cpu_method(r["method"]) is not None and not r["method"].endswith(README):
+            r = {**r, "method": r["method"] + README}
+        elif r["method"] == "memcpy":
+            r = {**r, "method": _ALL_CORES}
+        out.append(r)
+    return out
+
+
 def _cpu_cases(root: str) -> list[dict]:
     rows, models = [], {}
     for folder, name, label, *knobs in CPU_RUNS:
         if not os.path.exists(os.path.join(root, folder, name)):
             continue
         knob = knobs[0] if knobs else {}
-        results = _json(root, folder, name)["results"]
+        doc = _json(root, folder, name)
+        if doc.get("config", {}).get("consume", "into") != "into":
+            continue            # receive_weights + copy_: not modelled
+        results = _readme_run(doc["results"]) if doc.get("config", {}).get("threads") == 0 \
+            else doc["results"]
         limits = _limits_by_case(results)
         for rec in results:
             method = _cpu_method(rec["method"]) if rec["status"] == "ok" else None
@@ -1261,9 +1293,9 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
                              "where it took 13)",
                              "verl-style cuda_ipc baseline",
                              "ray, gloo-per-tensor, safetensors-shm baselines",
-                             "CPU runs with --threads 0 or --consume copy (torch's default "
-                             "threads on receivers outside the @readme rows; receive_weights "
-                             "+ copy_)",
+                             "CPU runs with --consume copy (receive_weights + copy_: one "
+                             "more torch copy per tensor, direct tensors staged in fresh "
+                             "buffers)",
                              "shm_d2h receive_weights views and the unpinned ring",
                              "nixl TP workers consuming with receive_weights + copy "
                              "(cpu-nixl-tp-2026-12-04 readme_copy)",
