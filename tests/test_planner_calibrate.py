@@ -479,7 +479,7 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]
             and "cuda_ipc push" not in r["case"]
             and not r["source"].startswith((calibrate.S26_RING, calibrate.S29_RING + "/",
-                                            calibrate.S29_NOW, calibrate.S30_RING))]
+                                            calibrate.S29_NOW, *calibrate._S30_LAYOUT))]
     assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
@@ -891,6 +891,27 @@ def test_timeline_costs_reads_tensor_bucket_and_handoff_costs_off_timelines(tmp_
         tool.host_costs([str(tmp_path / "b256")])
 
 
+def test_hostload_reads_each_runs_busy_and_stolen_share_of_the_cpus(tmp_path):
+    """benchmarks/hostload.py: a run's window is its B .. E marks; its busy share is user +
+    nice + system + irq + softirq over every jiffy between the samples around it, steal
+    apart, and the highest 1-minute load average sampled in it. A run with no end is
+    left out."""
+    tool = calibrate._script("hostload")
+
+    def s(t, user, idle, steal, load):   # user nice system idle iowait irq softirq steal ...
+        return f"S {t} cpu  {user} 0 0 {idle} 0 0 0 {steal} 0 0 {load} 1.0 1.0 2/100 7"
+    (tmp_path / "h.txt").write_text("\n".join([
+        s(10.0, 0, 0, 0, 0.5), "B 10.1 a/r1", s(11.0, 300, 700, 0, 0.9),
+        s(12.0, 600, 1300, 100, 2.5), "E 11.9 a/r1",
+        "B 12.2 b/r1", s(13.0, 700, 2200, 100, 0.7), s(14.0, 800, 3100, 100, 0.6),
+        "E 13.5 b/r1", "B 14.1 c/r1", ""]))
+    a, b = tool.read(str(tmp_path / "h.txt"))
+    assert (a.run, b.run) == ("a/r1", "b/r1")
+    assert a.busy == pytest.approx(0.3) and a.steal == pytest.approx(0.05)
+    assert a.load1_max == 2.5 and a.seconds == pytest.approx(1.8)
+    assert b.busy == pytest.approx(0.1) and b.steal == 0 and b.load1_max == 2.5
+
+
 def test_the_h100_presets_ring_costs_are_what_timeline_costs_reads_off_its_timelines():
     """The H100 preset's host costs of today's ring (15.6 us, 226 us, handoff 219 us, pack
     wait 1.59) are what timeline_costs.py reads off that code's two H100 timelines
@@ -942,19 +963,28 @@ def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_
     assert pairs and all(host > event for host, event in pairs)
 
 
-def test_session_30s_h100_runs_are_a_group_per_code_and_case_and_timelines_no_rows():
-    """Session 30's H100 runs (calibrate.S30_RING): each code's four rounds of one
-    configuration are one group (the old codes: 256 MiB - 1 GiB event, 1 / 4 GiB host;
-    today's receive_into: 256 / 512 MiB event, 1 / 4 GiB host), priced with that code's H100
-    costs (the old codes' timelines, today's the H100 preset); its --timeline runs (tl/)
-    give those costs and are not rows."""
+@pytest.mark.parametrize("session", ["s30", "s31"])
+def test_session_30s_h100_runs_are_a_group_per_code_and_case_and_timelines_no_rows(session):
+    """Session 30's H100 runs (calibrate.S30_RING) and session 31's (the same script on
+    another machine, S31_RING): each code's four rounds of one configuration are one group
+    of that machine (the old codes: 256 MiB - 1 GiB event, 1 / 4 GiB host; today's
+    receive_into: 256 / 512 MiB event, 1 / 4 GiB host), priced with that code's H100 costs
+    (the old codes' timelines, today's the H100 preset); the --timeline runs (tl/) are not
+    rows. Session 30's three timelines are among those costs, session 31's are not (held
+    out: its runs check the costs read off the other machines)."""
     res = _h200_run()
     groups = [g for g in res["repeats"]
-              if g["group"].endswith("[H100 runs of 12-06 s30 on one machine]")]
+              if g["group"].endswith(f"[H100 runs of 12-06 {session} on one machine]")]
     if not groups:
-        pytest.skip("session 30's H100 runs are not in this checkout")
+        pytest.skip(f"session {session[1:]}'s H100 runs are not in this checkout")
     assert len(groups) == 5 + 5 + 4 and all(len(g["cases"]) == 4 for g in groups)
-    rows = [r for r in res["rows"] if r["source"].startswith(calibrate.S30_RING + "/")]
+    assert all(f"2026-12-06-{session})" in c for g in groups for c in g["cases"])
+    folder = {"s30": calibrate.S30_RING, "s31": calibrate.S31_RING}[session]
+    timelines = [*calibrate.TODAY_H100_TIMELINES, *(d for ds in
+                                                    calibrate.OLD_H100_TIMELINES.values()
+                                                    for d in ds)]
+    assert sum(d.startswith(folder + "/") for d in timelines) == (3 if session == "s30" else 0)
+    rows = [r for r in res["rows"] if r["source"].startswith(folder + "/")]
     assert len(rows) == 56 and not [r for r in rows if "/tl/" in r["source"]]
     today = [r for r in rows if "/now/" in r["source"]]
     assert len(today) == 16 and all("receive_into" in r["case"] for r in today)

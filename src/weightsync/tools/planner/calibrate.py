@@ -363,9 +363,10 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
            **{f"gpu-h100-2026-12-06-s29b/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s29 of today's ring" for k in (1, 2)},
-           **{f"gpu-h100-2026-12-06-s30/{code}/r{k}/gpu_bench.json":
-              "H100 runs of 12-06 s30 on one machine"
-              for code in ("c1129", "c1201", "now") for k in (1, 2, 3, 4)},
+           **{f"gpu-h100-2026-12-06-{s}/{code}/r{k}/gpu_bench.json":
+              f"H100 runs of 12-06 {s} on one machine"
+              for s in ("s30", "s31") for code in ("c1129", "c1201", "now")
+              for k in (1, 2, 3, 4)},
            **{f"gpu-h100-2026-12-06-s29/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s29 on one machine"
               for k in (1, 2) for code in ("c1129", "c1201")},
@@ -828,8 +829,17 @@ S29_RING = "gpu-h100-2026-12-06-s29"
 #: and 1 / 4 GiB host; today's receive_into at 256 / 512 MiB event and 1 / 4 GiB host). Each
 #: code's rows of one configuration are a group of repeats.
 S30_RING = "gpu-h100-2026-12-06-s30"
+#: Session 31's H100 runs: session 30's ``run.sh`` again on another machine (all four rounds
+#: in one call), with the host's load recorded beside each run (``hostload.txt``,
+#: ``benchmarks/hostload.py``); the same rows and groups as :data:`S30_RING`'s. Its
+#: timelines are held out of the costs (:data:`OLD_H100_TIMELINES`,
+#: :data:`TODAY_H100_TIMELINES`): its timed runs check the costs the other machines gave.
+S31_RING = "gpu-h100-2026-12-06-s31"
+#: Folders of H100 runs of the three ring codes, session 30's layout (``tl/<code>`` timelines,
+#: ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into`` alone).
+_S30_LAYOUT = frozenset({S30_RING, S31_RING})
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
-_OLD_H100_RUNS = frozenset({S26_RING, S29_RING, S30_RING})
+_OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_LAYOUT})
 #: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
 #: rounds): ``receive_into`` at 256 MiB to 4 GiB buckets, the first check of the presets'
 #: host costs below 2 GiB. Only its ``receive_into`` rows are read: the bench's other rows
@@ -877,8 +887,10 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                            for k in (1, 2) for code in S26_CODES),
                          # session 29, H100: today's ring, receive_into, 256 MiB to 4 GiB
                          *((S29_NOW, f"r{k}/gpu_bench.json") for k in (1, 2)),
-                         # session 30, H100: the three codes alternating, four rounds
-                         *((S30_RING, f"{code}/r{k}/gpu_bench.json")
+                         # sessions 30 and 31, H100: the three codes alternating, four
+                         # rounds
+                         *((folder, f"{code}/r{k}/gpu_bench.json") for folder in
+                           (S30_RING, S31_RING)
                            for k in (1, 2, 3, 4) for code in (*S26_CODES, "now"))):
         if folders is not None and folder not in folders or \
                 not os.path.exists(os.path.join(root, folder, name)):
@@ -892,9 +904,9 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
             sets["links.device_mem.GBps"] = d2d["bytes"] / (d2d["flat_ms"] / 1e3) / 1e9
             where["links.device_mem.GBps"] = "flat D2D copy, own run"
         code = ring_code_of({"source": f"{folder}/{name}"})
-        today = folder in _RING_1204_RUNS or (folder == S30_RING and name.startswith("now/"))
+        today = folder in _RING_1204_RUNS or (folder in _S30_LAYOUT and name.startswith("now/"))
         # runs whose other rows are the bench's diagnostics: only receive_into is read
-        into_only = folder == S29_NOW or (today and folder == S30_RING)
+        into_only = folder == S29_NOW or (today and folder in _S30_LAYOUT)
         if today:                         # the host's own preset costs of that code
             host = "h100-8gpu-400g" if folder.startswith("gpu-h100-") else "h200-8gpu-400g"
             sets.update(costs_1204[host])
@@ -938,7 +950,7 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                 run = f", {call} round {k[1:]}"
             elif folder == S29_NOW:    # r2/gpu_bench.json
                 run = f", round {name[1]}"
-            elif folder in (S29_RING, S30_RING):   # c1201/r2/gpu_bench.json, now/r2/...
+            elif folder in (S29_RING, *_S30_LAYOUT):   # c1201/r2/gpu_bench.json, now/r2/...
                 code, k = name.split("/")[:2]
                 case += f", code of {S26_CODES[code]}" if code in S26_CODES else ""
                 run = f", round {k[1:]}"
