@@ -7,12 +7,17 @@ last warm sync on one clock. Per sync (:func:`syncs`) this takes, from the train
   the next publish (the tensors of that bucket copied into its slot);
 * publishing: each ``_publish`` span;
 * slot waits: each ``_tx_wait_free`` span (the slot's trip to the receivers and back that
-  the trainer's own work did not hide).
+  the trainer's own work did not hide);
+* host: everything from the start of the first slot wait to the end of the last publish
+  but the slot waits: packing and publishing, and the trainer's loop between a publish and
+  its next slot wait (60-220 us a bucket on the H100 hosts; until session 31 it was left
+  out, and a code's costs then predicted its own timeline's 256 / 512 MiB syncs 15-29 %
+  short).
 
 :func:`host_costs` turns the syncs of one code on one host, ordered by events (``sync``
 ``"event"``) and at two or more bucket sizes, into the planner's ``software`` costs (us):
 ``tensor_us`` and ``bucket_us`` are the intercept (over the model's tensors) and the slope of
-the least-squares line of packing + publishing against the number of buckets, and
+the least-squares line of the host time against the number of buckets, and
 ``handoff_us`` is the slot waits per bucket at the smallest bucket size timed. This is how
 the GPU presets' costs of today's ring were read (``gpu-h100-2026-12-06-s29c``). Where the
 runs also timed host-ordered syncs (``sync="host"``: the trainer synchronizes its stream
@@ -44,6 +49,7 @@ class SyncSteps:
     publish_ms: float
     wait_ms: float
     sync_ms: float
+    host_ms: float = 0.0      # packing + publishing + the loop between (see the module doc)
 
 
 def spans(rows: list, side: str, step: str) -> list[tuple[float, float]]:
@@ -87,8 +93,10 @@ def syncs(path: str) -> list[SyncSteps]:
             continue
         starts = [a for a, _ in pubs]
         packing = [next((p for p in starts if p >= b), b) - b for _, b in waits]
+        wait = sum(b - a for a, b in waits)
+        host = pubs[-1][1] - waits[0][0] - wait if waits else sum(b - a for a, b in pubs)
         out.append(SyncSteps(cfg, len(pubs), sum(packing), sum(b - a for a, b in pubs),
-                             sum(b - a for a, b in waits), max(t for t, _, _ in rows)))
+                             wait, max(t for t, _, _ in rows), host))
     return out
 
 
@@ -128,7 +136,7 @@ def host_costs(run_dirs: list[str]) -> dict[str, float]:
         raise ValueError(f"need event ring syncs at two bucket sizes of one model, got "
                          f"{sorted({b >> 20 for b, _ in points})} MiB of {sorted(tensors)} tensors")
     xs = [s.publishes for _, s in points]
-    ys = [s.packing_ms + s.publish_ms for _, s in points]
+    ys = [s.host_ms for _, s in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
@@ -147,8 +155,8 @@ def main(argv: list[str]) -> None:
     for d in argv:
         for s in syncs(os.path.join(d, "gpu_bench.txt")):
             print(f"{d}: {json.dumps(s.cfg)}: {s.publishes} publishes, packing "
-                  f"{s.packing_ms:.2f} ms, publishing {s.publish_ms:.2f} ms, slot waits "
-                  f"{s.wait_ms:.2f} ms, sync {s.sync_ms:.2f} ms")
+                  f"{s.packing_ms:.2f} ms, publishing {s.publish_ms:.2f} ms, host "
+                  f"{s.host_ms:.2f} ms, slot waits {s.wait_ms:.2f} ms, sync {s.sync_ms:.2f} ms")
     print(host_costs(argv))
 
 

@@ -697,8 +697,10 @@ def _cpu_cases(root: str) -> list[dict]:
 #: programs) are the GPU presets' own (``tensor_us``, ``bucket_us``, ``handoff_us``,
 #: ``pack_wait_x``; each preset's ``source`` says where they come from): that code's host
 #: timelines, read by ``benchmarks/timeline_costs.py``; ``h200-8gpu-400g``'s tensor and
-#: bucket costs from the H200 host's (``gpu-h200-2026-12-04-programs`` run 7: 19 us, 150 us),
-#: ``h100-8gpu-400g``'s from two H100 hosts' (``TODAY_H100_TIMELINES``: 15.6 us, 226 us), and
+#: bucket costs from the H200 host's (``gpu-h200-2026-12-04-programs`` run 7: 19 us, 150 us
+#: read by hand, plus the trainer's loop between a publish and its next slot wait there,
+#: 133 us a bucket: 283 us), ``h100-8gpu-400g``'s from two H100 hosts'
+#: (``TODAY_H100_TIMELINES``: 15.5 us, 298 us, the loop included since session 31), and
 #: both presets' ``handoff_us`` (the slot waits at 256 MiB, 219 us) and ``pack_wait_x`` (the
 #: wait for each pack under host ordering, 1.59) from the latter (not measured on an H200).
 _TIMELINE_1204 = {"h200-8gpu-400g": "gpu-h200-2026-12-04-programs run 7",
