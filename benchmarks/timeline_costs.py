@@ -47,9 +47,9 @@ class SyncSteps:
     publishes: int
     packing_ms: float
     publish_ms: float
+    host_ms: float           # packing, publishing and the loop between (see the module doc)
     wait_ms: float
     sync_ms: float
-    host_ms: float = 0.0      # packing + publishing + the loop between (see the module doc)
 
 
 def spans(rows: list, side: str, step: str) -> list[tuple[float, float]]:
@@ -70,15 +70,16 @@ def timeline_blocks(path: str) -> list[tuple[dict, list[tuple[float, str, str]]]
     """Each configuration of one ``gpu_bench.txt`` of a ``--timeline`` run: its engine
     config and its printed sync's steps, (ms, side, step) in order."""
     blocks, cfg, rows = [], None, []
-    for line in open(path):
-        if line.startswith("engine "):
-            if cfg is not None:
-                blocks.append((cfg, rows))
-            cfg, rows = json.loads(line[len("engine "):])["cfg"], []
-            continue
-        m = _STEP.match(line)
-        if m and cfg is not None:
-            rows.append((float(m.group(1)), m.group(2), m.group(3)))
+    with open(path) as f:
+        for line in f:
+            if line.startswith("engine "):
+                if cfg is not None:
+                    blocks.append((cfg, rows))
+                cfg, rows = json.loads(line[len("engine "):])["cfg"], []
+                continue
+            m = _STEP.match(line)
+            if m and cfg is not None:
+                rows.append((float(m.group(1)), m.group(2), m.group(3)))
     if cfg is not None:
         blocks.append((cfg, rows))
     return blocks
@@ -93,10 +94,10 @@ def syncs(path: str) -> list[SyncSteps]:
             continue
         starts = [a for a, _ in pubs]
         packing = [next((p for p in starts if p >= b), b) - b for _, b in waits]
-        wait = sum(b - a for a, b in waits)
-        host = pubs[-1][1] - waits[0][0] - wait if waits else sum(b - a for a, b in pubs)
-        out.append(SyncSteps(cfg, len(pubs), sum(packing), sum(b - a for a, b in pubs),
-                             wait, max(t for t, _, _ in rows), host))
+        publish, wait = sum(b - a for a, b in pubs), sum(b - a for a, b in waits)
+        host = pubs[-1][1] - waits[0][0] - wait if waits else publish
+        out.append(SyncSteps(cfg, len(pubs), sum(packing), publish, host, wait,
+                             max(t for t, _, _ in rows)))
     return out
 
 

@@ -661,10 +661,10 @@ def _cpu_cases(root: str) -> list[dict]:
             continue
         knob = knobs[0] if knobs else {}
         doc = _json(root, folder, name)
-        if doc.get("config", {}).get("consume", "into") != "into":
+        config = doc.get("config", {})
+        if config.get("consume", "into") != "into":
             continue            # receive_weights + copy_: not modelled
-        results = _readme_run(doc["results"]) if doc.get("config", {}).get("threads") == 0 \
-            else doc["results"]
+        results = _readme_run(doc["results"]) if config.get("threads") == 0 else doc["results"]
         limits = _limits_by_case(results)
         for rec in results:
             method = _cpu_method(rec["method"]) if rec["status"] == "ok" else None
@@ -725,8 +725,8 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
 #: code): fitted to the 11-29 code's own H200 runs, the least squared log(predicted /
 #: measured) over the rows of the four 11-29 H200 runs, host-ordered ones waiting
 #: :data:`OLD_PACK_WAIT_X` for each pack (``planner-calib-2026-12-06-s30/fit_ring_1129.py``);
-#: the H200 run of 12-01 is left out of the fit and checks it. Every other GPU run without its code's own costs (the CPU-trainer
-#: and shm_d2h rows on ``h200-host``) takes them too. Session 29 fitted 59 / 1060 over those
+#: the H200 run of 12-01 is left out of the fit and checks it. Every other GPU run without
+#: its code's own costs (the CPU-trainer and shm_d2h rows on ``h200-host``) takes them too. Session 29 fitted 59 / 1060 over those
 #: rows and the H100 ones (which now take that host's timeline costs,
 #: :func:`ring_costs_old`), without the host ordering's wait
 #: (:attr:`~weightsync.tools.planner.scenario.Scenario.ring_sync`); until then 70 / 930, read
@@ -750,11 +750,10 @@ OLD_H100_TIMELINES = {
 
 def ring_costs_old(code: str, root: Optional[str] = None) -> tuple[dict[str, float], str]:
     """Host costs (``--link-set`` keys: microseconds, ``pack_wait_x`` a factor) of the ring
-    code of ``code`` (``"11-29"``
-    or ``"12-01"``) on an H100 host, from its own ``--timeline`` runs there
-    (``benchmarks/timeline_costs.py``: packing and publishing against the number of buckets,
-    slot waits at the smallest bucket, the wait for each pack under host ordering), and
-    where they come from."""
+    code of ``code`` (``"11-29"`` or ``"12-01"``) on an H100 host, from its own
+    ``--timeline`` runs there (``benchmarks/timeline_costs.py``: the trainer's host time
+    against the number of buckets, slot waits at the smallest bucket, the wait for each pack
+    under host ordering), and where they come from."""
     costs, source = _timeline_costs(code, root or results_dir())
     return dict(costs), source
 
@@ -891,8 +890,8 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                          *((S29_NOW, f"r{k}/gpu_bench.json") for k in (1, 2)),
                          # sessions 30 and 31, H100: the three codes alternating, four
                          # rounds
-                         *((folder, f"{code}/r{k}/gpu_bench.json") for folder in
-                           (S30_RING, S31_RING)
+                         *((folder, f"{code}/r{k}/gpu_bench.json")
+                           for folder in sorted(_S30_LAYOUT)
                            for k in (1, 2, 3, 4) for code in (*S26_CODES, "now"))):
         if folders is not None and folder not in folders or \
                 not os.path.exists(os.path.join(root, folder, name)):
