@@ -15,8 +15,10 @@ stdout. The parent process never touches CUDA.
 
 Experiments (environment): ``GPU_BENCH_SETTLE_MS`` sleeps between the trainer's draw of
 fresh weights (~70 ms of kernels) and the sync: right after those kernels the receiver's
-copies ran ~1 ms slower on one H100 (BENCHMARKS.md, session 20). With ``--timeline`` the
-receiver times its copies on the GPU and replays them after each sync
+copies ran ~1 ms slower on one H100 (BENCHMARKS.md, session 20). With ``--timeline`` both
+processes log their engine steps in every warm sync (printed after each configuration's
+``engine`` line, a ``timeline: warm sync k of n`` block each; until session 32 only the
+last one), and the receiver times its copies on the GPU and replays them after each sync
 (``rx_gpu_span_ms``, ``rx_replay_ms``); ``GPU_BENCH_DEFER=1`` holds a zero-copy sync's copy
 programs until the end message, ``GPU_BENCH_QUIET=trainer,rollout`` delays the end's polling.
 """
@@ -505,7 +507,9 @@ def run_engine(d: Driver, cfg: dict, warm: int, seed0: int, trace: str = "") -> 
     d.call("trainer", "engine_close")
     warm_ms = [x["ms"] for x in runs[1:]]
     transient = max(x["peak"] + x["rx_peak"] for x in runs[1:])
-    last = {"log": runs[-1].get("log", []), "rx_log": runs[-1].get("rx_log", [])}
+    # --timeline: every warm sync's steps on both sides (printed by main, not kept in the JSON)
+    logged = [{"ms": x["ms"], "log": x.get("log", []), "rx_log": x.get("rx_log", [])}
+              for x in runs[1:]]
     gpu = {}
     for key in ("rx_gpu_span_ms", "rx_replay_ms", "rx_replay_spaced_ms"):
         got = [x[key] for x in runs[1:] if x.get(key)]
@@ -513,7 +517,7 @@ def run_engine(d: Driver, cfg: dict, warm: int, seed0: int, trace: str = "") -> 
     return {"cfg": cfg, "cold_ms": runs[0]["ms"], "warm_ms": warm_ms,
             "median_ms": statistics.median(warm_ms), "all_ok": all(x["ok"] for x in runs),
             "ring_bytes": ring, "transient_bytes": transient, "extra_bytes": ring + transient,
-            "metrics": runs[-1]["metrics"], "last": last,
+            "metrics": runs[-1]["metrics"], "timelines": logged,
             # --timeline, on a GPU: the receiver's copies (first program to the end), and the
             # same programs replayed right after, back to back and spaced (Worker.gpu_times)
             **gpu}
@@ -579,7 +583,7 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="plumbing check: shm on CPU")
     ap.add_argument("--profile", action="store_true", help="cProfile two configurations")
     ap.add_argument("--timeline", action="store_true",
-                    help="print when each engine step ran in the last warm sync")
+                    help="print when each engine step ran in every warm sync")
     ap.add_argument("--cuda-trace", action="store_true",
                     help="trace one more warm sync of each configuration with torch.profiler "
                          "(CUDA activity): DIR/trace<k>_<role>.json")
@@ -631,10 +635,14 @@ def main() -> None:
                              os.path.join(args.out, f"trace{k}") if args.cuda_trace else "")
             seed += args.warm + 2
             out["engine"].append(res)
-            print("engine", json.dumps({k: v for k, v in res.items()
-                                        if k not in ("metrics", "last")}), flush=True)
+            logged = res.pop("timelines")
+            print("engine", json.dumps({k: v for k, v in res.items() if k != "metrics"}),
+                  flush=True)
             if args.timeline:
-                print(timeline(res["last"]), flush=True)
+                for n, sync_log in enumerate(logged, 1):
+                    print(f"timeline: warm sync {n} of {len(logged)}, "
+                          f"{sync_log['ms']:.2f} ms", flush=True)
+                    print(timeline(sync_log), flush=True)
         for b in [b for b in args.baseline_buckets.split(",") if b]:
             runs = [d.sync_once(seed + i, baseline_bucket=int(b) * MiB) for i in range(4)]
             seed += 4
@@ -652,9 +660,10 @@ def main() -> None:
     print(report(out))
 
 
-def timeline(last: dict) -> str:
-    """Both processes' logged steps, merged, in ms since the trainer's send began."""
-    events = [(t, "T " + e) for t, e in last["log"]] + [(t, "R " + e) for t, e in last["rx_log"]]
+def timeline(logged: dict) -> str:
+    """One sync's logged steps of both processes, merged, in ms since the first of them."""
+    events = [(t, "T " + e) for t, e in logged["log"]] + \
+        [(t, "R " + e) for t, e in logged["rx_log"]]
     if not events:
         return "(no timeline)"
     t0 = min(t for t, _ in events)

@@ -1,7 +1,9 @@
 """The ``cuda_ipc`` ring trainer's host costs, read off ``gpu_bench.py --timeline`` outputs.
 
-A ``--timeline`` run prints, per engine configuration, both processes' engine steps of its
-last warm sync on one clock. Per sync (:func:`syncs`) this takes, from the trainer's steps:
+A ``--timeline`` run prints, per engine configuration, both processes' engine steps of each
+warm sync on one clock (a ``timeline: warm sync k of n`` block each; runs before session 32
+printed the last warm sync alone, with no such line). Per sync (:func:`syncs`) this takes,
+from the trainer's steps:
 
 * packing: from the end of each wait for a free slot (``_tx_wait_free``) to the start of
   the next publish (the tensors of that bucket copied into its slot);
@@ -18,7 +20,10 @@ last warm sync on one clock. Per sync (:func:`syncs`) this takes, from the train
 ``"event"``) and at two or more bucket sizes, into the planner's ``software`` costs (us):
 ``tensor_us`` and ``bucket_us`` are the intercept (over the model's tensors) and the slope of
 the least-squares line of the host time against the number of buckets, and
-``handoff_us`` is the slot waits per bucket at the smallest bucket size timed. This is how
+``handoff_us`` is the slot waits per bucket at the smallest bucket size timed. A run that
+printed several syncs of a configuration gives one point per bucket size: the median of
+its syncs' host times and of their slot waits and publishes (one slow sync, a stall of
+the host, then moves no cost). This is how
 the GPU presets' costs of today's ring were read (``gpu-h100-2026-12-06-s29c``). Where the
 runs also timed host-ordered syncs (``sync="host"``: the trainer synchronizes its stream
 inside each publish), ``pack_wait_x`` is what those publishes take beyond the event-ordered
@@ -34,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -67,26 +73,29 @@ def spans(rows: list, side: str, step: str) -> list[tuple[float, float]]:
 
 
 def timeline_blocks(path: str) -> list[tuple[dict, list[tuple[float, str, str]]]]:
-    """Each configuration of one ``gpu_bench.txt`` of a ``--timeline`` run: its engine
-    config and its printed sync's steps, (ms, side, step) in order."""
+    """Each printed sync of one ``gpu_bench.txt`` of a ``--timeline`` run: its engine config
+    and its steps, (ms, side, step) in order; a configuration's syncs one after another."""
     blocks, cfg, rows = [], None, []
     with open(path) as f:
         for line in f:
-            if line.startswith("engine "):
-                if cfg is not None:
+            start = line.startswith("engine ")
+            if start or line.startswith("timeline: warm sync "):
+                if cfg is not None and rows:
                     blocks.append((cfg, rows))
-                cfg, rows = json.loads(line[len("engine "):])["cfg"], []
+                if start:
+                    cfg = json.loads(line[len("engine "):])["cfg"]
+                rows = []
                 continue
             m = _STEP.match(line)
             if m and cfg is not None:
                 rows.append((float(m.group(1)), m.group(2), m.group(3)))
-    if cfg is not None:
+    if cfg is not None and rows:
         blocks.append((cfg, rows))
     return blocks
 
 
 def syncs(path: str) -> list[SyncSteps]:
-    """Each configuration's printed sync in one ``gpu_bench.txt`` of a ``--timeline`` run."""
+    """Each printed sync in one ``gpu_bench.txt`` of a ``--timeline`` run."""
     out = []
     for cfg, rows in timeline_blocks(path):
         pubs, waits = spans(rows, "T", "_publish"), spans(rows, "T", "_tx_wait_free")
@@ -98,6 +107,22 @@ def syncs(path: str) -> list[SyncSteps]:
         host = pubs[-1][1] - waits[0][0] - wait if waits else publish
         out.append(SyncSteps(cfg, len(pubs), sum(packing), publish, host, wait,
                              max(t for t, _, _ in rows)))
+    return out
+
+
+def median_syncs(steps: list[SyncSteps]) -> dict[int, SyncSteps]:
+    """One run's syncs of one ordering, by bucket size: each field the median over the
+    syncs printed at that size (one sync: itself)."""
+    by_size: dict[int, list[SyncSteps]] = {}
+    for s in steps:
+        by_size.setdefault(s.cfg["bucket_size"], []).append(s)
+    out = {}
+    for size, group in by_size.items():
+        def mid(field: str) -> float:
+            return statistics.median(getattr(s, field) for s in group)
+        out[size] = SyncSteps(group[0].cfg, round(mid("publishes")), mid("packing_ms"),
+                              mid("publish_ms"), mid("host_ms"), mid("wait_ms"),
+                              mid("sync_ms"))
     return out
 
 
@@ -123,16 +148,15 @@ def host_costs(run_dirs: list[str]) -> dict[str, float]:
     for d in run_dirs:
         ring = [s for s in syncs(os.path.join(d, "gpu_bench.txt"))
                 if not s.cfg.get("zero_copy") and not s.cfg.get("push")]
-        event = {s.cfg["bucket_size"]: s for s in ring if s.cfg.get("sync") == "event"}
+        event = median_syncs([s for s in ring if s.cfg.get("sync") == "event"])
         if not event:
             continue
         count, flat_ms = run_info(d)
         tensors.add(count)
-        points += [(b, s) for b, s in event.items()]
-        for s in ring:
-            e = event.get(s.cfg["bucket_size"])
-            if s.cfg.get("sync") == "host" and e is not None:
-                waits.append((s.publish_ms - e.publish_ms) / flat_ms)
+        points += list(event.items())
+        for b, s in median_syncs([s for s in ring if s.cfg.get("sync") == "host"]).items():
+            if b in event:
+                waits.append((s.publish_ms - event[b].publish_ms) / flat_ms)
     if len({b for b, _ in points}) < 2 or len(tensors) != 1:
         raise ValueError(f"need event ring syncs at two bucket sizes of one model, got "
                          f"{sorted({b >> 20 for b, _ in points})} MiB of {sorted(tensors)} tensors")

@@ -138,6 +138,37 @@ def test_multi_gpu_script_dry_run_on_cpu(tmp_path):
     assert scaling["scaling_2_over_1"] > 0
 
 
+@pytest.mark.timeout(180)
+def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
+    """benchmarks/gpu_bench.py's plumbing check (--cpu-smoke) with --timeline: every warm
+    sync of each configuration is printed, and timeline_costs.py reads each as a sync of
+    that configuration; the logs stay out of the JSON. Guards the device runs' timelines."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    off = ("host", "zero-copy", "zero-copy-host", "baseline", "stream-waits", "no-links",
+           "into", "into-zero-copy", "zero-copy-first-bucket", "rx-waits",
+           "rx-waits-zero-copy", "views")
+    cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "2",
+           "--scale", "16", "--warm", "3", "--timeline", "--buckets", "1,2",
+           "--out", str(tmp_path)] + [f"--{o}-buckets=" for o in off]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (tmp_path / "gpu_bench.txt").write_text(done.stdout)
+    assert done.stdout.count("timeline: warm sync ") == 6
+    sys.path.insert(0, str(bench))
+    try:
+        import timeline_costs
+    finally:
+        sys.path.remove(str(bench))
+    got = timeline_costs.syncs(str(tmp_path / "gpu_bench.txt"))
+    assert [s.cfg["bucket_size"] >> 20 for s in got] == [1, 1, 1, 2, 2, 2]
+    assert all(s.publishes > 1 and s.host_ms > 0 for s in got)
+    doc = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert all(e["all_ok"] and len(e["warm_ms"]) == 3 and "timelines" not in e
+               for e in doc["engine"])
+
+
 @pytest.mark.timeout(120)
 def test_cross_memory_read_limit(tmp_path):
     """``cma-raw``: every receiver reads the trainer's flat buffer with cross-memory reads;

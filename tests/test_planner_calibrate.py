@@ -838,15 +838,22 @@ def test_session_29s_h100_runs_are_groups_and_today_s_only_by_receive_into():
 
 
 def _timeline(path, bucket_mib: int, syncs: dict, layers: int = 32) -> None:
-    """A --timeline run's gpu_bench.txt (a ring sync per ordering in ``syncs``: its steps)
-    and its json, whose flat copy of the model took 10 ms."""
+    """A --timeline run's gpu_bench.txt (a ring configuration per ordering in ``syncs``: the
+    steps of its one printed sync, as runs before session 32 printed, or a list of syncs,
+    each under its ``timeline: warm sync k of n`` line) and its json, whose flat copy of the
+    model took 10 ms."""
     os.makedirs(path, exist_ok=True)
     lines, cfgs = ["d2d {}"], []
     for sync, steps in syncs.items():
         cfgs.append({"bucket_size": bucket_mib << 20, "num_slots": 2, "zero_copy": False,
                      "sync": sync})
         lines.append("engine " + json.dumps({"cfg": cfgs[-1], "median_ms": 1.0}))
-        lines += [f"  {t:7.2f} ms  {step}" for t, step in steps]
+        if steps and isinstance(steps[0], tuple):
+            lines += [f"  {t:7.2f} ms  {step}" for t, step in steps]
+            continue
+        for k, one in enumerate(steps, 1):
+            lines.append(f"timeline: warm sync {k} of {len(steps)}, 50.00 ms")
+            lines += [f"  {t:7.2f} ms  {step}" for t, step in one]
     with open(os.path.join(path, "gpu_bench.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(path, "gpu_bench.json"), "w") as f:
@@ -898,6 +905,34 @@ def test_timeline_costs_reads_tensor_bucket_and_handoff_costs_off_timelines(tmp_
     assert costs["software.pack_wait_x"] == pytest.approx(1.6, abs=0.005)
     with pytest.raises(ValueError, match="two bucket sizes"):
         tool.host_costs([str(tmp_path / "b256")])
+
+
+def test_timeline_costs_takes_the_median_of_a_runs_syncs_at_each_bucket_size(tmp_path):
+    """A --timeline run of session 32 on prints every warm sync: each is read as its own
+    sync, and a run's point at a bucket size is the median of its syncs there, so one
+    stalled sync (a host time three times the others', twice the slot waits) moves no
+    cost, and a single-sync run reads as before."""
+    tool = calibrate._script("timeline_costs")
+    tensors = len(calibrate._script("gpu_bench").model_shapes(32))
+    per_t = 0.02 * 291 / tensors
+    for n, mib, wait, host in ((4, 4096, 2.0, 3.5), (72, 256, 0.25, 0.25)):
+        pack = 0.2 + per_t * tensors / n
+        event = [_buckets(n, pack, 0.1, wait, 0.08) for _ in range(3)]
+        event.insert(1, _buckets(n, 3 * pack, 0.3, 2 * wait, 0.24))   # a stall
+        _timeline(tmp_path / f"many{mib}", mib,
+                  {"event": event, "host": [_buckets(n, pack, 0.1 + host, wait, 0.08)] * 3})
+        _timeline(tmp_path / f"one{mib}", mib,
+                  {"event": _buckets(n, pack, 0.1, wait, 0.08),
+                   "host": _buckets(n, pack, 0.1 + host, wait, 0.08)})
+    got = tool.syncs(str(tmp_path / "many256" / "gpu_bench.txt"))
+    assert [s.cfg["sync"] for s in got] == ["event"] * 4 + ["host"] * 3
+    assert len({round(s.host_ms, 3) for s in got[:4]}) == 2      # the stall is read too
+    many = tool.host_costs([str(tmp_path / "many4096"), str(tmp_path / "many256")])
+    one = tool.host_costs([str(tmp_path / "one4096"), str(tmp_path / "one256")])
+    assert many == pytest.approx(one, abs=0.05)
+    assert many["software.bucket_us"] == pytest.approx(380, abs=0.2)
+    assert many["software.handoff_us"] == pytest.approx(250, abs=0.2)
+    assert many["software.pack_wait_x"] == pytest.approx(1.6, abs=0.005)
 
 
 def test_hostload_reads_each_runs_busy_and_stolen_share_of_the_cpus(tmp_path):
