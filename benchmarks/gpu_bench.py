@@ -589,7 +589,18 @@ def main() -> None:
                          "(CUDA activity): DIR/trace<k>_<role>.json")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="sys.setswitchinterval in both processes (0: leave Python's 5 ms)")
+    ap.add_argument("--ring-probe", action="store_true",
+                    help="your host's ring costs: --timeline with only the rows "
+                         "benchmarks/timeline_costs.py reads (receive_into at 256 MiB - 4 GiB, "
+                         "and 1 / 4 GiB with sync=host); other row options are ignored")
     args = ap.parse_args()
+    if args.ring_probe:
+        for flag in ["--buckets", "--host-buckets", "--zero-copy-buckets",
+                     "--zero-copy-host-buckets", "--baseline-buckets",
+                     *(v[0] for v in VARIANTS)]:
+            setattr(args, flag[2:].replace("-", "_"), "")
+        args.into_buckets, args.into_host_buckets = "256,512,1024,4096", "1024,4096"
+        args.timeline = True
     os.makedirs(args.out, exist_ok=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
            "layers": args.layers,

@@ -32,6 +32,9 @@ ones at the same bucket size, over one flat copy of the model (the run's ``d2d``
 over the bucket sizes timed both ways.
 
     python3 benchmarks/timeline_costs.py DIR [DIR ...]   # each DIR: gpu_bench.txt + .json
+
+The last line printed is the costs as ``weightsync plan`` arguments (``--link-set
+software.tensor_us=...``): a plan priced with the host that ran the timelines.
 """
 
 from __future__ import annotations
@@ -110,6 +113,13 @@ def syncs(path: str) -> list[SyncSteps]:
     return out
 
 
+def _plain_ring(cfg: dict) -> bool:
+    """The ring as users run it (consumed by ``receive_weights`` + copy or ``receive_into``),
+    not zero-copy, pushes or the bench's diagnostic variants (stream waits, no links, ...)."""
+    return not cfg.get("zero_copy") and cfg.get("consume", "copy") in ("copy", "into") \
+        and set(cfg) <= {"bucket_size", "num_slots", "zero_copy", "sync", "consume"}
+
+
 def median_syncs(steps: list[SyncSteps]) -> dict[int, SyncSteps]:
     """One run's syncs of one ordering, by bucket size: each field the median over the
     syncs printed at that size (one sync: itself)."""
@@ -141,13 +151,12 @@ def run_info(run_dir: str) -> tuple[int, float]:
 
 def host_costs(run_dirs: list[str]) -> dict[str, float]:
     """``software.tensor_us`` / ``bucket_us`` / ``handoff_us`` (microseconds) from the
-    event-ordered ring syncs (no zero-copy, no pushes) of ``--timeline`` runs of one code
+    event-ordered ring syncs (no zero-copy, no pushes, no diagnostic variants) of ``--timeline`` runs of one code
     on one host, and ``software.pack_wait_x`` where a run timed host-ordered ones too;
     raises ``ValueError`` unless the event-ordered syncs span two bucket sizes."""
     points, tensors, waits = [], set(), []
     for d in run_dirs:
-        ring = [s for s in syncs(os.path.join(d, "gpu_bench.txt"))
-                if not s.cfg.get("zero_copy") and not s.cfg.get("push")]
+        ring = [s for s in syncs(os.path.join(d, "gpu_bench.txt")) if _plain_ring(s.cfg)]
         event = median_syncs([s for s in ring if s.cfg.get("sync") == "event"])
         if not event:
             continue
@@ -182,7 +191,10 @@ def main(argv: list[str]) -> None:
             print(f"{d}: {json.dumps(s.cfg)}: {s.publishes} publishes, packing "
                   f"{s.packing_ms:.2f} ms, publishing {s.publish_ms:.2f} ms, host "
                   f"{s.host_ms:.2f} ms, slot waits {s.wait_ms:.2f} ms, sync {s.sync_ms:.2f} ms")
-    print(host_costs(argv))
+    costs = host_costs(argv)
+    print(costs)
+    # the same costs as `weightsync plan` arguments: this host's ring, priced
+    print(" ".join(f"--link-set {k}={v:g}" for k, v in costs.items()))
 
 
 if __name__ == "__main__":

@@ -167,6 +167,16 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     doc = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert all(e["all_ok"] and len(e["warm_ms"]) == 3 and "timelines" not in e
                for e in doc["engine"])
+    # --ring-probe (README, "Plan a sync"): the rows timeline_costs.py reads and no other
+    probe = tmp_path / "probe"
+    done = subprocess.run([*cmd[:7], "--warm", "1", "--ring-probe", "--buckets", "1",
+                           "--out", str(probe)], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cfgs = [e["cfg"] for e in json.loads((probe / "gpu_bench.json").read_text())["engine"]]
+    assert [(c["bucket_size"] >> 20, c["sync"], c["consume"]) for c in cfgs] == [
+        (256, "event", "into"), (512, "event", "into"), (1024, "event", "into"),
+        (4096, "event", "into"), (1024, "host", "into"), (4096, "host", "into")]
+    assert done.stdout.count("timeline: warm sync 1 of 1") == 6
 
 
 @pytest.mark.timeout(120)

@@ -935,6 +935,30 @@ def test_timeline_costs_takes_the_median_of_a_runs_syncs_at_each_bucket_size(tmp
     assert many["software.pack_wait_x"] == pytest.approx(1.6, abs=0.005)
 
 
+def test_timeline_costs_prints_the_costs_as_plan_arguments_that_plan_takes(tmp_path, capsys):
+    """The script's last line is its costs as `weightsync plan` arguments (README, "Plan a
+    sync": your own host's ring); the planner takes them and prices the ring with them."""
+    import argparse
+
+    from weightsync.tools.planner.cli import add_arguments, scenario_from_args
+    tool = calibrate._script("timeline_costs")
+    for n, mib, wait in ((4, 4096, 2.0), (72, 256, 0.25)):
+        _timeline(tmp_path / f"b{mib}", mib,
+                  {"event": _buckets(n, 0.2 + 0.02 * 291 / n, 0.1, wait, 0.08)})
+    dirs = [str(tmp_path / "b4096"), str(tmp_path / "b256")]
+    tool.main(dirs)
+    last = capsys.readouterr().out.strip().splitlines()[-1].split()
+    costs = tool.host_costs(dirs)
+    assert last == [a for k, v in costs.items() for a in ("--link-set", f"{k}={v:g}")]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sc = scenario_from_args(parser.parse_args(
+        ["--model", "qwen3-235b-a22b", "--links", "h100-8gpu-400g", *last]))
+    sw = sc.links.software
+    assert {k: sw[k.split(".")[1]] * (1 if k.endswith("_x") else 1e6) for k in costs} == \
+        pytest.approx(costs)
+
+
 def test_hostload_reads_each_runs_busy_and_stolen_share_of_the_cpus(tmp_path):
     """benchmarks/hostload.py: a run's window is its B .. E marks; its busy share is user +
     nice + system + irq + softirq over every jiffy between the samples around it, steal
