@@ -151,7 +151,7 @@ def run_info(run_dir: str) -> tuple[int, float]:
 
 def host_costs(run_dirs: list[str]) -> dict[str, float]:
     """``software.tensor_us`` / ``bucket_us`` / ``handoff_us`` (microseconds) from the
-    event-ordered ring syncs (no zero-copy, no pushes, no diagnostic variants) of ``--timeline`` runs of one code
+    event-ordered plain ring syncs (:func:`_plain_ring`) of ``--timeline`` runs of one code
     on one host, and ``software.pack_wait_x`` where a run timed host-ordered ones too;
     raises ``ValueError`` unless the event-ordered syncs span two bucket sizes."""
     points, tensors, waits = [], set(), []
