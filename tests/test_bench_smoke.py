@@ -156,12 +156,8 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "gpu_bench.txt").write_text(done.stdout)
     assert done.stdout.count("timeline: warm sync ") == 6
-    sys.path.insert(0, str(bench))
-    try:
-        import timeline_costs
-    finally:
-        sys.path.remove(str(bench))
-    got = timeline_costs.syncs(str(tmp_path / "gpu_bench.txt"))
+    from weightsync.tools.planner.calibrate import _script
+    got = _script("timeline_costs").syncs(str(tmp_path / "gpu_bench.txt"))
     assert [s.cfg["bucket_size"] >> 20 for s in got] == [1, 1, 1, 2, 2, 2]
     assert all(s.publishes > 1 and s.host_ms > 0 for s in got)
     doc = json.loads((tmp_path / "gpu_bench.json").read_text())

@@ -726,8 +726,9 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
 #: measured) over the rows of the four 11-29 H200 runs, host-ordered ones waiting
 #: :data:`OLD_PACK_WAIT_X` for each pack (``planner-calib-2026-12-06-s30/fit_ring_1129.py``);
 #: the H200 run of 12-01 is left out of the fit and checks it. Every other GPU run without
-#: its code's own costs (the CPU-trainer and shm_d2h rows on ``h200-host``) takes them too. Session 29 fitted 59 / 1060 over those
-#: rows and the H100 ones (which now take that host's timeline costs,
+#: its code's own costs (the CPU-trainer and shm_d2h rows on ``h200-host``) takes them too.
+#: Session 29 fitted 59 / 1060 over those rows and the H100 ones (which now take that
+#: host's timeline costs,
 #: :func:`ring_costs_old`), without the host ordering's wait
 #: (:attr:`~weightsync.tools.planner.scenario.Scenario.ring_sync`); until then 70 / 930, read
 #: off run 5's timeline.
