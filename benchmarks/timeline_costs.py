@@ -31,6 +31,13 @@ ones at the same bucket size, over one flat copy of the model (the run's ``d2d``
 ``flat_ms``): the trainer's wait for its packs in multiples of those copies alone, the mean
 over the bucket sizes timed both ways.
 
+``finish_us`` is what a sync takes outside the trainer's loop (before its first slot wait
+and after its last publish: the closing message, the receivers' last bucket and their
+final acknowledgement) beyond one bucket's pack and unpack at the flat copy's rate (the
+pipeline's fill and drain, which the planner prices already), at the smallest bucket size
+timed, where the GPU has the least queued behind the trainer: 0.8 ms for today's ring on
+the H100 hosts, about 2 ms for the code of 12-01 and 3.5 ms for that of 11-29.
+
     python3 benchmarks/timeline_costs.py DIR [DIR ...]   # each DIR: gpu_bench.txt + .json
 
 The last line printed is the costs as ``weightsync plan`` arguments (``--link-set
@@ -40,6 +47,7 @@ software.tensor_us=...``): a plan priced with the host that ran the timelines.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -136,9 +144,10 @@ def median_syncs(steps: list[SyncSteps]) -> dict[int, SyncSteps]:
     return out
 
 
-def run_info(run_dir: str) -> tuple[int, float]:
-    """Tensors of the model a run synced (its ``gpu_bench.json``'s ``layers``) and its flat
-    copy of that model (``d2d`` ``flat_ms``)."""
+def run_info(run_dir: str) -> tuple[int, float, int]:
+    """Tensors of the model a run synced (its ``gpu_bench.json``'s ``layers``), its flat
+    copy of that model (``d2d`` ``flat_ms``) and the model's bytes (``d2d`` ``bytes``, else
+    its shapes in bf16)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         from gpu_bench import model_shapes
@@ -146,23 +155,28 @@ def run_info(run_dir: str) -> tuple[int, float]:
         sys.path.pop(0)
     with open(os.path.join(run_dir, "gpu_bench.json")) as f:
         doc = json.load(f)
-    return len(model_shapes(doc["layers"])), float(doc["d2d"]["flat_ms"])
+    shapes = model_shapes(doc["layers"])
+    nbytes = doc["d2d"].get("bytes") or 2 * sum(math.prod(shape) for _, shape in shapes)
+    return len(shapes), float(doc["d2d"]["flat_ms"]), int(nbytes)
 
 
 def host_costs(run_dirs: list[str]) -> dict[str, float]:
-    """``software.tensor_us`` / ``bucket_us`` / ``handoff_us`` (microseconds) from the
+    """``software.tensor_us`` / ``bucket_us`` / ``handoff_us`` / ``finish_us`` (us) from the
     event-ordered plain ring syncs (:func:`_plain_ring`) of ``--timeline`` runs of one code
     on one host, and ``software.pack_wait_x`` where a run timed host-ordered ones too;
     raises ``ValueError`` unless the event-ordered syncs span two bucket sizes."""
-    points, tensors, waits = [], set(), []
+    points, tensors, waits, outside = [], set(), [], []
     for d in run_dirs:
         ring = [s for s in syncs(os.path.join(d, "gpu_bench.txt")) if _plain_ring(s.cfg)]
         event = median_syncs([s for s in ring if s.cfg.get("sync") == "event"])
         if not event:
             continue
-        count, flat_ms = run_info(d)
+        count, flat_ms, nbytes = run_info(d)
         tensors.add(count)
         points += list(event.items())
+        # outside the trainer's loop, beyond one bucket's pack and unpack: (size, ms)
+        outside += [(b, s.sync_ms - s.host_ms - s.wait_ms - 2 * flat_ms * min(b, nbytes) / nbytes)
+                    for b, s in event.items()]
         for b, s in median_syncs([s for s in ring if s.cfg.get("sync") == "host"]).items():
             if b in event:
                 waits.append((s.publish_ms - event[b].publish_ms) / flat_ms)
@@ -177,9 +191,11 @@ def host_costs(run_dirs: list[str]) -> dict[str, float]:
     small = min(b for b, _ in points)
     at_small = [s for b, s in points if b == small]
     handoff = sum(s.wait_ms for s in at_small) / sum(s.publishes for s in at_small)
+    finish = [ms for b, ms in outside if b == small]
     out = {"software.tensor_us": round(intercept / tensors.pop() * 1e3, 1),
            "software.bucket_us": round(slope * 1e3, 1),
-           "software.handoff_us": round(handoff * 1e3, 1)}
+           "software.handoff_us": round(handoff * 1e3, 1),
+           "software.finish_us": round(max(0.0, sum(finish) / len(finish)) * 1e3, 1)}
     if waits:
         out["software.pack_wait_x"] = round(sum(waits) / len(waits), 2)
     return out

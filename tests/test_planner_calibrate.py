@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import re
 
@@ -862,10 +863,10 @@ def _timeline(path, bucket_mib: int, syncs: dict, layers: int = 32) -> None:
 
 
 def _buckets(n: int, pack: float, publish: float, wait: float,
-             loop: float = 0.0) -> list[tuple[float, str]]:
+             loop: float = 0.0, end: float = 1.0) -> list[tuple[float, str]]:
     """n buckets: wait for a free slot, pack, publish, the trainer's loop to its next slot
     wait (ms), one after another; receiver steps between them, which the reading must
-    skip."""
+    skip; the sync ends ``end`` ms after the last loop."""
     out, t = [(0.0, "T send_weights>")], 0.0
     for _ in range(n):
         out += [(t, "T _tx_wait_free>"), (t + wait, "T <_tx_wait_free"),
@@ -873,7 +874,7 @@ def _buckets(n: int, pack: float, publish: float, wait: float,
         t += wait + pack
         out += [(t, "T _publish>"), (t + publish, "T <_publish")]
         t += publish + loop
-    return out + [(t + 1, "T <send_weights")]
+    return out + [(t + end, "T <send_weights")]
 
 
 def test_timeline_costs_reads_tensor_bucket_and_handoff_costs_off_timelines(tmp_path):
@@ -905,6 +906,27 @@ def test_timeline_costs_reads_tensor_bucket_and_handoff_costs_off_timelines(tmp_
     assert costs["software.pack_wait_x"] == pytest.approx(1.6, abs=0.005)
     with pytest.raises(ValueError, match="two bucket sizes"):
         tool.host_costs([str(tmp_path / "b256")])
+
+
+def test_timeline_costs_reads_the_syncs_end_at_the_smallest_bucket_size(tmp_path):
+    """finish_us: what a sync takes outside the trainer's loop (here the last loop and the
+    end, 0.08 + ``end`` ms after the last publish) beyond one bucket's pack and unpack at the
+    flat copy's rate (10 ms for the model), at the smallest bucket size; the end at a larger
+    size moves nothing."""
+    tool = calibrate._script("timeline_costs")
+    model = 2 * sum(math.prod(s) for _, s in calibrate._script("gpu_bench").model_shapes(32))
+
+    def costs(end256: float, end4096: float) -> dict:
+        for n, mib, end in ((4, 4096, end4096), (72, 256, end256)):
+            _timeline(tmp_path / f"e{mib}", mib,
+                      {"event": _buckets(n, 0.2 + 6 / n, 0.1, 0.25, 0.08, end=end)})
+        return tool.host_costs([str(tmp_path / "e4096"), str(tmp_path / "e256")])
+
+    fill = 2 * 10.0 * (256 << 20) / model        # ms: one bucket packed and unpacked
+    assert costs(1.0, 1.0)["software.finish_us"] == pytest.approx((1.08 - fill) * 1e3, abs=0.1)
+    assert costs(3.0, 1.0)["software.finish_us"] == pytest.approx((3.08 - fill) * 1e3, abs=0.1)
+    assert costs(3.0, 9.0)["software.finish_us"] == costs(3.0, 1.0)["software.finish_us"]
+    assert costs(0.0, 1.0)["software.finish_us"] == 0.0          # never below nothing
 
 
 def test_timeline_costs_takes_the_median_of_a_runs_syncs_at_each_bucket_size(tmp_path):
@@ -981,12 +1003,12 @@ def test_hostload_reads_each_runs_busy_and_stolen_share_of_the_cpus(tmp_path):
 
 
 def test_the_h100_presets_ring_costs_are_what_timeline_costs_reads_off_its_timelines():
-    """The H100 preset's host costs of today's ring (15.5 us, 298 us, handoff 219 us, pack
-    wait 1.59) are what timeline_costs.py reads off that code's two H100 timelines
-    (calibrate.TODAY_H100_TIMELINES); the old codes' H100 costs (calibrate.ring_costs_old)
-    are read the same way. Session 29's one timeline alone gives 20.4 / 345 / 206 (its hand
-    reading, 20 / 262, left out the trainer's loop between a publish and its next slot
-    wait)."""
+    """The H100 preset's host costs of today's ring (15.5 us, 298 us, handoff 219 us, the
+    sync's end 816 us, pack wait 1.59) are what timeline_costs.py reads off that code's two
+    H100 timelines (calibrate.TODAY_H100_TIMELINES); the old codes' H100 costs
+    (calibrate.ring_costs_old) are read the same way. Session 29's one timeline alone gives
+    20.4 / 345 / 206 / 836 (its hand reading, 20 / 262, left out the trainer's loop between a
+    publish and its next slot wait)."""
     root = calibrate.results_dir()
     dirs = [os.path.join(root, d) for d in calibrate.TODAY_H100_TIMELINES]
     if not all(os.path.exists(d) for d in dirs):
@@ -996,7 +1018,8 @@ def test_the_h100_presets_ring_costs_are_what_timeline_costs_reads_off_its_timel
     want = calibrate.ring_costs_1204("h100-8gpu-400g")
     assert got == pytest.approx(want, abs=1e-6)
     assert tool.host_costs(dirs[:1]) == {"software.tensor_us": 20.4, "software.bucket_us": 344.9,
-                                         "software.handoff_us": 206.1}
+                                         "software.handoff_us": 206.1,
+                                         "software.finish_us": 835.8}
 
 
 def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_wait():
@@ -1013,8 +1036,8 @@ def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_
     c1129, src = calibrate.ring_costs_old("11-29")
     assert "11-29 code's H100 timelines" in src
     assert c1129 == pytest.approx({"software.tensor_us": 29.1, "software.bucket_us": 552.0,
-                                   "software.handoff_us": 230.1, "software.pack_wait_x": 1.35},
-                                  abs=0.05)
+                                   "software.handoff_us": 230.1, "software.finish_us": 3486.1,
+                                   "software.pack_wait_x": 1.35}, abs=0.05)
     tool = calibrate._script("timeline_costs")
     assert c1129 == tool.host_costs([os.path.join(calibrate.results_dir(), d)
                                      for d in calibrate.OLD_H100_TIMELINES["11-29"]])

@@ -342,6 +342,37 @@ def test_a_cuda_ipc_ring_adds_each_buckets_handoff_one_after_another():
     assert exc.value.field == "links.software.handoff_us"
 
 
+def test_a_cuda_ipc_ring_adds_the_syncs_end_once():
+    """software.finish_us: a GPU ring's sync ends with the trainer's closing message and the
+    receivers' last acknowledgement, once, whatever the number of buckets or of the FSDP2
+    export's steps; zero-copy and pushes (no slot) and a host ring (shm) add nothing; absent
+    it is 0, negative a PlannerError naming it."""
+    def seconds(finish_us: float, shared: str = "none", **kw) -> float:
+        kw = {"trainer_gpus": 1, "bucket_size": 16 * MiB, **kw}
+        sc = Scenario(model=MODEL, links=load_links(gpu_links(finish_us=finish_us)),
+                      replicas=1, placement="colocated", strategies=("ring",),
+                      shared=shared, **kw)
+        return predict(sc).results["ring"].seconds
+
+    for bucket in (4 * MiB, 16 * MiB, 64 * MiB):
+        assert seconds(2000, bucket_size=bucket) - seconds(0, bucket_size=bucket) == \
+            pytest.approx(2000e-6, rel=1e-9)
+    sc = Scenario(model=MODEL, links=load_links(gpu_links()), trainer_gpus=2, replicas=1,
+                  placement="colocated", bucket_size=16 * MiB, strategies=("ring",))
+    assert any("export exchanges" in n for n in predict(sc).results["ring"].notes)
+    assert seconds(2000, trainer_gpus=2) - seconds(0, trainer_gpus=2) == \
+        pytest.approx(2000e-6, rel=1e-9)
+    for shared in ("trainer", "receivers"):
+        assert seconds(2000, shared) == seconds(0, shared)
+    host = host_links()
+    host["software"]["finish_us"] = 2000
+    assert ring(host).seconds == ring(host_links()).seconds       # shm: no such end
+    assert load_links(gpu_links()).software["finish_us"] == 0.0
+    with pytest.raises(PlannerError, match=">= 0") as exc:
+        load_links(gpu_links(finish_us=-1))
+    assert exc.value.field == "links.software.finish_us"
+
+
 def test_a_host_ordered_cuda_ipc_ring_waits_for_each_pack_on_the_trainer():
     """Scenario.ring_sync "host" (cuda_ipc's sync="host"): the trainer synchronizes before
     each publish, so each bucket's pack (its bytes at device_mem's copy rate) joins the

@@ -28,7 +28,9 @@ as they are, ``shm`` lets each receiver read them from the trainer one at a time
 Software: ``tensor_us`` per tensor on each side, ``bucket_us`` (+ ``op_us`` for a
 collective) per bucket or direct tensor. A ``cuda_ipc`` ring adds ``handoff_us`` per bucket
 one after another (the slot's trip from trainer to receiver and back, which the copies of
-the other slot do not hide; its owners hand off at once). With ``Scenario.ring_sync``
+the other slot do not hide; its owners hand off at once), and ``finish_us`` once at the
+end of the sync (the trainer's closing message and the receivers' last acknowledgement,
+beyond the last bucket's copies). With ``Scenario.ring_sync``
 ``"host"`` (``cuda_ipc``'s ``sync="host"``) the trainer synchronizes its stream before each
 publish, so its wait for each bucket's pack (``pack_wait_x`` times a copy of the bucket's
 bytes at ``device_mem``'s rate: the pack shares the GPU with the receivers' copy of the
@@ -426,12 +428,13 @@ _SERIAL = {"direct": "direct tensors, read one at a time (shm)",
                      "time (shm shared read)",
            "push": "pushes into every receiver's memory, tensor after tensor and receiver "
                    "after receiver (shm push)",
-           "handoff": "each bucket's slot handed from trainer to receivers and back "
-                      "(cuda_ipc ring, software.handoff_us)"}
+           "handoff": "each bucket's slot handed from trainer to receivers and back, "
+                      "and the sync's closing handshake (cuda_ipc ring, "
+                      "software.handoff_us, finish_us)"}
 
 
 def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
-             first_step: bool = True) -> tuple[Loads, float, str, Loads]:
+             first_step: bool = True, last_step: bool = True) -> tuple[Loads, float, str, Loads]:
     """Loads of one step's delivery, the seconds of what it runs one after another (shm's
     direct reads, a CPU trainer's pushes and the receivers' pass over what was pushed),
     what those are (a key of :data:`_SERIAL`), and the bytes of a CPU trainer's pushes
@@ -449,6 +452,7 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
     waited = sw["direct_wait_us"] if sc.links.direct_window < 2 else 0.0
     cpu_pushes: dict[int, list[int]] = {}     # owner -> bytes of each tensor it pushes
     handoff = 0.0       # cuda_ipc ring: the busiest owner's bucket handoffs, one by one
+    slots_used = False  # cuda_ipc ring: some owner passed buckets through its slots
     by_owner: dict[int, list[int]] = defaultdict(list)
     for i in step:
         by_owner[owners[i]].append(i)
@@ -482,6 +486,7 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
             cpu_pushes[o] = pushed
         if strategy == "ring" and not pl.host:
             handoff = max(handoff, buckets * sw["handoff_us"])
+            slots_used = slots_used or buckets > 0
             if sc.ring_sync == "host":  # the trainer waits for each pack before its publish
                 loads.work(f"trainer rank {o}", sw["pack_wait_x"] * nb
                            / pl.links_of(src).link("device_mem").rate)
@@ -504,6 +509,9 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
                 _wire(loads, sc, pl, strategy, src, b, True)
             else:       # shm direct: every receiver reads it, the trainer waits for all
                 serial += b * len(pl.worker) / direct_rate + sw["control_us"] + waited
+    if slots_used:
+        # the sync's end, once: the trainer's closing message and the last acknowledgement
+        handoff += sw["finish_us"] if last_step else 0.0
     if handoff:
         serial += handoff
         what = "handoff"
@@ -582,7 +590,8 @@ def predict_bucketed(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
     for k, step in enumerate(steps):
         parts = [("gather", _gather(sc, pl, pts, step, owners), 0.0, "")] if gathered else []
         loads, serial, what, side = _deliver(sc, pl, strategy, pts, step, owners, streams,
-                                             kept, first_step=k == 0)
+                                             kept, first_step=k == 0,
+                                             last_step=k == len(steps) - 1)
         parts.append(("deliver", loads, serial, what))
         totals["deliver"].absorb(side)
         ring = _ring_sizes(streams, step, owners) if host_ring else []

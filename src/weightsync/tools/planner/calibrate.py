@@ -707,6 +707,9 @@ _TIMELINE_1204 = {"h200-8gpu-400g": "gpu-h200-2026-12-04-programs run 7",
                   "h100-8gpu-400g": "gpu-h100-2026-12-06-s29c and -s30"}
 _HANDOFF_1204 = "slot waits at 256 MiB in the H100 timelines (s29c, s30)"
 _PACK_WAIT_1204 = "host-ordered publishes in the H100 timeline (s30 tl/now)"
+#: Each preset's ``finish_us``: its host's timelines at their smallest bucket size.
+_FINISH_1204 = {"h200-8gpu-400g": "the sync's end in gpu-h200-2026-12-04-programs run 7",
+                "h100-8gpu-400g": "the sync's end in the H100 timelines (s29c, s30)"}
 #: Today's ring code's ``--timeline`` runs on H100 hosts (the H100 preset's costs).
 TODAY_H100_TIMELINES = ("gpu-h100-2026-12-06-s29c/now", "gpu-h100-2026-12-06-s30/tl/now")
 
@@ -716,7 +719,7 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
     keys (microseconds; ``pack_wait_x`` a factor), read from the preset itself."""
     sw = load_links(preset).software
     return {**{f"software.{k}": round(sw[k] * 1e6, 6)
-               for k in ("tensor_us", "bucket_us", "handoff_us")},
+               for k in ("tensor_us", "bucket_us", "handoff_us", "finish_us")},
             "software.pack_wait_x": sw["pack_wait_x"]}
 
 
@@ -737,8 +740,9 @@ RING_SOFTWARE_1129 = {"software.tensor_us": 47.0, "software.bucket_us": 1070.0}
 #: off its H100 timeline (``gpu-h100-2026-12-06-s30/tl/c1129``; not measured on an H200).
 OLD_PACK_WAIT_X = {"software.pack_wait_x": 1.35}
 #: The old codes' fitted bucket cost stands for the whole per-bucket cycle, its handoff
-#: included, so their rows add none (the presets' ``handoff_us`` is today's code's).
-_NO_HANDOFF = {"software.handoff_us": 0.0}
+#: and the sync's end included, so their rows add neither (the presets' ``handoff_us`` and
+#: ``finish_us`` are today's code's).
+_NO_HANDOFF = {"software.handoff_us": 0.0, "software.finish_us": 0.0}
 #: ``--timeline`` runs of the old ring codes on H100 hosts, by code: their host costs there
 #: (:func:`ring_costs_old`), read the way the H100 preset's are for today's code.
 OLD_H100_TIMELINES = {
@@ -915,6 +919,7 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
             where.update(dict.fromkeys(("software.tensor_us", "software.bucket_us"),
                                        f"the code's own timeline ({_TIMELINE_1204[host]})"),
                          **{"software.handoff_us": _HANDOFF_1204,
+                            "software.finish_us": _FINISH_1204[host],
                             "software.pack_wait_x": _PACK_WAIT_1204})
         # an old code on an H100 host: its timeline costs there, in both rows
         old_costs = costs_old[code] if code and folder.startswith("gpu-h100-") else None

@@ -32,7 +32,9 @@ YAML/JSON file). A links file describes one kind of node:
   its next item and sends its header; default ``control_us + tensor_us``) and
   ``handoff_us``: what each bucket of a ``cuda_ipc`` ring adds that its copies do not hide
   (a slot handed from trainer to receiver and back: the header, the receiver's event wait,
-  its release; default 0) and ``pack_wait_x``: with ``cuda_ipc``'s ``sync="host"``
+  its release; default 0), ``finish_us``: what a ``cuda_ipc`` ring's sync adds once at its
+  end beyond the last bucket's copies (the trainer's closing message and the receivers'
+  last acknowledgement; default 0) and ``pack_wait_x``: with ``cuda_ipc``'s ``sync="host"``
   (``Scenario.ring_sync``), how long the trainer waits for each bucket's pack, in multiples
   of that copy alone at ``device_mem``'s rate (the pack shares the GPU with the receivers'
   copy of the bucket before; a factor, not microseconds; default 1).
@@ -179,6 +181,7 @@ def parse_links(doc: Any, name: str = "links") -> Links:
     software["direct_wait_us"] = _num(sw, "direct_wait_us", "links.software", default=(
         software["control_us"] + software["tensor_us"]) * 1e6) * 1e-6
     software["handoff_us"] = _num(sw, "handoff_us", "links.software", default=0.0) * 1e-6
+    software["finish_us"] = _num(sw, "finish_us", "links.software", default=0.0) * 1e-6
     software["pack_wait_x"] = _num(sw, "pack_wait_x", "links.software", positive=True,
                                    default=1.0)
     window = _num(ring, "direct_window", "links.ring", positive=True, default=2)
