@@ -501,8 +501,8 @@ def test_ring_rows_are_priced_with_their_own_codes_host_costs():
     rows = [r for r in _h200_run()["rows"] if r["links"] == "run"]
     later = [r for r in rows if "2026-12-05" in r["case"] and "zero-copy" not in r["case"]]
     assert not [r for r in rows if "cuda_ipc push" in r["case"] and "2026-12-06" not in r["case"]]
-    earlier = [r for r in rows if "2026-12-05" not in r["case"]
-               and "2026-12-06" not in r["case"]]
+    earlier = [r for r in rows if not any(d in r["case"] for d in
+                                          ("2026-12-05", "2026-12-06", "2026-12-07"))]
     assert sorted(r["case"] for r in later) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",
@@ -1035,9 +1035,9 @@ def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_
         pytest.skip("no H100 runs of the old ring codes in this checkout")
     c1129, src = calibrate.ring_costs_old("11-29")
     assert "11-29 code's H100 timelines" in src
-    assert c1129 == pytest.approx({"software.tensor_us": 29.1, "software.bucket_us": 552.0,
-                                   "software.handoff_us": 230.1, "software.finish_us": 3486.1,
-                                   "software.pack_wait_x": 1.35}, abs=0.05)
+    assert c1129 == pytest.approx({"software.tensor_us": 35.8, "software.bucket_us": 547.8,
+                                   "software.handoff_us": 206.7, "software.finish_us": 3234.4,
+                                   "software.pack_wait_x": 1.15}, abs=0.05)
     tool = calibrate._script("timeline_costs")
     assert c1129 == tool.host_costs([os.path.join(calibrate.results_dir(), d)
                                      for d in calibrate.OLD_H100_TIMELINES["11-29"]])
@@ -1056,33 +1056,40 @@ def test_old_ring_codes_on_an_h100_take_their_own_timelines_costs_and_host_rows_
     assert pairs and all(host > event for host, event in pairs)
 
 
-@pytest.mark.parametrize("session", ["s30", "s31"])
-def test_session_30s_h100_runs_are_a_group_per_code_and_case_and_timelines_no_rows(session):
-    """Session 30's H100 runs (calibrate.S30_RING) and session 31's (the same script on
-    another machine, S31_RING): each code's four rounds of one configuration are one group
-    of that machine (the old codes: 256 MiB - 1 GiB event, 1 / 4 GiB host; today's
+@pytest.mark.parametrize("session, rounds, in_costs", [("s30", 4, 3), ("s31", 4, 0),
+                                                     ("s33", 3, 4)])
+def test_session_30s_h100_runs_are_a_group_per_code_and_case_and_timelines_no_rows(
+        session, rounds, in_costs):
+    """Session 30's H100 runs (calibrate.S30_RING), session 31's (the same script on
+    another machine, S31_RING) and session 33's (a third machine, three rounds between
+    two timelines of each code, S33_RING): each code's rounds of one configuration are one
+    group of that machine (the old codes: 256 MiB - 1 GiB event, 1 / 4 GiB host; today's
     receive_into: 256 / 512 MiB event, 1 / 4 GiB host), priced with that code's H100 costs
-    (the old codes' timelines, today's the H100 preset); the --timeline runs (tl/) are not
-    rows. Session 30's three timelines are among those costs, session 31's are not (held
-    out: its runs check the costs read off the other machines)."""
+    (the old codes' timelines, today's the H100 preset); the --timeline runs (tl/, tl2/)
+    are not rows. Session 30's three timelines and session 33's four of the old codes are
+    among those costs; session 31's are not (held out: its runs check the costs read off
+    the other machines), nor session 33's of today's code (the preset's tensor_us also
+    prices zero-copy and pushes)."""
     res = _h200_run()
+    folder = {"s30": calibrate.S30_RING, "s31": calibrate.S31_RING,
+              "s33": calibrate.S33_RING}[session]
+    day = folder.split("-")[-2]          # gpu-h100-2026-12-06-s30 -> 06
     groups = [g for g in res["repeats"]
-              if g["group"].endswith(f"[H100 runs of 12-06 {session} on one machine]")]
+              if g["group"].endswith(f"[H100 runs of 12-{day} {session} on one machine]")]
     if not groups:
         pytest.skip(f"session {session[1:]}'s H100 runs are not in this checkout")
-    assert len(groups) == 5 + 5 + 4 and all(len(g["cases"]) == 4 for g in groups)
-    assert all(f"2026-12-06-{session})" in c for g in groups for c in g["cases"])
-    folder = {"s30": calibrate.S30_RING, "s31": calibrate.S31_RING}[session]
+    assert len(groups) == 5 + 5 + 4 and all(len(g["cases"]) == rounds for g in groups)
+    assert all(f"2026-12-{day}-{session})" in c for g in groups for c in g["cases"])
     timelines = [*calibrate.TODAY_H100_TIMELINES, *(d for ds in
                                                     calibrate.OLD_H100_TIMELINES.values()
                                                     for d in ds)]
-    assert sum(d.startswith(folder + "/") for d in timelines) == (3 if session == "s30" else 0)
+    assert sum(d.startswith(folder + "/") for d in timelines) == in_costs
     rows = [r for r in res["rows"] if r["source"].startswith(folder + "/")]
-    assert len(rows) == 56 and not [r for r in rows if "/tl/" in r["source"]]
+    assert len(rows) == 14 * rounds and not [r for r in rows if "/tl" in r["source"]]
     today = [r for r in rows if "/now/" in r["source"]]
-    assert len(today) == 16 and all("receive_into" in r["case"] for r in today)
+    assert len(today) == 4 * rounds and all("receive_into" in r["case"] for r in today)
     assert all("software tensor_us 15.5 " in r["links_from"] for r in today)
-    assert sum("(host," in r["case"] for r in today) == 8
+    assert sum("(host," in r["case"] for r in today) == 2 * rounds
     for r in rows:
         if r not in today:
             costs, _ = calibrate.ring_costs_old(calibrate.ring_code_of(r))

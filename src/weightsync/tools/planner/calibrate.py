@@ -367,6 +367,9 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               f"H100 runs of 12-06 {s} on one machine"
               for s in ("s30", "s31") for code in ("c1129", "c1201", "now")
               for k in (1, 2, 3, 4)},
+           **{f"gpu-h100-2026-12-07-s33/{code}/r{k}/gpu_bench.json":
+              "H100 runs of 12-07 s33 on one machine"
+              for code in ("c1129", "c1201", "now") for k in (1, 2, 3)},
            **{f"gpu-h100-2026-12-06-s29/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s29 on one machine"
               for k in (1, 2) for code in ("c1129", "c1201")},
@@ -727,18 +730,21 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
 #: neither was ever timed as it ran (the one H200 timeline, run 5 of 11-29, is of earlier
 #: code): fitted to the 11-29 code's own H200 runs, the least squared log(predicted /
 #: measured) over the rows of the four 11-29 H200 runs, host-ordered ones waiting
-#: :data:`OLD_PACK_WAIT_X` for each pack (``planner-calib-2026-12-06-s30/fit_ring_1129.py``);
-#: the H200 run of 12-01 is left out of the fit and checks it. Every other GPU run without
+#: :data:`OLD_PACK_WAIT_X` for each pack (``planner-calib-2026-12-06-s30/fit_ring_1129.py``;
+#: 47 / 1070 at session 30's wait of 1.35, 48 / 1070 at session 33's 1.15:
+#: ``planner-2026-12-07-s33/fit_ring_1129.txt``); the H200 run of 12-01 is left out of the
+#: fit and checks it. Every other GPU run without
 #: its code's own costs (the CPU-trainer and shm_d2h rows on ``h200-host``) takes them too.
 #: Session 29 fitted 59 / 1060 over those rows and the H100 ones (which now take that
 #: host's timeline costs,
 #: :func:`ring_costs_old`), without the host ordering's wait
 #: (:attr:`~weightsync.tools.planner.scenario.Scenario.ring_sync`); until then 70 / 930, read
 #: off run 5's timeline.
-RING_SOFTWARE_1129 = {"software.tensor_us": 47.0, "software.bucket_us": 1070.0}
+RING_SOFTWARE_1129 = {"software.tensor_us": 48.0, "software.bucket_us": 1070.0}
 #: The old codes' wait for each pack under host ordering on any host: the 11-29 code's, read
-#: off its H100 timeline (``gpu-h100-2026-12-06-s30/tl/c1129``; not measured on an H200).
-OLD_PACK_WAIT_X = {"software.pack_wait_x": 1.35}
+#: off its H100 timelines (:data:`OLD_H100_TIMELINES`; 1.35 off session 30's alone until
+#: session 33 added a third machine's; not measured on an H200).
+OLD_PACK_WAIT_X = {"software.pack_wait_x": 1.15}
 #: The old codes' fitted bucket cost stands for the whole per-bucket cycle, its handoff
 #: and the sync's end included, so their rows add neither (the presets' ``handoff_us`` and
 #: ``finish_us`` are today's code's).
@@ -748,9 +754,11 @@ _NO_HANDOFF = {"software.handoff_us": 0.0, "software.finish_us": 0.0}
 OLD_H100_TIMELINES = {
     "11-29": ("gpu-h100-2026-12-06-s26/call1/c1129/timeline",
               "gpu-h100-2026-12-06-s26/call2/c1129/timeline", "gpu-h100-2026-12-06-s29c/c1129",
-              "gpu-h100-2026-12-06-s30/tl/c1129"),
+              "gpu-h100-2026-12-06-s30/tl/c1129", "gpu-h100-2026-12-07-s33/tl/c1129",
+              "gpu-h100-2026-12-07-s33/tl2/c1129"),
     "12-01": ("gpu-h100-2026-12-06-s26/call2/c1201/timeline",
-              "gpu-h100-2026-12-06-s30/tl/c1201")}
+              "gpu-h100-2026-12-06-s30/tl/c1201", "gpu-h100-2026-12-07-s33/tl/c1201",
+              "gpu-h100-2026-12-07-s33/tl2/c1201")}
 
 
 def ring_costs_old(code: str, root: Optional[str] = None) -> tuple[dict[str, float], str]:
@@ -841,9 +849,15 @@ S30_RING = "gpu-h100-2026-12-06-s30"
 #: timelines are held out of the costs (:data:`OLD_H100_TIMELINES`,
 #: :data:`TODAY_H100_TIMELINES`): its timed runs check the costs the other machines gave.
 S31_RING = "gpu-h100-2026-12-06-s31"
+#: Session 33's H100 runs, a third machine (``run_s33.sh`` in
+#: ``planner-2026-12-07-s33``): each code's ``--timeline`` run printing all 6 warm syncs
+#: before (``tl/``) and after (``tl2/``) three timed rounds alternating the codes (session
+#: 30's commands), the host's load, each bench thread's CPU and a CPU-speed probe before
+#: each bench recorded beside them.
+S33_RING = "gpu-h100-2026-12-07-s33"
 #: Folders of H100 runs of the three ring codes, session 30's layout (``tl/<code>`` timelines,
 #: ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into`` alone).
-_S30_LAYOUT = frozenset({S30_RING, S31_RING})
+_S30_LAYOUT = frozenset({S30_RING, S31_RING, S33_RING})
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
 _OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_LAYOUT})
 #: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
