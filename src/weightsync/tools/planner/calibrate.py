@@ -370,6 +370,9 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            **{f"gpu-h100-2026-12-07-s33/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-07 s33 on one machine"
               for code in ("c1129", "c1201", "now") for k in (1, 2, 3)},
+           **{f"gpu-h200-2026-12-07-s33/{code}/r{k}/gpu_bench.json":
+              "H200 runs of 12-07 s33 on one machine"
+              for code in ("c1129", "c1201", "now") for k in (1, 2, 3, 4)},
            **{f"gpu-h100-2026-12-06-s29/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s29 on one machine"
               for k in (1, 2) for code in ("c1129", "c1201")},
@@ -781,15 +784,15 @@ def _timeline_costs(code: str, root: str) -> tuple[tuple[tuple[str, float], ...]
 
 def ring_code_of(row: Mapping) -> Optional[str]:
     """``"11-29"`` or ``"12-01"`` for a calibration row of a run of that ring code (on an
-    H200 host: the fit rows of :data:`RING_SOFTWARE_1129` and its check rows; on an H100
-    host: rows priced with :func:`ring_costs_old`), else None."""
+    H200 host: the fit rows of :data:`RING_SOFTWARE_1129` and its check rows, session 33's
+    among them; on an H100 host: rows priced with :func:`ring_costs_old`), else None."""
     src = row["source"]
     if src.startswith("gpu-h200-2026-11-29/"):
         return "11-29"
     if src.startswith("gpu-h200-2026-12-01/"):
         return "12-01"
     folder, *parts = src.split("/")
-    if folder in _OLD_H100_RUNS:
+    if folder in _OLD_H100_RUNS or folder == S33_H200_RING:
         return next((S26_CODES[p] for p in parts if p in S26_CODES), None)
     return None
 
@@ -855,9 +858,14 @@ S31_RING = "gpu-h100-2026-12-06-s31"
 #: 30's commands), the host's load, each bench thread's CPU and a CPU-speed probe before
 #: each bench recorded beside them.
 S33_RING = "gpu-h100-2026-12-07-s33"
+#: Session 33's H200 runs, one machine over two calls (``commands.txt`` there): today's ring
+#: (``tl/now``, rounds 1-2, ``tl2/now``; then ``tl3/now``, rounds 3-4) and the old codes'
+#: timelines and two rounds each, alternating with today's rounds 3-4. The old codes there are
+#: priced with their fitted H200 costs (:data:`RING_SOFTWARE_1129`): rows that check it.
+S33_H200_RING = "gpu-h200-2026-12-07-s33"
 #: Folders of H100 runs of the three ring codes, session 30's layout (``tl/<code>`` timelines,
 #: ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into`` alone).
-_S30_LAYOUT = frozenset({S30_RING, S31_RING, S33_RING})
+_S30_LAYOUT = frozenset({S30_RING, S31_RING, S33_RING, S33_H200_RING})
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
 _OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_LAYOUT})
 #: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
