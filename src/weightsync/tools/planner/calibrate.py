@@ -701,23 +701,19 @@ def _cpu_cases(root: str) -> list[dict]:
 
 #: Host costs of the ``cuda_ipc`` ring's code from session 14 on (replayed layouts and copy
 #: programs) are the GPU presets' own (``tensor_us``, ``bucket_us``, ``handoff_us``,
-#: ``pack_wait_x``; each preset's ``source`` says where they come from): that code's host
-#: timelines, read by ``benchmarks/timeline_costs.py``; ``h200-8gpu-400g``'s tensor and
-#: bucket costs from the H200 host's (``gpu-h200-2026-12-04-programs`` run 7: 19 us, 150 us
-#: read by hand, plus the trainer's loop between a publish and its next slot wait there,
-#: 133 us a bucket: 283 us), ``h100-8gpu-400g``'s from two H100 hosts'
-#: (``TODAY_H100_TIMELINES``: 15.5 us, 298 us, the loop included since session 31), and
-#: both presets' ``handoff_us`` (the slot waits at 256 MiB, 219 us) and ``pack_wait_x`` (the
-#: wait for each pack under host ordering, 1.59) from the latter (not measured on an H200).
-_TIMELINE_1204 = {"h200-8gpu-400g": "gpu-h200-2026-12-04-programs run 7",
+#: ``finish_us``, ``pack_wait_x``; each preset's ``source`` says where they come from): that
+#: code's host timelines on each kind of host, read by ``benchmarks/timeline_costs.py``
+#: (:data:`TODAY_H100_TIMELINES`, :data:`TODAY_H200_TIMELINES`). Until session 33 the H200
+#: preset carried run 7's hand reading (``gpu-h200-2026-12-04-programs``: 19 us, 283 us) and
+#: the H100 hosts' handoff and pack wait.
+_TIMELINE_1204 = {"h200-8gpu-400g": "gpu-h200-2026-12-07-s33 tl, tl2, tl3",
                   "h100-8gpu-400g": "gpu-h100-2026-12-06-s29c and -s30"}
-_HANDOFF_1204 = "slot waits at 256 MiB in the H100 timelines (s29c, s30)"
-_PACK_WAIT_1204 = "host-ordered publishes in the H100 timeline (s30 tl/now)"
-#: Each preset's ``finish_us``: its host's timelines at their smallest bucket size.
-_FINISH_1204 = {"h200-8gpu-400g": "the sync's end in gpu-h200-2026-12-04-programs run 7",
-                "h100-8gpu-400g": "the sync's end in the H100 timelines (s29c, s30)"}
 #: Today's ring code's ``--timeline`` runs on H100 hosts (the H100 preset's costs).
 TODAY_H100_TIMELINES = ("gpu-h100-2026-12-06-s29c/now", "gpu-h100-2026-12-06-s30/tl/now")
+#: Today's ring code's ``--timeline`` runs on an H200 host (the H200 preset's costs since
+#: session 33; until then run 7's hand reading and the H100 hosts' handoff and pack wait).
+TODAY_H200_TIMELINES = ("gpu-h200-2026-12-07-s33/tl/now", "gpu-h200-2026-12-07-s33/tl2/now",
+                        "gpu-h200-2026-12-07-s33/tl3/now")
 
 
 def ring_costs_1204(preset: str) -> dict[str, float]:
@@ -734,20 +730,25 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
 #: code): fitted to the 11-29 code's own H200 runs, the least squared log(predicted /
 #: measured) over the rows of the four 11-29 H200 runs, host-ordered ones waiting
 #: :data:`OLD_PACK_WAIT_X` for each pack (``planner-calib-2026-12-06-s30/fit_ring_1129.py``;
-#: 47 / 1070 at session 30's wait of 1.35, 48 / 1070 at session 33's 1.15:
-#: ``planner-2026-12-07-s33/fit_ring_1129.txt``); the H200 run of 12-01 is left out of the
-#: fit and checks it. Every other GPU run without
+#: 47 / 1070 at session 30's wait of 1.35 (the H100 timeline's), 48 / 1070 at 1.15 (three H100
+#: machines', ``planner-2026-12-07-s33/fit_ring_1129.txt``), 50 / 1070 at 0.79 (the 11-29
+#: code's own H200 timeline, session 33: ``fit_ring_1129_h200wait.txt`` there); the H200 run
+#: of 12-01 is left out of the fit and checks it, and so are session 33's H200 runs of both
+#: codes. Every other GPU run without
 #: its code's own costs (the CPU-trainer and shm_d2h rows on ``h200-host``) takes them too.
 #: Session 29 fitted 59 / 1060 over those rows and the H100 ones (which now take that
 #: host's timeline costs,
 #: :func:`ring_costs_old`), without the host ordering's wait
 #: (:attr:`~weightsync.tools.planner.scenario.Scenario.ring_sync`); until then 70 / 930, read
 #: off run 5's timeline.
-RING_SOFTWARE_1129 = {"software.tensor_us": 48.0, "software.bucket_us": 1070.0}
-#: The old codes' wait for each pack under host ordering on any host: the 11-29 code's, read
-#: off its H100 timelines (:data:`OLD_H100_TIMELINES`; 1.35 off session 30's alone until
-#: session 33 added a third machine's; not measured on an H200).
-OLD_PACK_WAIT_X = {"software.pack_wait_x": 1.15}
+RING_SOFTWARE_1129 = {"software.tensor_us": 50.0, "software.bucket_us": 1070.0}
+#: The old codes' wait for each pack under host ordering on an H200 host (where their fitted
+#: costs price them): the 11-29 code's, read off its H200 timeline (:data:`OLD_H200_TIMELINE`,
+#: session 33). Until then the H100 timelines' (1.35 off session 30's alone), as no H200 one
+#: existed. Their H100 rows take their own H100 timelines' (:func:`ring_costs_old`).
+OLD_PACK_WAIT_X = {"software.pack_wait_x": 0.79}
+#: The 11-29 code's ``--timeline`` run on an H200 host (:data:`OLD_PACK_WAIT_X`).
+OLD_H200_TIMELINE = "gpu-h200-2026-12-07-s33/tl/c1129"
 #: The old codes' fitted bucket cost stands for the whole per-bucket cycle, its handoff
 #: and the sync's end included, so their rows add neither (the presets' ``handoff_us`` and
 #: ``finish_us`` are today's code's).
@@ -938,11 +939,12 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
         if today:                         # the host's own preset costs of that code
             host = "h100-8gpu-400g" if folder.startswith("gpu-h100-") else "h200-8gpu-400g"
             sets.update(costs_1204[host])
+            tl = _TIMELINE_1204[host]
             where.update(dict.fromkeys(("software.tensor_us", "software.bucket_us"),
-                                       f"the code's own timeline ({_TIMELINE_1204[host]})"),
-                         **{"software.handoff_us": _HANDOFF_1204,
-                            "software.finish_us": _FINISH_1204[host],
-                            "software.pack_wait_x": _PACK_WAIT_1204})
+                                       f"the code's own timeline ({tl})"),
+                         **{"software.handoff_us": f"slot waits at 256 MiB in {tl}",
+                            "software.finish_us": f"the sync's end in {tl}",
+                            "software.pack_wait_x": f"host-ordered publishes in {tl}"})
         # an old code on an H100 host: its timeline costs there, in both rows
         old_costs = costs_old[code] if code and folder.startswith("gpu-h100-") else None
         for e in doc["engine"]:
