@@ -732,16 +732,17 @@ def ring_costs_1204(preset: str) -> dict[str, float]:
 #: :data:`OLD_PACK_WAIT_X` for each pack (``planner-calib-2026-12-06-s30/fit_ring_1129.py``;
 #: 47 / 1070 at session 30's wait of 1.35 (the H100 timeline's), 48 / 1070 at 1.15 (three H100
 #: machines', ``planner-2026-12-07-s33/fit_ring_1129.txt``), 50 / 1070 at 0.79 (the 11-29
-#: code's own H200 timeline, session 33: ``fit_ring_1129_h200wait.txt`` there); the H200 run
-#: of 12-01 is left out of the fit and checks it, and so are session 33's H200 runs of both
-#: codes. Every other GPU run without
+#: code's own H200 timeline, session 33: ``fit_ring_1129_h200wait.txt`` there), and, with
+#: session 33's H200 runs of that code among the fit rows (a second H200 host, 33 rows in
+#: all), 48 / 1020 (``fit_ring_1129_two_hosts.txt``). The H200 runs of 12-01 (12-01's and
+#: session 33's) are left out of the fit and check it. Every other GPU run without
 #: its code's own costs (the CPU-trainer and shm_d2h rows on ``h200-host``) takes them too.
 #: Session 29 fitted 59 / 1060 over those rows and the H100 ones (which now take that
 #: host's timeline costs,
 #: :func:`ring_costs_old`), without the host ordering's wait
 #: (:attr:`~weightsync.tools.planner.scenario.Scenario.ring_sync`); until then 70 / 930, read
 #: off run 5's timeline.
-RING_SOFTWARE_1129 = {"software.tensor_us": 50.0, "software.bucket_us": 1070.0}
+RING_SOFTWARE_1129 = {"software.tensor_us": 48.0, "software.bucket_us": 1020.0}
 #: The old codes' wait for each pack under host ordering on an H200 host (where their fitted
 #: costs price them): the 11-29 code's, read off its H200 timeline (:data:`OLD_H200_TIMELINE`,
 #: session 33). Until then the H100 timelines' (1.35 off session 30's alone), as no H200 one
@@ -818,8 +819,10 @@ def ring_1129_loss(tensor_us: float, bucket_us: float,
     return loss, rows
 
 
-#: The H200 runs of the old ring codes (the fit and check rows of :data:`RING_SOFTWARE_1129`).
-_OLD_H200_FOLDERS = frozenset({"gpu-h200-2026-11-29", "gpu-h200-2026-12-01"})
+#: The H200 runs of the old ring codes (the fit and check rows of :data:`RING_SOFTWARE_1129`:
+#: the 11-29 code's rows fit it, the 12-01 code's check it).
+_OLD_H200_FOLDERS = frozenset({"gpu-h200-2026-11-29", "gpu-h200-2026-12-01",
+                               "gpu-h200-2026-12-07-s33"})
 
 _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
@@ -862,7 +865,8 @@ S33_RING = "gpu-h100-2026-12-07-s33"
 #: Session 33's H200 runs, one machine over two calls (``commands.txt`` there): today's ring
 #: (``tl/now``, rounds 1-2, ``tl2/now``; then ``tl3/now``, rounds 3-4) and the old codes'
 #: timelines and two rounds each, alternating with today's rounds 3-4. The old codes there are
-#: priced with their fitted H200 costs (:data:`RING_SOFTWARE_1129`): rows that check it.
+#: priced with their fitted H200 costs (:data:`RING_SOFTWARE_1129`): the 11-29 code's rows
+#: among its fit rows, the 12-01 code's among its checks.
 S33_H200_RING = "gpu-h200-2026-12-07-s33"
 #: Folders of H100 runs of the three ring codes, session 30's layout (``tl/<code>`` timelines,
 #: ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into`` alone).
