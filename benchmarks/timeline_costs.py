@@ -36,7 +36,8 @@ and after its last publish: the closing message, the receivers' last bucket and 
 final acknowledgement) beyond one bucket's pack and unpack at the flat copy's rate (the
 pipeline's fill and drain, which the planner prices already), at the smallest bucket size
 timed, where the GPU has the least queued behind the trainer: 0.8 ms for today's ring on
-the H100 hosts, about 2 ms for the code of 12-01 and 3.5 ms for that of 11-29.
+the H100 hosts (1.6 ms on the H200 host), 2.9 ms for the code of 12-01 and 3.2 ms for that
+of 11-29 on the H100 hosts.
 
     python3 benchmarks/timeline_costs.py DIR [DIR ...]   # each DIR: gpu_bench.txt + .json
 

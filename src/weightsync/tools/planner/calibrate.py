@@ -868,11 +868,12 @@ S33_RING = "gpu-h100-2026-12-07-s33"
 #: priced with their fitted H200 costs (:data:`RING_SOFTWARE_1129`): the 11-29 code's rows
 #: among its fit rows, the 12-01 code's among its checks.
 S33_H200_RING = "gpu-h200-2026-12-07-s33"
-#: Folders of H100 runs of the three ring codes, session 30's layout (``tl/<code>`` timelines,
-#: ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into`` alone).
+#: Folders of runs of the three ring codes in session 30's layout (``tl<k>/<code>``
+#: timelines, ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into``
+#: alone): three H100 machines and, since session 33, one H200.
 _S30_LAYOUT = frozenset({S30_RING, S31_RING, S33_RING, S33_H200_RING})
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
-_OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_LAYOUT})
+_OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_LAYOUT} - {S33_H200_RING})
 #: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
 #: rounds): ``receive_into`` at 256 MiB to 4 GiB buckets, the first check of the presets'
 #: host costs below 2 GiB. Only its ``receive_into`` rows are read: the bench's other rows
