@@ -347,19 +347,20 @@ def test_a_cuda_ipc_ring_adds_the_syncs_end_once():
     receivers' last acknowledgement, once, whatever the number of buckets or of the FSDP2
     export's steps; zero-copy and pushes (no slot) and a host ring (shm) add nothing; absent
     it is 0, negative a PlannerError naming it."""
-    def seconds(finish_us: float, shared: str = "none", **kw) -> float:
+    def result(finish_us: float, shared: str = "none", **kw):
         kw = {"trainer_gpus": 1, "bucket_size": 16 * MiB, **kw}
         sc = Scenario(model=MODEL, links=load_links(gpu_links(finish_us=finish_us)),
                       replicas=1, placement="colocated", strategies=("ring",),
                       shared=shared, **kw)
-        return predict(sc).results["ring"].seconds
+        return predict(sc).results["ring"]
+
+    def seconds(finish_us: float, shared: str = "none", **kw) -> float:
+        return result(finish_us, shared, **kw).seconds
 
     for bucket in (4 * MiB, 16 * MiB, 64 * MiB):
         assert seconds(2000, bucket_size=bucket) - seconds(0, bucket_size=bucket) == \
             pytest.approx(2000e-6, rel=1e-9)
-    sc = Scenario(model=MODEL, links=load_links(gpu_links()), trainer_gpus=2, replicas=1,
-                  placement="colocated", bucket_size=16 * MiB, strategies=("ring",))
-    assert any("export exchanges" in n for n in predict(sc).results["ring"].notes)
+    assert any("export exchanges" in n for n in result(0, trainer_gpus=2).notes)
     assert seconds(2000, trainer_gpus=2) - seconds(0, trainer_gpus=2) == \
         pytest.approx(2000e-6, rel=1e-9)
     for shared in ("trainer", "receivers"):

@@ -509,9 +509,9 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
                 _wire(loads, sc, pl, strategy, src, b, True)
             else:       # shm direct: every receiver reads it, the trainer waits for all
                 serial += b * len(pl.worker) / direct_rate + sw["control_us"] + waited
-    if slots_used:
+    if slots_used and last_step:
         # the sync's end, once: the trainer's closing message and the last acknowledgement
-        handoff += sw["finish_us"] if last_step else 0.0
+        handoff += sw["finish_us"]
     if handoff:
         serial += handoff
         what = "handoff"

@@ -819,11 +819,6 @@ def ring_1129_loss(tensor_us: float, bucket_us: float,
     return loss, rows
 
 
-#: The H200 runs of the old ring codes (the fit and check rows of :data:`RING_SOFTWARE_1129`:
-#: the 11-29 code's rows fit it, the 12-01 code's check it).
-_OLD_H200_FOLDERS = frozenset({"gpu-h200-2026-11-29", "gpu-h200-2026-12-01",
-                               "gpu-h200-2026-12-07-s33"})
-
 _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
@@ -871,9 +866,13 @@ S33_H200_RING = "gpu-h200-2026-12-07-s33"
 #: Folders of runs of the three ring codes in session 30's layout (``tl<k>/<code>``
 #: timelines, ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into``
 #: alone): three H100 machines and, since session 33, one H200.
-_S30_LAYOUT = frozenset({S30_RING, S31_RING, S33_RING, S33_H200_RING})
+_S30_H100 = frozenset({S30_RING, S31_RING, S33_RING})
+_S30_LAYOUT = _S30_H100 | {S33_H200_RING}
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
-_OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_LAYOUT} - {S33_H200_RING})
+_OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_H100})
+#: The H200 runs of the old ring codes (the fit and check rows of :data:`RING_SOFTWARE_1129`:
+#: the 11-29 code's rows fit it, the 12-01 code's check it).
+_OLD_H200_FOLDERS = frozenset({"gpu-h200-2026-11-29", "gpu-h200-2026-12-01", S33_H200_RING})
 #: Session 29's H100 runs of today's ring (``run.sh``: the working tree of 377ccda, two
 #: rounds): ``receive_into`` at 256 MiB to 4 GiB buckets, the first check of the presets'
 #: host costs below 2 GiB. Only its ``receive_into`` rows are read: the bench's other rows
