@@ -361,6 +361,15 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
+           **{f"gpu-h100-2026-12-05-s20/{name}": "H100 runs of 12-05 s20 (4414fc4), a "
+              "machine each" for name in ("gpu_bench.json", "gpu_bench_span.json",
+                                         "gpu_bench_replay.json")},
+           **{f"gpu-{gpu}-2026-12-05-s21/{call}/r{k}_settle{st}/gpu_bench.json":
+              f"{gpu.upper()} runs of 12-05 s21 {call} on one machine"
+              for gpu, call in (("h100", "call3"), ("h200", "call4"))
+              for k in (1, 2) for st in (0, 200)},
+           **{f"gpu-h200-2026-12-05-branches/gpu_bench_r{k}.json":
+              "H200 runs of 12-05 (f0d5d19) on one machine" for k in (1, 2)},
            **{f"gpu-h100-2026-12-06-s29b/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s29 of today's ring" for k in (1, 2)},
            **{f"gpu-h100-2026-12-06-{s}/{code}/r{k}/gpu_bench.json":
@@ -501,9 +510,11 @@ def _legacy_note(base: Mapping[str, float]) -> str:
 
 
 def _cpu_model(rec: dict) -> ModelSpec:
-    from weightsync.tools.bench.workloads import hf_qwen2, parse_size, synthetic
+    from weightsync.tools.bench.workloads import hf_qwen2, parse_size, synthetic, tiny
     if rec["workload"].startswith("hf-qwen2"):
         w, _ = hf_qwen2(rec["dtype"])
+    elif rec["workload"].startswith("tiny-"):
+        w = tiny(int(rec["workload"].split("-", 1)[1]), rec["dtype"])
     else:
         w = synthetic(parse_size(rec["workload"].split("-", 1)[1]), rec["dtype"],
                       bucket_size=rec["bucket_size"])
@@ -554,6 +565,23 @@ WAITED = {"links": {"direct_window": 1}}
 #:   and session 14's ``readme`` runs.
 #: Runs with ``--consume copy`` (``receive_weights`` + ``copy_``) are not modelled.
 CPU_RUNS_MORE = (
+    ("per-tensor-2026-12-02", "after.json", "12-02 per-tensor", WAITED),
+    ("per-tensor-2026-12-02", "after_threads0.json", "12-02 per-tensor, --threads 0", WAITED),
+    *(("review-2026-12-03", f"tiny_before{k}.json",
+       f"12-03 review, tiny before the window{', run 2' if k else ''}", WAITED)
+      for k in ("", "2")),
+    ("review-2026-12-03", "tiny_after_mend.json", "12-03 review, tiny after the mend", {}),
+    ("review-2026-12-03", "after_mend_1g.json", "12-03 review, after the mend", {}),
+    *(("review-2026-12-03", f"shm_window{w}_mend.json",
+       f"12-03 review, direct window {w}, after the mend", WAITED if w == 1 else {})
+      for w in (1, 2)),
+    *(("cpu-shm-window-2026-12-06-s28/sampler", f"sampler_on_{k}.json",
+       f"12-06 s28, sampler check, run {k}", {"scenario": {"fill_open": True}})
+      for k in (1, 2)),
+    ("cpu-2026-11-29", "bench-previous-run.json", "11-29, earlier run, direct from 1 MiB",
+     {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+    ("cpu-2026-11-29", "bench-fp32.json", "11-29 fp32, direct from 1 MiB",
+     {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
     ("cpu-1g-2026-12-02", "threads0_into.json", "12-02, --threads 0", WAITED),
     *(("cpu-shm-window-2026-12-03", f"window{w}_threads0.json",
        f"12-03, direct window {w}, --threads 0", WAITED if w == 1 else {}) for w in (1, 2)),
@@ -823,6 +851,7 @@ _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 #: Runs of that later code, by folder.
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
                              "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21",
+                             "gpu-h100-2026-12-05-s21", "gpu-h200-2026-12-05-branches",
                              "gpu-h100-2026-12-05-s23", "gpu-h100-2026-12-06-s24",
                              "gpu-h100-2026-12-06-s29b"})
 
@@ -903,8 +932,20 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                          ("gpu-h100-2026-12-05", "gpu_bench_zc.json"),
                          ("gpu-h200-2026-12-05", "gpu_bench.json"),
                          ("gpu-h100-2026-12-05-s20", "gpu_bench.json"),
+                         # session 20, H100: the same bench with the receiver's GPU span
+                         # and copy replays timed after each sync, two fresh machines
+                         *(("gpu-h100-2026-12-05-s20", f"gpu_bench_{k}.json")
+                           for k in ("span", "replay")),
                          ("gpu-h200-2026-12-05-s21", "call1/settle0/gpu_bench.json"),
                          ("gpu-h200-2026-12-05-s21", "call1/settle200/gpu_bench.json"),
+                         # session 21, H100 call 3 and H200 call 4: fill programs in
+                         # batches against the plain ring, two rounds, settled and not
+                         *((f"gpu-{gpu}-2026-12-05-s21", f"{call}/r{k}_settle{st}/gpu_bench.json")
+                           for gpu, call in (("h100", "call3"), ("h200", "call4"))
+                           for k in (1, 2) for st in (0, 200)),
+                         # 12-05, H200: the copy programs as 1, 2 and 4 graph branches
+                         *(("gpu-h200-2026-12-05-branches", f"gpu_bench_r{k}.json")
+                           for k in (1, 2)),
                          # session 23, H100: the engine as it stands (event waits polled)
                          *(("gpu-h100-2026-12-05-s23", f"call1/r{k}_s{st}_poll/gpu_bench.json")
                            for k in (1, 2, 3) for st in (0, 200)),
@@ -975,6 +1016,8 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                 + (", fill programs" if fills else "") \
                 + (", settled 200 ms" if "settle200" in name or "_s200_" in name
                    or "_s200/" in name else "") \
+                + (f", {cfg['graph_branches']} graph branches" if "graph_branches" in cfg
+                   else "") \
                 + (f", round {name.split('/')[1][1]}" if folder.endswith("-s23") else "")
             gpu, when = folder.split("-", 2)[1:]     # gpu-h100-2026-12-05[-s20]
             case = f"{gpu.upper()} cuda_ipc {path} {cfg['bucket_size'] >> 20} MiB ({how}"
@@ -989,6 +1032,12 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                 code, k = name.split("/")[:2]
                 case += f", code of {S26_CODES[code]}" if code in S26_CODES else ""
                 run = f", round {k[1:]}"
+            elif folder.endswith("-2026-12-05-s21") and name.startswith(("call3", "call4")):
+                run = f", {name.split('/')[0]} round {name.split('/')[1][1]}"
+            elif folder == "gpu-h200-2026-12-05-branches":
+                run = f", round {name[-6]}"
+            elif folder == "gpu-h100-2026-12-05-s20" and name != "gpu_bench.json":
+                run = f", {name[10:-5]} run"
             elif name in H200_1129_RUNS:
                 run = f", {H200_1129_RUNS[name]}"
             rows += _rows(f"{case}{run}, {when})", "ring", scenario,
@@ -1077,7 +1126,18 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
                for case, pipelined, serve in (("default", True, "auto"),
                                               ("pipeline_off", False, "staging"))),
              *(("cpu-nixl-2026-12-06-s26", f"staging_{i}.json", True, "staging")
-               for i in (1, 2)))
+               for i in (1, 2)),
+             # 12-03 review: --threads 0 before and after the lasting fix (pipelined, auto)
+             *(("review-2026-12-03", f"nixl_threads0_{w}.json", True, "auto")
+               for w in ("before", "before2", "after", "after2")),
+             ("cpu-lasting-2026-12-03", "tiny_after.json", True, "auto"),
+             # session 25: every agent with NIXL's progress thread, as before 3d72733
+             *(("cpu-nixl-2026-12-06-s25/progress", f"default_all_{i}.json", True, "auto")
+               for i in (1, 2)),
+             ("cpu-nixl-2026-12-06-s25/progress", "pipeline_off_all.json", False, "staging"),
+             # 12-02 per-tensor runs (910c979 / 47ee8d4: not pipelined, staging)
+             ("per-tensor-2026-12-02", "nixl_after.json", False, "staging"),
+             ("per-tensor-2026-12-02", "after_threads0.json", False, "staging"))
 
 #: nixl bench runs whose bench kept a core spinning beside the sync (not counted): until
 #: f7466f0 (12-06, session 26) the bench paired every ``nixl`` step with ``nixl-raw`` in
@@ -1291,6 +1351,146 @@ def _shm_d2h_cases(root: str) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------ coverage
+
+_SHM_D2H_EARLY = ("ran before pushes and before the receivers' copy threads took the host's "
+                  "cores (eb477d1): a code state the model has no costs of")
+_DEV_1204 = ("a development state of the 12-04 ring within one session (commands.txt names "
+             "each run's tree and what it changed): no timeline of that state")
+_NOT_SYNCS = "not a weight sync: "
+_COPY = ("consumed with receive_weights + copy_ (--consume copy): one more torch copy a "
+         "tensor, direct tensors staged in fresh buffers; not modelled")
+#: Every recorded measurement (a ``.json`` / ``.jsonl`` file under ``benchmarks/results/``)
+#: that :func:`run` does not predict, by path (a file, or a folder ending in ``/``), and
+#: why. :func:`coverage` checks that each file is a case's source, a cost input
+#: (:func:`cost_inputs`), one of the calibration's own outputs (``planner*`` folders) or
+#: listed here, so a run recorded later is either predicted or said not to be.
+NOT_CALIBRATED: dict[str, str] = {
+    # --timeline runs (every engine step stamped): the costs' inputs, or held out of them
+    f"{S31_RING}/tl/": "--timeline runs held out of the costs: session 31's timed rounds "
+                       "check the costs the other machines gave",
+    f"{S33_RING}/tl/now/": "today's ring's timelines on the third H100 machine, not pooled "
+                           "into the H100 preset (its tensor_us also prices pushes; pooled: "
+                           "377 of 381 rows, two s24 push rows out)",
+    f"{S33_RING}/tl2/now/": "as tl/now",
+    f"{S33_H200_RING}/tl/c1201/": "the 12-01 code's H200 timeline: the old codes' H200 costs "
+                                  "are the fit of the 11-29 runs (RING_SOFTWARE_1129), which "
+                                  "its timed runs check",
+    "gpu-h100-2026-12-05/gpu_bench_zc_timeline.json": "a zero-copy --timeline run (the "
+                                                      "timed run beside it is a case)",
+    "gpu-h200-2026-12-05-branches/zc_timeline.json": "a zero-copy --timeline run with "
+                                                     "graph branches set by environment",
+    # ring codes whose host costs were never timed
+    "gpu-h200-2026-12-02/": "the ring code of 12-02 (f7bae5b: replayed plans on the sender, "
+                            "between 12-01's and 12-04's codes): its host costs were never "
+                            "timed",
+    "gpu-h200-2026-12-03-window/gpu_bench.json": "the ring code of 12-02 again (the GPU path "
+                                                 "did not change that day)",
+    "gpu-h200-2026-12-04/": _DEV_1204,
+    "gpu-h200-2026-12-04-programs/": _DEV_1204 + " (copy programs being introduced)",
+    "gpu-h100-2026-12-05-s20/gpu_bench_norecord.json": "an experiment reverted after the "
+                                                       "call (commands.txt)",
+    "gpu-h100-2026-12-05-s23/call1/": None,     # filled below: the _block runs only
+    "gpu-h200-2026-12-05-s21/call1/waits200/": "both sides' stream waits (off by default): "
+                                               "no path in the model",
+    # nixl on one H200 and shm_d2h states the model has no path for
+    "gpu-h200-2026-12-01/nixl_gpu.json": "nixl VRAM -> VRAM on one H200 (UCX takes a host "
+                                         "path there)",
+    "gpu-h200-2026-12-03/nixl_gpu.json": "as gpu-h200-2026-12-01/nixl_gpu.json",
+    "gpu-h200-2026-12-03-window/nixl_gpu.json": "as gpu-h200-2026-12-01/nixl_gpu.json",
+    "gpu-h200-2026-12-04-d2h/run1_nixl_gpu.json": "as gpu-h200-2026-12-01/nixl_gpu.json",
+    "gpu-h200-2026-12-04-d2h/run1_shm_d2h_consumers.json": _SHM_D2H_EARLY,
+    "gpu-h200-2026-12-04-d2h/run2_": _SHM_D2H_EARLY + " (WEIGHTSYNC_COPY_THREADS set)",
+    "gpu-h200-2026-12-04-d2h/run3_auto_threads.json": "a bench of its own (pinned against "
+                                                      "unpinned at the new copy-thread "
+                                                      "default): the unpinned ring is not "
+                                                      "modelled",
+    "gpu-h200-2026-12-04-d2h/run4_views_after_staging_reuse.json": "receive_weights views "
+                                                                   "(not modelled)",
+    "gpu-h200-2026-12-04/shm_d2h_run8.json": _SHM_D2H_EARLY,
+    # CPU runs the model has no path for
+    "cpu-1g-2026-12-02/threads0_copy.json": _COPY,
+    "per-tensor-2026-12-02/after_threads0_copy.json": _COPY,
+    "cpu-nixl-2026-12-01/bench_256m_readme_path.json": _COPY,
+    "cpu-nixl-pipelined-2026-12-02/bench_1g_readme_path.json": _COPY,
+    "cpu-nixl-auto-2026-12-03/bench_1g_readme_path.json": _COPY,
+    "cpu-nixl-2026-12-06-s25/progress/readme_": _COPY,
+    "cpu-nixl-2026-12-06-s26/readme_": _COPY,
+    "per-tensor-2026-12-02/before.json": "the code before replayed plans (953d914, 62 us a "
+                                         "tensor): its per-tensor cost was never measured "
+                                         "apart from this run",
+    "review-2026-12-03/tiny_after.json": "4978907's first direct window, with an extra "
+                                         "coroutine a tensor (mended within the hour, "
+                                         "3986479): a code state the model has no cost of",
+    "cpu-shm-window-2026-12-06-s28/sampler/sampler_off_": "the bench's RSS sampler thread "
+                                                          "off (WSB_NO_SAMPLER=1, a bench "
+                                                          "check): the sampler_on runs "
+                                                          "beside them are cases",
+    "delta-2026-12-02/": "delta+<backend> (the codec: records of the changed elements): the "
+                         "planner has no delta yet",
+    # measurements that are not a sync of weightsync's own paths
+    "gpu-h200-2026-12-02-codec/": _NOT_SYNCS + "the FP8 / delta codec kernels alone",
+    "gpu-h200-2026-12-05-branches/gpu_copies.json": _NOT_SYNCS + "copy kernels alone",
+    "gpu-h200-2026-12-05-s20/gpu_copies_ipc.json": _NOT_SYNCS + "copy kernels alone",
+    "gpu-h100-2026-12-05-s20/gpu_copies_ipc.json": _NOT_SYNCS + "copy kernels alone",
+    "late-joiner-": _NOT_SYNCS + "a replica joining mid-run (benchmarks/late_joiner.py)",
+    "multi-gpu-h200x4-2026-11-29/conformance_final.json": _NOT_SYNCS + "test results",
+    "swift-sync-": _NOT_SYNCS + "ms-swift's manager driving weightsync over Ray, its "
+                                "phases timed (the planner has no Ray or manager costs)",
+    "vllm-native-": _NOT_SYNCS + "vLLM's own weight-transfer path inside its engine",
+}
+NOT_CALIBRATED.update({f"gpu-h100-2026-12-05-s23/call1/r{k}_s{st}_block/": (
+    "blocking event waits, an alternative the engine did not keep (the _poll runs beside "
+    "them are cases)") for k in (1, 2, 3) for st in (0, 200)})
+del NOT_CALIBRATED["gpu-h100-2026-12-05-s23/call1/"]
+
+
+def cost_inputs() -> list[str]:
+    """The ``--timeline`` runs whose engine steps the host costs are read off (the presets'
+    and the old codes'): inputs of the calibration, not its cases."""
+    folders = {*TODAY_H100_TIMELINES, *TODAY_H200_TIMELINES, OLD_H200_TIMELINE,
+               *(f for fs in OLD_H100_TIMELINES.values() for f in fs)}
+    return sorted(f"{f}/gpu_bench.json" for f in folders)
+
+
+def _not_calibrated(path: str) -> Optional[str]:
+    return next((why for key, why in NOT_CALIBRATED.items()
+                 if path == key or (key.endswith("/") or not key.endswith((".json", ".jsonl")))
+                 and path.startswith(key)), None)
+
+
+def coverage(doc: dict, results: Optional[str] = None) -> dict:
+    """Every recorded measurement under ``results`` (default: the checkout's) against
+    ``doc`` (:func:`run` over every group): ``cases`` (files some row was predicted from),
+    ``cost_inputs``, ``not_calibrated`` (file: why, :data:`NOT_CALIBRATED`),
+    ``unaccounted`` (none of these: a recorded run nobody decided about) and ``stale``
+    (entries of NOT_CALIBRATED or cost inputs that match no file, or match a case)."""
+    root = results if results is not None else results_dir()
+    files = sorted(os.path.relpath(os.path.join(d, n), root)
+                   for d, _, names in os.walk(root) for n in names
+                   if n.endswith((".json", ".jsonl")))
+    files = [f for f in files if not f.startswith("planner")]
+    read = {r["source"].split()[0]
+            for r in doc["rows"] + doc["preset_rows"] + doc["spun_rows"]}
+    inputs = set(cost_inputs())
+    out = {"cases": [], "cost_inputs": [], "not_calibrated": {}, "unaccounted": []}
+    for f in files:
+        why = _not_calibrated(f)
+        if f in read:
+            out["cases"].append(f)
+        elif f in inputs:
+            out["cost_inputs"].append(f)
+        elif why is not None:
+            out["not_calibrated"][f] = why
+        else:
+            out["unaccounted"].append(f)
+    out["stale"] = sorted({k for k in NOT_CALIBRATED
+                           if not any(f == k or f.startswith(k) for f in files)
+                           or any(f == k or (k.endswith("/") and f.startswith(k))
+                                  for f in read)} | (inputs - set(files)))
+    return out
+
+
 GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "nixl-tp": _nixl_tp_cases,
           "h200": _h200_cases, "nccl": _nccl_cases, "nixl-gpu": _nixl_gpu_cases,
           "shm-d2h": _shm_d2h_cases}
@@ -1326,7 +1526,7 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
     noisy = {g["group"] for g in repeats if g["noisy"]}
     noisy_links = {g["group"] for g in repeats if g["noisy_given_links"]}
     case_within, case_count = by_case(rows, repeats)
-    return {"schema": "weightsync.plan.calibration/5", "goal": GOAL, "rows": rows,
+    doc = {"schema": "weightsync.plan.calibration/5", "goal": GOAL, "rows": rows,
             "within_goal": sum(r["within_goal"] for r in rows), "cases": len(rows),
             "case_within_goal": case_within, "case_count": case_count,
             "misses": len(misses), "repeats": repeats, "repeat_band": REPEAT_BAND,
@@ -1347,6 +1547,9 @@ def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) 
                              "nixl TP workers consuming with receive_weights + copy "
                              "(cpu-nixl-tp-2026-12-04 readme_copy)",
                              "nixl VRAM -> VRAM on one H200 (UCX takes a host path there)"]}
+    # which recorded files were read, only meaningful when every group ran
+    doc["coverage"] = coverage(doc, root) if set(groups) == set(GROUPS) else None
+    return doc
 
 
 def _within(r: dict) -> str:
@@ -1429,6 +1632,16 @@ def _by_case(doc: dict) -> str:
             f"+-{doc['goal'] * 100:.0f} %")
 
 
+def _coverage_summary(doc: dict) -> str:
+    cov = doc.get("coverage")
+    if not cov:
+        return ""
+    return (f"; recorded measurements (.json under benchmarks/results): {len(cov['cases'])} "
+            f"files predicted, {len(cov['cost_inputs'])} the costs' timelines, "
+            f"{len(cov['not_calibrated'])} not calibrated (calibrate.NOT_CALIBRATED says "
+            f"why), {len(cov['unaccounted'])} unaccounted")
+
+
 def format_text(doc: dict) -> str:
     head = ("case | predicted ms | measured ms | error | within 25 % | predicted bottleneck | "
             "links")
@@ -1436,7 +1649,7 @@ def format_text(doc: dict) -> str:
             f"(links from each run's own limits where it recorded them); {_by_case(doc)}; "
             f"{_noisy_summary(doc)}; {_spun_summary(doc)}; preset alone: "
             f"{doc['preset_within_goal']} of {len(doc['preset_rows'])}, not counted; "
-            f"not modelled: {', '.join(doc['not_modelled'])}")
+            f"not modelled: {', '.join(doc['not_modelled'])}{_coverage_summary(doc)}")
     preset = ["", _PRESET_TITLE + ":", head] + _lines(doc["preset_rows"], " | ") \
         if doc["preset_rows"] else []
     repeats = ["", _repeats_title(doc) + ":", _REPEAT_HEAD] + _repeat_lines(doc, " | ") \
@@ -1469,4 +1682,9 @@ def format_markdown(doc: dict) -> str:
         out += [f"| {line} |" for line in _lines(doc["preset_rows"], " | ")]
         out += ["", f"Preset alone: {doc['preset_within_goal']} of {len(doc['preset_rows'])} "
                     f"within +-{doc['goal'] * 100:.0f} % (not counted)."]
+    if doc.get("coverage"):
+        out += ["", "**Recorded measurements not calibrated**", "", "| file | why |",
+                "| --- | --- |"]
+        out += [f"| {f} | {why} |" for f, why in doc["coverage"]["not_calibrated"].items()]
+        out += ["", f"{_coverage_summary(doc)[2].upper()}{_coverage_summary(doc)[3:]}."]
     return "\n".join(out)
