@@ -376,6 +376,8 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               f"H100 runs of 12-06 {s} on one machine"
               for s in ("s30", "s31") for code in ("c1129", "c1201", "now")
               for k in (1, 2, 3, 4)},
+           **{f"gpu-h100-2026-12-07-s34/{code}/r{k}/gpu_bench.json": "H100 runs of 12-07 s34 on one "
+              "machine" for code in ("c1129", "c1201", "now") for k in (1, 2)},
            **{f"gpu-h100-2026-12-07-s33/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-07 s33 on one machine"
               for code in ("c1129", "c1201", "now") for k in (1, 2, 3)},
@@ -892,10 +894,16 @@ S33_RING = "gpu-h100-2026-12-07-s33"
 #: priced with their fitted H200 costs (:data:`RING_SOFTWARE_1129`): the 11-29 code's rows
 #: among its fit rows, the 12-01 code's among its checks.
 S33_H200_RING = "gpu-h200-2026-12-07-s33"
+#: Session 34's H100 runs, a fourth machine held out of every cost: session 33's script
+#: (``run_s34.sh`` there: ``run_s33.sh`` with ``ROUNDS="1 2" AFTER=0``) with the GPU's
+#: clocks, temperature and throttle reasons sampled each second (``gpuclk.txt``). Its
+#: timelines (``tl/``) are not read; its two timed rounds check the costs the other
+#: machines gave.
+S34_RING = "gpu-h100-2026-12-07-s34"
 #: Folders of runs of the three ring codes in session 30's layout (``tl<k>/<code>``
 #: timelines, ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into``
 #: alone): three H100 machines and, since session 33, one H200.
-_S30_H100 = frozenset({S30_RING, S31_RING, S33_RING})
+_S30_H100 = frozenset({S30_RING, S31_RING, S33_RING, S34_RING})
 _S30_LAYOUT = _S30_H100 | {S33_H200_RING}
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
 _OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_H100})
@@ -1369,6 +1377,8 @@ NOT_CALIBRATED: dict[str, str] = {
     # --timeline runs (every engine step stamped): the costs' inputs, or held out of them
     f"{S31_RING}/tl/": "--timeline runs held out of the costs: session 31's timed rounds "
                        "check the costs the other machines gave",
+    f"{S34_RING}/tl/": "--timeline runs of a machine held out of the costs: its timed "
+                       "rounds check the costs the other machines gave",
     f"{S33_RING}/tl/now/": "today's ring's timelines on the third H100 machine, not pooled "
                            "into the H100 preset (its tensor_us also prices pushes; pooled: "
                            "377 of 381 rows, two s24 push rows out)",
