@@ -582,6 +582,7 @@ CPU_RUNS_MORE = (
       for k in (1, 2)),
     ("cpu-2026-11-29", "bench-previous-run.json", "11-29, earlier run, direct from 1 MiB",
      {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+    ("delta-2026-12-02", "bench_256mib.json", "12-02 delta run, dense rows", WAITED),
     ("cpu-2026-11-29", "bench-fp32.json", "11-29 fp32, direct from 1 MiB",
      {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
     ("cpu-1g-2026-12-02", "threads0_into.json", "12-02, --threads 0", WAITED),
@@ -1145,7 +1146,8 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              ("cpu-nixl-2026-12-06-s25/progress", "pipeline_off_all.json", False, "staging"),
              # 12-02 per-tensor runs (910c979 / 47ee8d4: not pipelined, staging)
              ("per-tensor-2026-12-02", "nixl_after.json", False, "staging"),
-             ("per-tensor-2026-12-02", "after_threads0.json", False, "staging"))
+             ("per-tensor-2026-12-02", "after_threads0.json", False, "staging"),
+             ("delta-2026-12-02", "bench_256mib.json", False, "staging"))
 
 #: nixl bench runs whose bench kept a core spinning beside the sync (not counted): until
 #: f7466f0 (12-06, session 26) the bench paired every ``nixl`` step with ``nixl-raw`` in
@@ -1192,6 +1194,69 @@ def _nixl_cases(root: str) -> list[dict]:
             row["spun"] = f"{folder}/{name}" in SPUN_RAW
         rows += made
     return rows
+
+
+#: The CPU bench runs of ``delta+<backend>`` (``weightsync bench --changed``: between syncs
+#: the trainer changes that fraction of its elements): (folder, file, label, the knobs of
+#: that run's code as :data:`CPU_RUNS_MORE` gives them). 12-02's (26065dd: the ring before
+#: the direct window, ``nixl`` not pipelined and staging, every NIXL agent with its
+#: progress thread) timed 256 MiB at 0.5 % into 1 and 2 receivers; its dense rows are
+#: cases of their own (:data:`CPU_RUNS_MORE`, :data:`NIXL_RUNS`).
+DELTA_RUNS = (("delta-2026-12-02", "bench_256mib.json", "12-02", WAITED),)
+#: each codec method as the strategy its transport is (with the method's own knobs)
+_DELTA_METHODS = {f"delta+{name}": _CPU_METHODS[name] for name in ("shm", "collective")}
+_DELTA_METHODS["delta+nixl"] = ("p2p", {}, {"pipelined": False, "serve": "staging"})
+
+
+def _delta_cases(root: str) -> list[dict]:
+    """``delta+<backend>`` on CPU (:data:`DELTA_RUNS`), each as its transport's strategy
+    with ``Scenario.delta`` the fraction of elements the run changed (the bench's records
+    of a warm sync). The nixl rows ran while every NIXL agent kept a core spinning (before
+    3d72733): shown apart, not counted, as the dense nixl runs of then
+    (:data:`SPUN_RAW`)."""
+    rows, models = [], {}
+    for folder, name, label, knob in DELTA_RUNS:
+        if not os.path.exists(os.path.join(root, folder, name)):
+            continue
+        doc = _json(root, folder, name)
+        changed = doc["config"]["changed"]
+        for rec in doc["results"]:
+            method = _DELTA_METHODS.get(rec["method"]) if rec["status"] == "ok" else None
+            if method is None:
+                continue
+            strategy, replace, extra = method
+            replace = {**knob.get("links", {}), **replace}
+            if rec["workload"] not in models:
+                models[rec["workload"]] = _cpu_model(rec)
+
+            def scenario(links: Links, rec=rec, strategy=strategy, replace=replace,
+                         extra=extra) -> Scenario:
+                return Scenario(model=models[rec["workload"]],
+                                links=dataclasses.replace(links, **replace), trainer_gpus=1,
+                                replicas=rec["receivers"], bucket_size=rec["bucket_size"],
+                                src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
+                                strategies=(strategy,), delta=changed, **extra)
+            case = f"CPU {rec['workload']} {rec['method']} at {changed:g} R={rec['receivers']}"
+            made = _rows(f"{case} ({label})", strategy, scenario, rec["warm_median_s"],
+                         f"{folder}/{name} warm_median_s", "cpu-2core", {}, {},
+                         check=_record_bytes(rec))
+            for row in made:
+                row["spun"] = strategy == "p2p" and f"{folder}/{name}" in SPUN_RAW
+            rows += made
+    return rows
+
+
+def _record_bytes(rec: Mapping) -> Optional[Callable]:
+    """The bytes a warm sync sent as records (the bench's codec metrics) beside the bytes
+    the plan has a worker take in (its records: the workloads have no tensor small enough
+    to go dense)."""
+    measured = (rec.get("info") or {}).get("record_bytes")
+    if measured is None:
+        return None
+
+    def check(r) -> dict:
+        return {"record_bytes": {"measured": measured, "predicted": r.dest_bytes[0]}}
+    return check
 
 
 def _nixl_gpu_cases(root: str) -> list[dict]:
@@ -1436,8 +1501,9 @@ NOT_CALIBRATED: dict[str, str] = {
                                                           "off (WSB_NO_SAMPLER=1, a bench "
                                                           "check): the sampler_on runs "
                                                           "beside them are cases",
-    "delta-2026-12-02/": "delta+<backend> (the codec: records of the changed elements): the "
-                         "planner has no delta yet",
+    "delta-2026-12-02/delta.json": "benchmarks/delta_bench.py's training run (bytes and "
+                                   "times of 20 steps of AdamW and a churn of replicas): "
+                                   "not a bench of the sync alone",
     # measurements that are not a sync of weightsync's own paths
     "gpu-h200-2026-12-02-codec/": _NOT_SYNCS + "the FP8 / delta codec kernels alone",
     "gpu-h200-2026-12-05-branches/gpu_copies.json": _NOT_SYNCS + "copy kernels alone",
@@ -1503,7 +1569,7 @@ def coverage(doc: dict, results: Optional[str] = None) -> dict:
 
 GROUPS = {"cpu": _cpu_cases, "nixl": _nixl_cases, "nixl-tp": _nixl_tp_cases,
           "h200": _h200_cases, "nccl": _nccl_cases, "nixl-gpu": _nixl_gpu_cases,
-          "shm-d2h": _shm_d2h_cases}
+          "shm-d2h": _shm_d2h_cases, "delta": _delta_cases}
 
 
 def run(groups: tuple[str, ...] = tuple(GROUPS), results: Optional[str] = None) -> dict:

@@ -100,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="host links file only: cpu (default) or gpu (the trainer's tensors "
                          "are on a GPU of the host, copied device-to-host over links.d2h; "
                          "ring only)")
+    lk.add_argument("--delta", type=float, metavar="FRACTION", default=None,
+                    help="delta+<backend>: the fraction of each tensor's elements that "
+                         "change between syncs (e.g. 0.005); the codec's records on the "
+                         "wire, its encode and apply priced from links.codec (default: dense)")
     lk.add_argument("--no-pipeline", action="store_true",
                     help="p2p: stage everything, then pull (WEIGHTSYNC_NIXL_PIPELINE=0); "
                          "default: each staging block is read once written")
@@ -145,7 +149,7 @@ def scenario_from_args(args: argparse.Namespace):
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
                     pipelined=not args.no_pipeline, serve=args.serve,
                     shared=args.shared, trainer_device=args.trainer_device,
-                    ring_sync=args.ring_sync, **direct,
+                    ring_sync=args.ring_sync, delta=args.delta, **direct,
                     strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                     label=args.label)
 

@@ -37,7 +37,11 @@ YAML/JSON file). A links file describes one kind of node:
   last acknowledgement; default 0) and ``pack_wait_x``: with ``cuda_ipc``'s ``sync="host"``
   (``Scenario.ring_sync``), how long the trainer waits for each bucket's pack, in multiples
   of that copy alone at ``device_mem``'s rate (the pack shares the GPU with the receivers'
-  copy of the bucket before; a factor, not microseconds; default 1).
+  copy of the bucket before; a factor, not microseconds; default 1);
+* ``codec`` (optional; needed by delta, ``Scenario.delta``): ``encode_GBps``, the bytes of
+  weights a trainer rank diffs into records per second, and ``apply_GBps``, the bytes of
+  weights a receiver checks and patches per second (``benchmarks/delta_bench.py
+  --kernels`` times both on one tensor).
 
 Every number is required where its link is used, and must be >= 0 (``GBps`` > 0,
 ``efficiency`` in (0, 1]); a bad one is a :class:`~.errors.PlannerError` naming it.
@@ -99,6 +103,7 @@ class Links:
     direct_window: int = 2                 # direct tensors left unread before the trainer waits
     max_nodes: Optional[int] = None
     cores: Optional[int] = None            # a host's cores shared by its processes
+    codec: Mapping[str, float] = field(default_factory=dict)   # delta: "encode" / "apply", B/s
     description: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
@@ -198,6 +203,9 @@ def parse_links(doc: Any, name: str = "links") -> Links:
             raise PlannerError("links.cores", f"a whole number, on a host links file only; "
                                               f"got {cores} on {device}")
         cores = int(cores)
+    codec_doc = _section(doc, "codec", "links", required=False)
+    codec = {k: _num(codec_doc, f"{k}_GBps", "links.codec", positive=True) * 1e9
+             for k in ("encode", "apply")} if codec_doc else {}
     return Links(name=str(doc.get("name", name)), device=device, gpus_per_node=int(gpn),
                  links=links, collective_algo=algo, collective_cap=cap,
                  direct_min_bytes=int(_num(ring, "direct_min_bytes", "links.ring", default=0)),
@@ -206,7 +214,7 @@ def parse_links(doc: Any, name: str = "links") -> Links:
                  direct_rate=(_num(ring, "direct_GBps", "links.ring", positive=True) * 1e9
                               if ring.get("direct_min_bytes") else None),
                  software=software, direct_window=int(window), max_nodes=max_nodes,
-                 cores=cores,
+                 cores=cores, codec=codec,
                  description=str(doc.get("description", "")), raw=dict(doc))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from weightsync.tools.planner.bucketed import predict_bucketed
 from weightsync.tools.planner.compiled import PullStats, pull_stats
+from weightsync.tools.planner.delta import predict_delta, records
 from weightsync.tools.planner.linkmodel import StrategyResult
 from weightsync.tools.planner.p2p import predict_p2p
 from weightsync.tools.planner.rules import kept_bytes, planned_tensors
@@ -37,6 +38,8 @@ class Prediction:
     stats: PullStats | None
     seconds: float
     notes: list[str] = field(default_factory=list)
+    #: per strategy, with ``Scenario.delta``: the records' figures (:func:`.delta.predict_delta`)
+    delta: dict[str, dict] = field(default_factory=dict)
 
     def ratio(self, strategy: str) -> float | None:
         r = self.results[strategy]
@@ -75,9 +78,11 @@ def predict(sc: Scenario) -> Prediction:
     pl = Placement(sc)
     pts, notes = planned_tensors(sc.model, sc.tp, sc.ep, sc.src_dtype, sc.dst_dtype, sc.fp8_at,
                                  sc.trainer_tp, sc.trainer_ep)
-    stats, results = None, {}
+    stats, results, delta = None, {}, {}
     for strategy in sc.strategies:
-        if strategy == "p2p" and sc.trainer_device == "gpu":
+        if sc.delta is not None and not (strategy == "p2p" and sc.trainer_device == "gpu"):
+            results[strategy], delta[strategy] = predict_delta(sc, pl, pts, strategy)
+        elif strategy == "p2p" and sc.trainer_device == "gpu":
             results[strategy] = StrategyResult(strategy, applicable=False, reason=(
                 "p2p from a GPU trainer into processes of a host is not modelled "
                 "(trainer.device gpu: ring, i.e. shm, only)"))
@@ -87,8 +92,10 @@ def predict(sc: Scenario) -> Prediction:
             results[strategy] = predict_p2p(sc, pl, pts, stats)
         else:
             results[strategy] = predict_bucketed(sc, pl, pts, strategy)
+    if sc.delta is not None:        # what each worker takes in: the records
+        pts = records(pts, sc.delta, sc.replica_size)[0]
     return Prediction(sc, pl, results, _bound(sc, pl, pts), stats,
-                      time.perf_counter() - t0, list(sc.notes) + notes)
+                      time.perf_counter() - t0, list(sc.notes) + notes, delta)
 
 
 def _spread(values: list[float], who) -> dict[str, Any]:
@@ -110,7 +117,8 @@ def _strategy_dict(p: Prediction, name: str) -> dict:
             "bytes_per_source": _spread(r.source_bytes, lambda i: f"trainer rank {i}"),
             "bytes_per_dest": _spread(r.dest_bytes, lambda i: pl.who(pl.worker[i])),
             "reads_per_dest": _spread(r.dest_reads, lambda i: pl.who(pl.worker[i])),
-            "reads_total": sum(r.dest_reads), "notes": r.notes}
+            "reads_total": sum(r.dest_reads), "notes": r.notes,
+            **({"delta": p.delta[name]} if name in p.delta else {})}
 
 
 def _to_dict(p: Prediction) -> dict:
@@ -129,7 +137,7 @@ def _to_dict(p: Prediction) -> dict:
                                  "tp": sc.trainer_tp, "ep": sc.trainer_ep,
                                  "layout": sc.trainer_layout,
                                  "device": sc.trainer_device},
-                     "shared": sc.shared, "ring_sync": sc.ring_sync,
+                     "shared": sc.shared, "ring_sync": sc.ring_sync, "delta": sc.delta,
                      "rollout": {"replicas": sc.replicas, "tp": sc.tp, "ep": sc.ep,
                                  "workers": sc.workers, "placement": sc.placement},
                      "links": links.name,

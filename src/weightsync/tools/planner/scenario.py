@@ -97,6 +97,9 @@ class Scenario:
     #: ring on GPUs (``cuda_ipc``'s ``sync``): ``"event"`` (default) orders the copies on the
     #: GPU; ``"host"``: the trainer waits for each bucket's pack before it publishes it
     ring_sync: str = "event"
+    #: ``delta+<backend>`` (:mod:`.delta`): the fraction of each tensor's elements that
+    #: changed since the last sync (e.g. 0.005), warm; None: dense (the default)
+    delta: Optional[float] = None
 
     def __post_init__(self) -> None:
         _positive(self.trainer_gpus, "trainer.gpus")
@@ -125,6 +128,10 @@ class Scenario:
             raise PlannerError("ring_sync", f"must be one of {', '.join(RING_SYNCS)}, got "
                                             f"{self.ring_sync!r}")
         self._check_shm()
+        if self.delta is not None and (isinstance(self.delta, bool) or not isinstance(
+                self.delta, (int, float)) or not 0.0 <= self.delta <= 1.0):
+            raise PlannerError("delta", f"the fraction of elements that change per sync, a "
+                                        f"number in [0, 1]; got {self.delta!r}")
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad or not self.strategies:
             raise PlannerError("strategies", f"choose from {', '.join(STRATEGIES)}, got "

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ from weightsync.transport.codec.digest import KINDS, digest
 
 __all__ = ["MAGIC", "RAW", "INDEX", "BITMAP", "Header", "BaseMismatch", "ResultMismatch",
            "encode", "raw_record", "is_record", "parse", "apply", "dense_view", "scatter",
-           "size_class", "record_sizes", "index_width"]
+           "size_class", "record_sizes", "record_size", "index_width"]
 
 MAGIC = b"WSDELTA1"
 FMT = 1
@@ -110,6 +110,22 @@ def _head_bytes(ndim: int) -> int:
     return _HEAD.size + 8 * ndim
 
 
+def _form(n: int, itemsize: int, m: int) -> tuple[int, int]:
+    """(enc, payload bytes) of the smaller form for ``m`` changes of ``n`` elements."""
+    sizes = record_sizes(n, itemsize, m)
+    enc = INDEX if sizes[INDEX] <= sizes[BITMAP] else BITMAP
+    return enc, sizes[enc]
+
+
+def record_size(shape: Sequence[int], itemsize: int, changed: int) -> Optional[int]:
+    """Bytes of the record :func:`encode` makes when ``changed`` elements of a tensor of
+    ``shape`` (elements of ``itemsize`` bytes) differ from its base, size class included;
+    None when the dense tensor is no bigger (:func:`encode` then sends the tensor)."""
+    n = math.prod(shape)
+    size = size_class(_head_bytes(len(shape)) + _form(n, itemsize, changed)[1])
+    return None if size >= n * itemsize else size
+
+
 def _new_record(enc: int, t: torch.Tensor, *, iw: int, kind: int, count: int, base: int,
                 new: int, payload: int) -> tuple[torch.Tensor, int]:
     head = _head_bytes(t.dim())
@@ -130,15 +146,14 @@ def encode(new: torch.Tensor, base: torch.Tensor, base_digest: tuple[int, int]
     n, k = new.numel(), new.element_size()
     idx = kernels.changed(new, base)
     m = idx.numel()
-    sizes = record_sizes(n, k, m)
-    enc = INDEX if sizes[INDEX] <= sizes[BITMAP] else BITMAP
-    if size_class(_head_bytes(new.dim()) + sizes[enc]) >= n * k:
+    if record_size(tuple(new.shape), k, m) is None:
         return None, idx
+    enc, payload = _form(n, k, m)
     values = kernels.gather(new, idx)
     iw = index_width(n) if enc == INDEX else 0
     rec, at = _new_record(enc, new, iw=iw, kind=base_digest[0], count=m, base=base_digest[1],
                           new=kernels.change_digest(idx, kernels.gather(base, idx), values),
-                          payload=sizes[enc])
+                          payload=payload)
     if enc == INDEX:
         section = idx.to(_INDEX_DTYPE[iw]).view(torch.uint8)
     else:

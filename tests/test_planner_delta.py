@@ -1,0 +1,184 @@
+"""Tests of delta syncs in ``weightsync plan`` (weightsync.tools.planner.delta): the records
+on the wire are the codec's own (its encode makes records of exactly the planned size), the
+codec's encode and apply are priced from ``links.codec`` as a pipeline over the record
+buckets, a sharded trainer gathers first and every worker takes every record whole, bad
+input is a PlannerError naming the field, and the recorded CPU runs are predicted."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from weightsync.tools.planner import PlannerError, calibrate
+from weightsync.tools.cli import main as weightsync_main
+from weightsync.tools.planner.delta import RECORD_DTYPE, records
+from weightsync.tools.planner.links import PRESET_DIR, load_links
+from weightsync.tools.planner.model import model_from_tensors
+from weightsync.tools.planner.predict import predict
+from weightsync.tools.planner.rules import planned_tensors
+from weightsync.tools.planner.scenario import Scenario
+from weightsync.transport.codec import delta as codec_delta
+from weightsync.transport.codec.digest import digest
+from weightsync.transport.codec.engine import DELTA_BUCKET
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPES = (("a.weight", (64, 96)), ("b.weight", (300000,)), ("c.bias", (96,)),
+          ("d.weight", (7, 5)), ("e.weight", (512, 512)))
+
+
+def _model(shapes=SHAPES):
+    return model_from_tensors("toy", shapes)
+
+
+def _scenario(**kw) -> Scenario:
+    base = dict(model=_model(), links=load_links("cpu-2core"), trainer_gpus=1, replicas=1,
+                bucket_size=64 << 20, strategies=("ring", "broadcast", "p2p"), delta=0.01)
+    base.update(kw)
+    return Scenario(**base)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("changed", [0.0, 0.001, 0.01, 0.3, 0.9])
+def test_the_planned_records_are_what_the_codec_encodes(dtype, changed):
+    """For each tensor, the codec's encode of a tensor with that many changed elements makes
+    a record of the size the plan sends (or none: the plan sends the tensor dense)."""
+    pts, _ = planned_tensors(_model(), 1, 0, dtype, dtype)
+    recs, rec_bytes, dense = records(pts, changed, workers=1)
+    gen = torch.Generator().manual_seed(0)
+    total_rec = total_dense = 0
+    for pt, rec in zip(pts, recs):
+        base = torch.randn(pt.shape, generator=gen).to(getattr(torch, dtype))
+        new = base.clone()
+        n = base.numel()
+        m = round(changed * n)
+        flat = new.view(-1)
+        flat[torch.randperm(n, generator=gen)[:m]] += 1.0
+        assert int((new.view(-1) != base.view(-1)).sum()) == m
+        made, _ = codec_delta.encode(new, base, digest(base))
+        small = n * base.element_size() <= 256          # the codec's SMALL: always dense
+        if made is None or small:
+            assert rec.src_dtype == dtype and rec.shape == pt.shape, (pt.name, changed)
+            total_dense += n * base.element_size()
+        else:
+            assert rec.src_dtype == RECORD_DTYPE and rec.shape == (made.numel(),), pt.name
+            total_rec += made.numel()
+    assert (rec_bytes, dense) == (total_rec, total_dense)
+    assert rec_bytes or changed >= 0.3 or dtype == "float32" and changed > 0.5
+
+
+def test_the_record_bytes_of_the_recorded_delta_run_are_predicted_exactly():
+    """The 12-02 bench run of delta+shm (256 MiB bf16, 0.5 % changed) sent 4,401,408 bytes
+    of records a warm sync; the plan of that workload at the run's measured fraction sends
+    the same (the bench changes round(fraction x n) elements of each tensor)."""
+    rows = calibrate.run(("delta",))["rows"]
+    checked = [r for r in rows if "record_bytes" in r]
+    assert len(checked) == 4          # delta+shm and delta+collective, R=1 and R=2
+    for r in checked:
+        assert r["record_bytes"] == {"measured": 4401408, "predicted": 4401408}
+    sc = [r for r in rows if r["case"].startswith("CPU synthetic-256MiB delta+shm")][0]
+    assert "encode" in sc["limited_by"]
+
+
+def test_the_delta_runs_are_calibrated_and_the_nixl_ones_shown_apart():
+    doc = calibrate.run(("delta",))
+    counted = doc["rows"]
+    assert sorted(r["case"].split(" (")[0] for r in counted) == sorted(
+        f"CPU synthetic-256MiB delta+{b} at 0.005 R={k}" for b in ("shm", "collective")
+        for k in (1, 2))
+    assert all(r["within_goal"] for r in counted)
+    spun = doc["spun_rows"]          # every NIXL agent spun a core then (before 3d72733)
+    assert len(spun) == 2 and all("delta+nixl" in r["case"] for r in spun)
+
+
+def test_the_codec_is_a_pipeline_over_record_buckets():
+    """Records of one bucket: encode everything, then apply everything; records over many
+    buckets: the slower stage plus one part of the other. The trainer's encode and each
+    receiver's apply are priced at links.codec's rates."""
+    links = load_links("cpu-2core")
+    enc, app = links.codec["encode"], links.codec["apply"]
+    one = predict(_scenario(strategies=("ring",), delta=0.001))
+    d = one.delta["ring"]
+    assert d["record_buckets"] == 1
+    dense = sum(math.prod(s) * 2 for _, s in SHAPES)
+    assert d["dense_bytes"] == dense
+    assert d["encode_s"] == pytest.approx(dense / enc) and d["apply_s"] == pytest.approx(
+        dense / app)
+    assert d["codec_s"] == pytest.approx(d["encode_s"] + d["apply_s"])
+    # a big model whose records fill many 8 MiB buckets (half its elements change: bitmaps)
+    big = model_from_tensors("big", [(f"l{i}.weight", (4096, 4096)) for i in range(8)])
+    many = predict(_scenario(model=big, strategies=("ring",), delta=0.5)).delta["ring"]
+    assert many["record_buckets"] > 8 and many["record_bytes"] > 8 * DELTA_BUCKET
+    slow, fast = max(many["encode_s"], many["apply_s"]), min(many["encode_s"], many["apply_s"])
+    assert many["codec_s"] == pytest.approx(slow + fast / many["record_buckets"])
+    r = predict(_scenario(model=big, strategies=("ring",), delta=0.5)).results["ring"]
+    assert r.phases[0].name.startswith("delta: encode + apply")
+    assert r.seconds > many["codec_s"]              # the records' transport after it
+
+
+def test_a_sharded_trainer_gathers_dense_and_tp_workers_take_every_record_whole():
+    """64 FSDP2 ranks into TP-2 workers: the delta sync starts with the dense export's
+    gather, and both workers of a replica take the whole records (the codec serves no
+    shards), each with a note of the base copy it keeps."""
+    model = model_from_tensors("tp", [(f"model.layers.{i}.mlp.down_proj.weight", (2048, 4096))
+                                      for i in range(4)])
+    sc = Scenario(model=model, links=load_links("h100-8gpu-400g"), trainer_gpus=16,
+                  replicas=2, tp=2, strategies=("broadcast", "p2p"), delta=0.005)
+    p = predict(sc)
+    dense = predict(dataclasses.replace(sc, delta=None))
+    for name in ("broadcast", "p2p"):
+        r = p.results[name]
+        assert r.phases[0].name.startswith("gather"), [ph.name for ph in r.phases]
+        assert r.phases[1].name.startswith("delta: encode + apply")
+        rec = p.delta[name]["record_bytes"]
+        assert len(set(r.dest_bytes)) == 1 and r.dest_bytes[0] == pytest.approx(rec)
+        assert any("whole base copy" in n for n in r.notes)
+        # records are far fewer bytes than the dense sync's
+        assert sum(r.dest_bytes) < sum(dense.results[name].dest_bytes) / 10
+    assert p.bound["bytes"] == pytest.approx(p.delta["p2p"]["record_bytes"])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.1", float("nan")])
+def test_a_bad_fraction_is_an_error_naming_delta(bad):
+    with pytest.raises(PlannerError) as e:
+        _scenario(delta=bad)
+    assert e.value.field == "delta"
+
+
+def test_links_without_a_codec_or_with_a_bad_rate_name_the_field():
+    with open(f"{PRESET_DIR}/cpu-2core.json") as f:
+        doc = json.load(f)
+    doc.pop("codec")
+    with pytest.raises(PlannerError) as e:
+        predict(_scenario(links=load_links(doc)))
+    assert e.value.field == "links.codec.encode_GBps"
+    assert predict(_scenario(links=load_links(doc), delta=None)).results["ring"].seconds > 0
+    doc["codec"] = {"encode_GBps": 3.0, "apply_GBps": -1}
+    with pytest.raises(PlannerError) as e:
+        load_links(doc)
+    assert e.value.field == "links.codec.apply_GBps"
+
+
+def test_the_cli_takes_delta_and_writes_its_figures(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 256,
+                               "intermediate_size": 512, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 1024}))
+    out = tmp_path / "p.json"
+    rc = weightsync_main(["plan", "--model", str(cfg), "--trainer-gpus", "2", "--replicas", "2",
+                    "--links", "h100-8gpu-400g", "--delta", "0.01", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["scenario"]["delta"] == 0.01
+    for name in ("p2p", "broadcast"):
+        d = doc["strategies"][name]["delta"]
+        assert 0 < d["record_bytes"] < d["dense_bytes"] and d["codec_s"] > 0
+    assert "delta: encode + apply" in capsys.readouterr().out
+    assert weightsync_main(["plan", "--model", str(cfg), "--links", "h100-8gpu-400g",
+                            "--delta", "2"]) == 2
+    assert "delta" in capsys.readouterr().err
