@@ -1180,7 +1180,9 @@ def test_every_recorded_measurement_is_predicted_a_cost_input_or_said_not_to_be(
     assert set(cov["cost_inputs"]) == set(calibrate.cost_inputs())
     assert not set(cov["cases"]) & set(cov["not_calibrated"])
     # runs that sessions before 34 left out without a word are cases now
-    for f in ("per-tensor-2026-12-02/after.json", "gpu-h200-2026-12-05-branches/gpu_bench_r1.json",
+    assert "per-tensor-2026-12-02/after.json" in cov["cost_inputs"]      # 12-02's tensor_us
+    for f in ("per-tensor-2026-12-02/after_threads0.json",
+              "gpu-h200-2026-12-05-branches/gpu_bench_r1.json",
               "gpu-h100-2026-12-05-s21/call3/r2_settle200/gpu_bench.json",
               "cpu-2026-11-29/bench-fp32.json", "review-2026-12-03/after_mend_1g.json"):
         assert f in cov["cases"], f
@@ -1204,3 +1206,35 @@ def test_coverage_names_a_forgotten_run_and_a_stale_entry(tmp_path, monkeypatch)
     assert cov["not_calibrated"] == {"why/b.json": "a reason"}
     assert cov["unaccounted"] == ["new/c.json"]
     assert cov["stale"] == ["gone/", "read/a.json", "u/gpu_bench.json"]
+
+
+def test_each_codes_per_tensor_cost_is_its_own_tiny_run():
+    """The cpu-2core preset's tensor_us is today's code's, read off session 34's first tiny
+    run (10,000 tensors); the 12-02 and 12-03 codes' other runs take their own code's (their
+    first tiny run), those runs being inputs, not cases. Each tiny case is then within the
+    goal; with today's cost instead, the 12-02 runs (23.5-26.4 us a tensor) are not."""
+    root = calibrate.results_dir()
+    today = calibrate.tiny_tensor_us(root, *calibrate.TINY_COSTS["today"])
+    assert load_links("cpu-2core").sw("tensor_us") == pytest.approx(today * 1e-6)
+    assert 9 < today < 12
+    rows = [r for r in calibrate.run(("cpu",))["rows"] if r["case"].startswith("CPU tiny-")]
+    inputs = {"/".join(run) for run in calibrate.TINY_COSTS.values()}
+    assert not [r for r in rows if r["source"].split()[0] in inputs]
+    assert len(rows) == 8 and all(r["within_goal"] for r in rows)
+    old = [r for r in rows if "12-0" in r["case"] and "12-07" not in r["case"]]
+    assert len(old) == 4 and all("its code's per-tensor cost" in r["links_from"] for r in old)
+    for r in old:
+        with_today = 10000 * today * 1e-6 / r["measured_s"] - 1
+        if "12-02" in r["case"]:
+            assert with_today < -calibrate.GOAL, r["case"]
+
+
+def test_a_workloads_model_is_built_per_dtype_and_bucket_size():
+    """The 11-29 fp32 run's synthetic-256MiB is 182 float32 tensors; built once per name it
+    was the bf16 run's 98 tensors at 4 bytes each (twice the bytes: +33..+66 %)."""
+    rows = [r for r in calibrate.run(("cpu",))["rows"] if "(11-29 fp32" in r["case"]]
+    assert len(rows) == 4
+    for r in rows:
+        assert abs(r["error"]) < 0.3, r["case"]
+    assert calibrate._model_key({"workload": "w", "dtype": "float32", "bucket_size": 1}) != \
+        calibrate._model_key({"workload": "w", "dtype": "bfloat16", "bucket_size": 1})

@@ -361,6 +361,8 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
+           **{f"cpu-tiny-2026-12-07-s34/tiny_r{k}.json": "CPU tiny runs of 12-07 s34"
+              for k in (2, 3)},
            **{f"gpu-h100-2026-12-05-s20/{name}": "H100 runs of 12-05 s20 (4414fc4), a "
               "machine each" for name in ("gpu_bench.json", "gpu_bench_span.json",
                                          "gpu_bench_replay.json")},
@@ -511,6 +513,12 @@ def _legacy_note(base: Mapping[str, float]) -> str:
     return f"; host costs of the code of 11-29 (tensor_us {t:g}, bucket_us {b:g}, fitted)"
 
 
+def _model_key(rec: Mapping) -> tuple:
+    """A workload's shapes depend on its dtype and bucket size (``synthetic``), not on its
+    name alone: the key of the models a group builds once."""
+    return rec["workload"], rec["dtype"], rec["bucket_size"]
+
+
 def _cpu_model(rec: dict) -> ModelSpec:
     from weightsync.tools.bench.workloads import hf_qwen2, parse_size, synthetic, tiny
     if rec["workload"].startswith("hf-qwen2"):
@@ -523,6 +531,28 @@ def _cpu_model(rec: dict) -> ModelSpec:
     if w is None or len(w.tensors) != rec["tensors"] or w.nbytes != rec["bytes"]:
         raise PlannerError("calibrate", f"workload {rec['workload']} is not what was measured")
     return model_from_tensors(w.name, w.tensors, note=w.note)
+
+
+#: A code's per-tensor cost on this box (``software.tensor_us``), by code: its bench run of
+#: 10,000 float32 tensors of 16 elements (``--tiny 10000``, one bucket, R=1), the mean of
+#: ``shm``'s and ``collective``'s time a tensor (sender and receiver together). The
+#: ``cpu-2core`` preset's is today's code's (session 34's first run); the codes of 12-02
+#: and 12-03 ran their own, and their other tiny runs take those (``tensor_from``). Those
+#: runs are the costs' inputs, not cases (:func:`cost_inputs`).
+TINY_COSTS = {"today": ("cpu-tiny-2026-12-07-s34", "tiny_r1.json"),
+              "12-02": ("per-tensor-2026-12-02", "after.json"),
+              "12-03, before the direct window": ("review-2026-12-03", "tiny_before.json"),
+              "12-03, after the mend": ("review-2026-12-03", "tiny_after_mend.json")}
+
+
+def tiny_tensor_us(root: str, folder: str, name: str) -> float:
+    """Microseconds a tensor of a ``--tiny`` run (:data:`TINY_COSTS`): the mean over its
+    ``shm`` and ``collective`` rows of the warm median over the tensor count."""
+    recs = [r for r in _json(root, folder, name)["results"]
+            if r["method"] in ("shm", "collective") and r["status"] == "ok"]
+    if not recs:
+        raise PlannerError("calibrate", f"{folder}/{name} has no shm / collective row")
+    return round(statistics.mean(r["warm_median_s"] / r["tensors"] for r in recs) * 1e6, 2)
 
 
 #: The knob of a run whose ``shm`` trainer waited for each direct read before its next item
@@ -567,15 +597,18 @@ WAITED = {"links": {"direct_window": 1}}
 #:   and session 14's ``readme`` runs.
 #: Runs with ``--consume copy`` (``receive_weights`` + ``copy_``) are not modelled.
 CPU_RUNS_MORE = (
-    ("per-tensor-2026-12-02", "after.json", "12-02 per-tensor", WAITED),
-    ("per-tensor-2026-12-02", "after_threads0.json", "12-02 per-tensor, --threads 0", WAITED),
-    *(("review-2026-12-03", f"tiny_before{k}.json",
-       f"12-03 review, tiny before the window{', run 2' if k else ''}", WAITED)
-      for k in ("", "2")),
-    ("review-2026-12-03", "tiny_after_mend.json", "12-03 review, tiny after the mend", {}),
-    ("review-2026-12-03", "after_mend_1g.json", "12-03 review, after the mend", {}),
+    # the tiny runs (10,000 tensors) that are not their code's cost input (TINY_COSTS)
+    ("per-tensor-2026-12-02", "after_threads0.json", "12-02 per-tensor, --threads 0",
+     {**WAITED, "tensor_from": TINY_COSTS["12-02"]}),
+    ("review-2026-12-03", "tiny_before2.json", "12-03 review, tiny before the window, run 2",
+     {**WAITED, "tensor_from": TINY_COSTS["12-03, before the direct window"]}),
+    *(("cpu-tiny-2026-12-07-s34", f"tiny_r{k}.json", f"12-07 s34, run {k}",
+       {"scenario": {"fill_open": True}}) for k in (2, 3)),
+    ("review-2026-12-03", "after_mend_1g.json", "12-03 review, after the mend",
+     {"tensor_from": TINY_COSTS["12-03, after the mend"]}),
     *(("review-2026-12-03", f"shm_window{w}_mend.json",
-       f"12-03 review, direct window {w}, after the mend", WAITED if w == 1 else {})
+       f"12-03 review, direct window {w}, after the mend",
+       {**(WAITED if w == 1 else {}), "tensor_from": TINY_COSTS["12-03, after the mend"]})
       for w in (1, 2)),
     *(("cpu-shm-window-2026-12-06-s28/sampler", f"sampler_on_{k}.json",
        f"12-06 s28, sampler check, run {k}", {"scenario": {"fill_open": True}})
@@ -712,17 +745,21 @@ def _cpu_cases(root: str) -> list[dict]:
             replace = {**knob.get("links", {}), **replace}
             extra = {**extra, **knob.get("scenario", {})}
             fill_open = extra.pop("fill_open", False)
-            if rec["workload"] not in models:
-                models[rec["workload"]] = _cpu_model(rec)
+            if _model_key(rec) not in models:
+                models[_model_key(rec)] = _cpu_model(rec)
 
             def scenario(links: Links, rec=rec, strategy=strategy, replace=replace,
                          extra=extra) -> Scenario:
-                return Scenario(model=models[rec["workload"]],
+                return Scenario(model=models[_model_key(rec)],
                                 links=dataclasses.replace(links, **replace), trainer_gpus=1,
                                 replicas=rec["receivers"], bucket_size=rec["bucket_size"],
                                 src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
                                 strategies=(strategy,), **extra)
             sets, where = run_links(rec, limits[(rec["workload"], rec["dtype"])])
+            if "tensor_from" in knob:      # its code's own per-tensor cost
+                sets["software.tensor_us"] = tiny_tensor_us(root, *knob["tensor_from"])
+                where["software.tensor_us"] = (f"its code's per-tensor cost "
+                                               f"({'/'.join(knob['tensor_from'])})")
             case = f"CPU {rec['workload']} {rec['method']} R={rec['receivers']}"
             rows += _rows(f"{case} ({label})", strategy, scenario, rec["warm_median_s"],
                           f"{folder}/{name} warm_median_s", "cpu-2core", sets, where,
@@ -1226,12 +1263,12 @@ def _delta_cases(root: str) -> list[dict]:
                 continue
             strategy, replace, extra = method
             replace = {**knob.get("links", {}), **replace}
-            if rec["workload"] not in models:
-                models[rec["workload"]] = _cpu_model(rec)
+            if _model_key(rec) not in models:
+                models[_model_key(rec)] = _cpu_model(rec)
 
             def scenario(links: Links, rec=rec, strategy=strategy, replace=replace,
                          extra=extra) -> Scenario:
-                return Scenario(model=models[rec["workload"]],
+                return Scenario(model=models[_model_key(rec)],
                                 links=dataclasses.replace(links, **replace), trainer_gpus=1,
                                 replicas=rec["receivers"], bucket_size=rec["bucket_size"],
                                 src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
@@ -1522,11 +1559,13 @@ del NOT_CALIBRATED["gpu-h100-2026-12-05-s23/call1/"]
 
 
 def cost_inputs() -> list[str]:
-    """The ``--timeline`` runs whose engine steps the host costs are read off (the presets'
-    and the old codes'): inputs of the calibration, not its cases."""
+    """The runs the host costs are read off: the ``--timeline`` runs of the GPU rings (the
+    presets' and the old codes') and the CPU codes' ``--tiny`` runs (:data:`TINY_COSTS`):
+    inputs of the calibration, not its cases."""
     folders = {*TODAY_H100_TIMELINES, *TODAY_H200_TIMELINES, OLD_H200_TIMELINE,
                *(f for fs in OLD_H100_TIMELINES.values() for f in fs)}
-    return sorted(f"{f}/gpu_bench.json" for f in folders)
+    return sorted([f"{f}/gpu_bench.json" for f in folders]
+                  + ["/".join(run) for run in TINY_COSTS.values()])
 
 
 def _not_calibrated(path: str) -> Optional[str]:
@@ -1713,7 +1752,8 @@ def _coverage_summary(doc: dict) -> str:
     if not cov:
         return ""
     return (f"; recorded measurements (.json under benchmarks/results): {len(cov['cases'])} "
-            f"files predicted, {len(cov['cost_inputs'])} the costs' timelines, "
+            f"files predicted, {len(cov['cost_inputs'])} the costs' inputs (timelines, tiny "
+            f"runs), "
             f"{len(cov['not_calibrated'])} not calibrated (calibrate.NOT_CALIBRATED says "
             f"why), {len(cov['unaccounted'])} unaccounted")
 
