@@ -89,6 +89,17 @@ class Worker:
             p.normal_(generator=g)
         sync()
 
+    def perturb(self, seed: int, changed: float) -> None:
+        """Flip the lowest bit of ``changed`` of each tensor's elements (random positions,
+        a few may repeat): a training step's sparse change, as ``weightsync bench
+        --changed`` makes it."""
+        g = torch.Generator(device=self.dev).manual_seed(seed)
+        for p in self.params.values():
+            flat = p.view(-1).view(torch.int16)
+            k = max(1, round(changed * flat.numel()))
+            flat[torch.randint(flat.numel(), (k,), generator=g, device=self.dev)] ^= 1
+        sync()
+
     def checksum(self) -> list[int]:
         sums = []
         for p in self.params.values():
@@ -133,7 +144,11 @@ class Worker:
             cfg = {k: v for k, v in cfg.items() if k not in (
                 "zero_copy", "sync", "stream_waits", "links", "ref_first_bytes",
                 "rx_stream_waits", "graph_branches", "fill_graphs", "push")}
-        self.engine = CheckpointEngineRegistry.new(self.backend, role=self.role, device=self.dev,
+        # delta: the codec over the same transport; the trainer then changes that fraction
+        # of its elements between syncs (op_prep) instead of drawing all of them again
+        self.changed, self.primed = cfg.pop("delta", None), False
+        name = self.backend if self.changed is None else f"delta+{self.backend}"
+        self.engine = CheckpointEngineRegistry.new(name, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
 
@@ -260,7 +275,11 @@ class Worker:
         return torch.cuda.max_memory_allocated() - base if self.cuda else 0
 
     def op_prep(self, seed: int) -> dict:
-        self.fill(seed)
+        if getattr(self, "changed", None) is not None and self.primed:
+            self.perturb(seed, self.changed)
+        else:
+            self.fill(seed)
+            self.primed = True
         out = {"checksum": self.checksum()}
         self._tidy()
         return out
@@ -414,7 +433,7 @@ class Driver:
     def __init__(self, args: dict, timeout: float) -> None:
         ctx = mp.get_context("spawn")
         a, b = ctx.Pipe()
-        self.timeout = timeout
+        self.timeout, self.args = timeout, args
         # experiment: let the GPU settle after the trainer's prep (random fill and checksum,
         # ~70 ms of kernels) before each sync
         self.settle_s = float(os.environ.get("GPU_BENCH_SETTLE_MS", "0")) / 1e3
@@ -474,9 +493,8 @@ class Driver:
 def run_profile(d: Driver, cfg: dict, out_dir: str, tag: str, seed0: int) -> dict:
     """One cold sync, then three warm ones under cProfile in both processes."""
     from weightsync.transport.base import worker_kwargs
-    from weightsync.transport.backends.cuda_ipc.engine import CudaIpcEngine
     t, r = d.both("engine_prepare", {"cfg": cfg}, {"cfg": cfg})
-    tk, rk = CudaIpcEngine.build_topology(1, 1, [t["meta"], r["meta"]])
+    tk, rk = _engine_class(d, cfg).build_topology(1, 1, [t["meta"], r["meta"]])
     d.both("engine_init", {"kw": worker_kwargs(tk, 0)}, {"kw": worker_kwargs(rk, 0)})
     plain = [d.sync_once(seed0 + i) for i in range(3)]
     plain = [(x["ms"], x["rx_times"]) for x in plain]
@@ -489,12 +507,18 @@ def run_profile(d: Driver, cfg: dict, out_dir: str, tag: str, seed0: int) -> dic
     return {"cfg": cfg, "plain_ms": plain, "profiled_ms": prof}
 
 
+def _engine_class(d: Driver, cfg: dict) -> type:
+    """The engine class the workers made for ``cfg`` (its build_topology)."""
+    from weightsync import CheckpointEngineRegistry
+    name = "shm" if d.args.get("cpu_smoke") else "cuda_ipc"
+    return CheckpointEngineRegistry.get(name if cfg.get("delta") is None else f"delta+{name}")
+
+
 def run_engine(d: Driver, cfg: dict, warm: int, seed0: int, trace: str = "") -> dict:
     from weightsync.transport.base import worker_kwargs
-    from weightsync.transport.backends.cuda_ipc.engine import CudaIpcEngine
     free0 = d.call("trainer", "mem")["free"]
     t, r = d.both("engine_prepare", {"cfg": cfg}, {"cfg": cfg})
-    tk, rk = CudaIpcEngine.build_topology(1, 1, [t["meta"], r["meta"]])
+    tk, rk = _engine_class(d, cfg).build_topology(1, 1, [t["meta"], r["meta"]])
     d.both("engine_init", {"kw": worker_kwargs(tk, 0)}, {"kw": worker_kwargs(rk, 0)})
     ring = free0 - d.call("trainer", "mem")["free"]  # device-wide, both processes
     runs = [d.sync_once(seed0 + i) for i in range(warm + 1)]
@@ -558,6 +582,9 @@ VARIANTS = (
      {"consume": "into", "fill_graphs": True}),
     ("--into-no-fill-graphs-buckets", "", "ring, receive_into, fill_graphs=False (the "
      "trainer copies each tensor into its slot at once)", {"consume": "into", "fill_graphs": False}),
+    ("--into-delta-buckets", "", "delta+cuda_ipc, receive_into: between syncs the trainer "
+     "changes --changed of its elements (warm syncs send the codec's records)",
+     {"consume": "into", "delta": "changed"}),
     ("--into-push-buckets", "", "pushes: receive_into offers the receiver's tensors and the "
      "trainer writes them (push=True on both sides; the bucket size sets the batches of "
      "held writes, an eighth of it)", {"consume": "into", "push": True}),
@@ -579,6 +606,9 @@ def main() -> None:
     ap.add_argument("--baseline-buckets", default="512,2048", help="MiB")
     ap.add_argument("--branches", default="2,4",
                     help="graph_branches of the *-branches rows (comma-separated)")
+    ap.add_argument("--changed", type=float, default=0.005,
+                    help="the fraction of elements the trainer changes between the syncs of "
+                         "the delta rows")
     ap.add_argument("--scale", type=int, default=1, help="divide every dimension")
     ap.add_argument("--cpu-smoke", action="store_true", help="plumbing check: shm on CPU")
     ap.add_argument("--profile", action="store_true", help="cProfile two configurations")
@@ -633,6 +663,8 @@ def main() -> None:
                 if b:
                     cfg = {"bucket_size": int(b) * MiB, "num_slots": 2, "zero_copy": False,
                            "sync": "event", **extra}
+                    if cfg.get("delta") == "changed":
+                        cfg["delta"] = args.changed
                     if cfg.get("ref_first_bytes") == "bucket":
                         cfg["ref_first_bytes"] = cfg["bucket_size"]
                     if cfg.get("graph_branches") == "each":
@@ -727,6 +759,8 @@ def report(out: dict) -> str:
             name += " (fill programs)" if c["fill_graphs"] else " (no fill programs)"
         if c.get("push"):
             name = "cuda_ipc push (receive_into)"
+        if c.get("delta") is not None:
+            name = f"delta+{name} ({c['delta']:g} changed)"
         lines.append(f"| {name} | {c.get('sync', '-')} | {c['bucket_size'] // MiB} MiB | "
                      f"{e['cold_ms']:.1f} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
                      f"{base / e['median_ms']:.1f} | {e['ring_bytes'] / GiB:.2f} GiB | "

@@ -175,6 +175,39 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     assert done.stdout.count("timeline: warm sync 1 of 1") == 6
 
 
+@pytest.mark.timeout(180)
+def test_gpu_bench_delta_rows_send_records_and_the_plan_predicts_their_bytes(tmp_path):
+    """gpu_bench.py's delta rows (--into-delta-buckets, plumbing checked with --cpu-smoke:
+    delta+shm): the trainer changes --changed of its elements between syncs, every sync's
+    checksums match, warm syncs send the codec's records, and the planner's records of the
+    bench's model at the fraction the codec measured are those bytes."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    off = ("host", "zero-copy", "zero-copy-host", "baseline", "stream-waits", "no-links",
+           "into", "into-zero-copy", "zero-copy-first-bucket", "rx-waits",
+           "rx-waits-zero-copy", "views")
+    cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "2",
+           "--scale", "8", "--warm", "3", "--buckets=", "--into-delta-buckets", "8",
+           "--changed", "0.01", "--out", str(tmp_path)] + [f"--{o}-buckets=" for o in off]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "gpu_bench.json").read_text())["engine"]
+    assert row["cfg"]["delta"] == 0.01 and row["all_ok"]
+    codec = row["metrics"]["codec"]
+    assert codec["mode"] == "delta" and codec["resent"] == 0
+    assert 0 < codec["record_bytes"] < codec["dense_bytes"] / 20
+    assert 0.009 < codec["changed_fraction"] <= 0.01
+    from weightsync.tools.planner.calibrate import _script
+    from weightsync.tools.planner.delta import records
+    from weightsync.tools.planner.model import model_from_tensors
+    from weightsync.tools.planner.rules import planned_tensors
+    shapes = _script("gpu_bench").model_shapes(2, 8)
+    pts, _ = planned_tensors(model_from_tensors("smoke", shapes), 1, 0, "bfloat16", "bfloat16")
+    _, rec, dense = records(pts, codec["changed_fraction"], 1)
+    assert dense == 0 and rec == pytest.approx(codec["record_bytes"], rel=0.03)
+
+
 @pytest.mark.timeout(120)
 def test_cross_memory_read_limit(tmp_path):
     """``cma-raw``: every receiver reads the trainer's flat buffer with cross-memory reads;
