@@ -148,6 +148,8 @@ class Worker:
         # of its elements between syncs (op_prep) instead of drawing all of them again
         self.changed, self.primed = cfg.pop("delta", None), False
         name = self.backend if self.changed is None else f"delta+{self.backend}"
+        if self.changed is not None:   # the codec engine takes the transport's common options
+            cfg = {k: v for k, v in cfg.items() if k in ("bucket_size", "num_slots")}
         self.engine = CheckpointEngineRegistry.new(name, role=self.role, device=self.dev,
                                                    timeout=120, **cfg)
         return {"meta": self.engine.prepare()}
