@@ -182,3 +182,38 @@ def test_the_cli_takes_delta_and_writes_its_figures(tmp_path, capsys):
     assert weightsync_main(["plan", "--model", str(cfg), "--links", "h100-8gpu-400g",
                             "--delta", "2"]) == 2
     assert "delta" in capsys.readouterr().err
+
+
+def test_the_gpu_presets_codec_costs_are_per_changed_element_read_off_the_h100_runs():
+    """On a GPU the codec's work per changed element sets the pace (the H100 runs: 31-39 ns
+    a changed element at 0.5 % and 5 %): the H100 preset carries round 1's costs as
+    calibrate.delta_costs reads them (no byte rate), the H200 preset assumes them, and
+    round 2's delta rows are predicted within the goal at both fractions (a byte rate alone
+    would give both fractions one time)."""
+    costs = calibrate.delta_costs()
+    for preset in ("h100-8gpu-400g", "h200-8gpu-400g"):
+        codec = load_links(preset).codec
+        assert codec["encode"] == codec["apply"] == math.inf
+        assert (codec["encode_ns"] * 1e9, codec["apply_ns"] * 1e9) == pytest.approx(
+            (costs["codec.encode_ns"], costs["codec.apply_ns"]))
+    rows = [r for r in calibrate.run(("h200",))["rows"]
+            if r["source"].startswith(calibrate.S34_DELTA) and "delta at" in r["case"]]
+    assert len(rows) == 4 and not [r for r in rows if r["source"].startswith(
+        f"{calibrate.S34_DELTA}/r1/")]
+    assert all(r["within_goal"] for r in rows)
+    slow = [r["predicted_s"] for r in rows if "delta at 0.05" in r["case"]]
+    fast = [r["predicted_s"] for r in rows if "delta at 0.005" in r["case"]]
+    assert min(slow) > 8 * max(fast)
+
+
+def test_a_codec_side_needs_a_rate_or_a_cost_per_change():
+    with open(f"{PRESET_DIR}/cpu-2core.json") as f:
+        doc = json.load(f)
+    doc["codec"] = {"encode_GBps": 3.0}
+    with pytest.raises(PlannerError) as e:
+        load_links(doc)
+    assert e.value.field == "links.codec.apply_GBps"
+    doc["codec"] = {"encode_GBps": 3.0, "apply_ns": 10}
+    c = load_links(doc).codec
+    assert c["apply"] == math.inf and c["apply_ns"] == pytest.approx(1e-8)
+    assert c["encode_ns"] == 0.0

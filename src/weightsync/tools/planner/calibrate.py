@@ -361,6 +361,9 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
+           **{f"gpu-h100-2026-12-07-s34-delta/r{k}/c{ch}/gpu_bench.json":
+              "H100 runs of 12-07 s34 (delta calls) on one machine"
+              for k in (1, 2) for ch in ("0.005", "0.05")},
            **{f"cpu-tiny-2026-12-07-s34/tiny_r{k}.json": "CPU tiny runs of 12-07 s34"
               for k in (2, 3)},
            **{f"gpu-h100-2026-12-05-s20/{name}": "H100 runs of 12-05 s20 (4414fc4), a "
@@ -892,6 +895,7 @@ _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
                              "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21",
                              "gpu-h100-2026-12-05-s21", "gpu-h200-2026-12-05-branches",
+                             "gpu-h100-2026-12-07-s34-delta",
                              "gpu-h100-2026-12-05-s23", "gpu-h100-2026-12-06-s24",
                              "gpu-h100-2026-12-06-s29b"})
 
@@ -938,6 +942,33 @@ S33_H200_RING = "gpu-h200-2026-12-07-s33"
 #: timelines (``tl/``) are not read; its two timed rounds check the costs the other
 #: machines gave.
 S34_RING = "gpu-h100-2026-12-07-s34"
+#: Session 34's delta+cuda_ipc runs on one H100 (``run_s34_delta.sh`` there): the codec's
+#: kernels, then two rounds of gpu_bench.py's delta rows (receive_into, 256 MiB and 1 GiB
+#: buckets, 0.5 % and 5 % of the trainer's elements changed between syncs) beside the dense
+#: ring. Round 1's delta rows are the H100 preset's codec costs (:func:`delta_costs`),
+#: round 2's check them; every dense row is a case of today's ring.
+S34_DELTA = "gpu-h100-2026-12-07-s34-delta"
+
+
+def delta_costs(root: Optional[str] = None) -> dict[str, float]:
+    """The H100's codec costs per changed element (``codec.encode_ns``, ``codec.apply_ns``)
+    from round 1's delta rows of :data:`S34_DELTA`: the trainer's own encode time over the
+    elements it found changed, and the sync's time less the encode of one record bucket
+    over them (the receivers' apply, which the encode of the next bucket runs beside),
+    each the mean over the rows."""
+    from weightsync.transport.codec.engine import DELTA_BUCKET
+    root = root or results_dir()
+    enc, app = [], []
+    for ch in ("0.005", "0.05"):
+        for e in _json(root, S34_DELTA, f"r1/c{ch}", "gpu_bench.json")["engine"]:
+            if e["cfg"].get("delta") is None:
+                continue
+            c = e["metrics"]["codec"]
+            buckets = max(1, math.ceil(c["record_bytes"] / DELTA_BUCKET))
+            enc.append(c["encode_seconds"] / c["changed"])
+            app.append((e["median_ms"] / 1e3 - c["encode_seconds"] / buckets) / c["changed"])
+    return {"codec.encode_ns": round(statistics.mean(enc) * 1e9, 1),
+            "codec.apply_ns": round(statistics.mean(app) * 1e9, 1)}
 #: Folders of runs of the three ring codes in session 30's layout (``tl<k>/<code>``
 #: timelines, ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into``
 #: alone): three H100 machines and, since session 33, one H200.
@@ -989,6 +1020,10 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                          *((f"gpu-{gpu}-2026-12-05-s21", f"{call}/r{k}_settle{st}/gpu_bench.json")
                            for gpu, call in (("h100", "call3"), ("h200", "call4"))
                            for k in (1, 2) for st in (0, 200)),
+                         # session 34, H100: delta+cuda_ipc beside the dense ring, two
+                         # rounds (round 1's delta rows: the preset's codec costs)
+                         *((S34_DELTA, f"r{k}/c{ch}/gpu_bench.json")
+                           for k in (1, 2) for ch in ("0.005", "0.05")),
                          # 12-05, H200: the copy programs as 1, 2 and 4 graph branches
                          *(("gpu-h200-2026-12-05-branches", f"gpu_bench_r{k}.json")
                            for k in (1, 2)),
@@ -1050,11 +1085,18 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                 continue    # host costs never measured: see "not_modelled"
             shared = {"push": "receivers", "zero-copy": "trainer", "ring": "none"}[path]
 
-            def scenario(links: Links, cfg=cfg, shared=shared) -> Scenario:
+            changed = None
+            if cfg.get("delta") is not None:     # delta+cuda_ipc: the codec's own count
+                if name.startswith("r1/"):
+                    continue        # round 1: the H100 preset's codec costs (delta_costs)
+                codec = e["metrics"]["codec"]
+                changed = codec["changed"] / codec["compared"]
+
+            def scenario(links: Links, cfg=cfg, shared=shared, changed=changed) -> Scenario:
                 return Scenario(model=model, links=links, trainer_gpus=1, replicas=1,
                                 placement="colocated", bucket_size=cfg["bucket_size"],
                                 strategies=("ring",), shared=shared,
-                                ring_sync=cfg["sync"])
+                                ring_sync=cfg["sync"], delta=changed)
             # fill programs: asked for by name until session 21, the default since
             fills = path == "ring" and cfg.get("fill_graphs",
                                                folder == "gpu-h100-2026-12-05-s23")
@@ -1064,6 +1106,7 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                    or "_s200/" in name else "") \
                 + (f", {cfg['graph_branches']} graph branches" if "graph_branches" in cfg
                    else "") \
+                + (f", delta at {cfg['delta']:g}" if cfg.get("delta") is not None else "") \
                 + (f", round {name.split('/')[1][1]}" if folder.endswith("-s23") else "")
             gpu, when = folder.split("-", 2)[1:]     # gpu-h100-2026-12-05[-s20]
             case = f"{gpu.upper()} cuda_ipc {path} {cfg['bucket_size'] >> 20} MiB ({how}"
@@ -1080,6 +1123,8 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                 run = f", round {k[1:]}"
             elif folder.endswith("-2026-12-05-s21") and name.startswith(("call3", "call4")):
                 run = f", {name.split('/')[0]} round {name.split('/')[1][1]}"
+            elif folder == S34_DELTA:
+                run = f", round {name[1]}"
             elif folder == "gpu-h200-2026-12-05-branches":
                 run = f", round {name[-6]}"
             elif folder == "gpu-h100-2026-12-05-s20" and name != "gpu_bench.json":
@@ -1541,6 +1586,9 @@ NOT_CALIBRATED: dict[str, str] = {
     "delta-2026-12-02/delta.json": "benchmarks/delta_bench.py's training run (bytes and "
                                    "times of 20 steps of AdamW and a churn of replicas): "
                                    "not a bench of the sync alone",
+    f"{S34_DELTA}/kernels.json": "the codec's kernels on one tensor (delta_bench.py "
+                                 "--kernels): not a sync; the H100 preset's codec source "
+                                 "reads it",
     # measurements that are not a sync of weightsync's own paths
     "gpu-h200-2026-12-02-codec/": _NOT_SYNCS + "the FP8 / delta codec kernels alone",
     "gpu-h200-2026-12-05-branches/gpu_copies.json": _NOT_SYNCS + "copy kernels alone",

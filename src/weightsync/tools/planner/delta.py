@@ -15,8 +15,9 @@ as the codec runs it over the strategy's transport, warm (every receiver holds t
   :data:`~weightsync.transport.codec.engine.DELTA_BUCKET` (the same strategy code,
   :func:`~.bucketed.predict_bucketed` / :func:`~.p2p.predict_p2p`, on the records);
 * the codec's work, from ``links.codec``: each trainer rank encodes the bytes it sends
-  (``encode_GBps``: the diff against its copy of the last sync, the changed values, their
-  digest), each worker applies every tensor (``apply_GBps``: the digest of its base, the
+  (``encode_GBps``: the diff against its copy of the last sync; ``encode_ns`` for each of
+  its changed elements: gathering it, its index, its digest), each worker applies every
+  tensor (``apply_GBps``: the digest of its base; ``apply_ns`` a changed element: the
   scatter, the digest of the change). A receiver applies a record bucket once it has it
   while the trainer encodes the next: a two-stage pipeline over the record buckets, so a
   sync whose records fit one bucket encodes everything, then applies everything. On a
@@ -93,10 +94,9 @@ def predict_delta(sc: Scenario, pl: Placement, pts: list[PlannedTensor], strateg
     with the figures of the records (bytes as records and sent dense, the dense bytes they
     stand for, record buckets, codec seconds)."""
     codec = sc.links.codec
-    for key in ("encode", "apply"):
-        if key not in codec:
-            raise PlannerError(f"links.codec.{key}_GBps",
-                               f"missing in links file {sc.links.name!r} (needed by delta)")
+    if not codec:
+        raise PlannerError("links.codec.encode_GBps",
+                           f"missing in links file {sc.links.name!r} (needed by delta)")
     workers = sc.replica_size
     recs, rec_bytes, dense_sent = records(pts, sc.delta, workers)
     inner_bucket = min(sc.bucket_size, DELTA_BUCKET)
@@ -115,17 +115,21 @@ def predict_delta(sc: Scenario, pl: Placement, pts: list[PlannedTensor], strateg
         return wire, {}
     gather = [p for p in dense.phases if p.name.startswith("gather")]
     sent = sum(math.prod(pt.shape) * itemsize(pt.src_dtype) for pt in pts)
+    changes = sum(round(sc.delta * math.prod(pt.shape)) for pt in pts)
     ranks = dense.source_bytes or [sent]
-    encode = max(ranks) / codec["encode"]
-    apply = sent / codec["apply"]
+
+    def work(side: str, nbytes: float) -> float:      # a rank's share of the changes too
+        return nbytes / codec[side] + changes * nbytes / sent * codec[f"{side}_ns"]
+    encodes = [work("encode", b) for b in ranks]
+    encode, apply = max(encodes), work("apply", sent)
     buckets = max(1, math.ceil(rec_bytes / inner_bucket))
     seconds = _pipeline(encode, apply, buckets)
-    limit = (f"trainer rank {ranks.index(max(ranks))} encode ({max(ranks) / 1e9:.3g} GB at "
-             f"{codec['encode'] / 1e9:.3g} GB/s)" if encode >= apply else
-             f"every worker's apply ({sent / 1e9:.3g} GB at {codec['apply'] / 1e9:.3g} GB/s)")
+    limit = (f"trainer rank {encodes.index(encode)} encode ({max(ranks) / 1e9:.3g} GB, "
+             f"{changes * max(ranks) / sent:.3g} changed elements)" if encode >= apply else
+             f"every worker's apply ({sent / 1e9:.3g} GB, {changes:.3g} changed elements)")
     cores = sc.links.cores
     if pl.host and cores:
-        busy = sum(ranks) / codec["encode"] + len(pl.worker) * apply
+        busy = sum(encodes) + len(pl.worker) * apply
         if busy / cores > seconds:
             seconds = busy / cores
             limit = f"the host's {cores} cores (every process's encode and apply)"
@@ -143,5 +147,6 @@ def predict_delta(sc: Scenario, pl: Placement, pts: list[PlannedTensor], strateg
                                                 f"base copy of {sent / 1e9:.4g} GB to apply "
                                                 f"onto" if workers > 1 else "")])
     return out, {"changed": sc.delta, "record_bytes": rec_bytes, "dense_sent_bytes": dense_sent,
-                 "dense_bytes": sent, "record_buckets": buckets, "encode_s": encode,
+                 "dense_bytes": sent, "changed_elements": changes,
+                 "record_buckets": buckets, "encode_s": encode,
                  "apply_s": apply, "codec_s": seconds}

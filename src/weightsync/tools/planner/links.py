@@ -38,10 +38,12 @@ YAML/JSON file). A links file describes one kind of node:
   (``Scenario.ring_sync``), how long the trainer waits for each bucket's pack, in multiples
   of that copy alone at ``device_mem``'s rate (the pack shares the GPU with the receivers'
   copy of the bucket before; a factor, not microseconds; default 1);
-* ``codec`` (optional; needed by delta, ``Scenario.delta``): ``encode_GBps``, the bytes of
-  weights a trainer rank diffs into records per second, and ``apply_GBps``, the bytes of
-  weights a receiver checks and patches per second (``benchmarks/delta_bench.py
-  --kernels`` times both on one tensor).
+* ``codec`` (optional; needed by delta, ``Scenario.delta``): per side, a rate and/or a
+  cost per changed element: ``encode_GBps`` (bytes of weights a trainer rank diffs into
+  records per second) and ``encode_ns`` (what each changed element adds: gathering it,
+  its index, its digest), ``apply_GBps`` (bytes of weights a receiver checks and patches per
+  second) and ``apply_ns``; at least one of each side. On a CPU the diff over every byte
+  sets the pace, on a GPU the work per changed element does (BENCHMARKS.md, "delta").
 
 Every number is required where its link is used, and must be >= 0 (``GBps`` > 0,
 ``efficiency`` in (0, 1]); a bad one is a :class:`~.errors.PlannerError` naming it.
@@ -151,6 +153,23 @@ def _link(d: Mapping, name: str) -> Link:
                 type=str(d.get("type", name)), source=str(d.get("source", "")))
 
 
+def _codec(doc: Mapping) -> dict[str, float]:
+    """``links.codec``: per side (``encode``, ``apply``) a rate in bytes of weights a second
+    (``<side>_GBps``), a cost per changed element (``<side>_ns``), or both; {} if absent."""
+    if not doc:
+        return {}
+    out: dict[str, float] = {}
+    for side in ("encode", "apply"):
+        if doc.get(f"{side}_GBps") is None and doc.get(f"{side}_ns") is None:
+            raise PlannerError(f"links.codec.{side}_GBps", f"missing (give {side}_GBps, "
+                                                           f"{side}_ns or both)")
+        rate = doc.get(f"{side}_GBps")
+        out[side] = math.inf if rate is None else \
+            _num(doc, f"{side}_GBps", "links.codec", positive=True) * 1e9
+        out[f"{side}_ns"] = _num(doc, f"{side}_ns", "links.codec", default=0.0) * 1e-9
+    return out
+
+
 def parse_links(doc: Any, name: str = "links") -> Links:
     """Check a parsed links document; :class:`PlannerError` names the first bad field."""
     if not isinstance(doc, Mapping):
@@ -203,9 +222,7 @@ def parse_links(doc: Any, name: str = "links") -> Links:
             raise PlannerError("links.cores", f"a whole number, on a host links file only; "
                                               f"got {cores} on {device}")
         cores = int(cores)
-    codec_doc = _section(doc, "codec", "links", required=False)
-    codec = {k: _num(codec_doc, f"{k}_GBps", "links.codec", positive=True) * 1e9
-             for k in ("encode", "apply")} if codec_doc else {}
+    codec = _codec(_section(doc, "codec", "links", required=False))
     return Links(name=str(doc.get("name", name)), device=device, gpus_per_node=int(gpn),
                  links=links, collective_algo=algo, collective_cap=cap,
                  direct_min_bytes=int(_num(ring, "direct_min_bytes", "links.ring", default=0)),
