@@ -217,3 +217,17 @@ def test_a_codec_side_needs_a_rate_or_a_cost_per_change():
     c = load_links(doc).codec
     assert c["apply"] == math.inf and c["apply_ns"] == pytest.approx(1e-8)
     assert c["encode_ns"] == 0.0
+
+
+def test_workers_apply_at_their_own_nodes_codec_costs():
+    """--rollout-links: the trainer encodes at its nodes' codec costs, the workers apply at
+    theirs."""
+    model = model_from_tensors("m", [(f"model.layers.{i}.mlp.down_proj.weight", (1024, 1024))
+                                     for i in range(4)])
+    base = Scenario(model=model, links=load_links("h100-8gpu-400g"), trainer_gpus=8,
+                    replicas=2, strategies=("p2p",), delta=0.01)
+    slow = load_links("h200-8gpu-400g", {"codec.apply_ns": 359.0})
+    a = predict(base).delta["p2p"]
+    b = predict(dataclasses.replace(base, rollout_links=slow)).delta["p2p"]
+    assert b["encode_s"] == pytest.approx(a["encode_s"])
+    assert b["apply_s"] == pytest.approx(10 * a["apply_s"], rel=1e-6)

@@ -82,6 +82,13 @@ def records(pts: list[PlannedTensor], changed: float, workers: int
     return out, rec_bytes, dense_bytes
 
 
+def _codec_of(links, side: str) -> dict[str, float]:
+    if not links.codec:
+        raise PlannerError(f"links.codec.{side}_GBps", f"missing in links file {links.name!r} "
+                                                        f"(needed by delta)")
+    return {side: links.codec[side], f"{side}_ns": links.codec[f"{side}_ns"]}
+
+
 def _pipeline(encode: float, apply: float, buckets: int) -> float:
     """Two stages over ``buckets`` equal parts: each part is encoded, then applied, and the
     next part's encode runs beside this part's apply."""
@@ -93,10 +100,8 @@ def predict_delta(sc: Scenario, pl: Placement, pts: list[PlannedTensor], strateg
     """``strategy`` of ``sc`` (``sc.delta`` set) as the codec runs it over that transport;
     with the figures of the records (bytes as records and sent dense, the dense bytes they
     stand for, record buckets, codec seconds)."""
-    codec = sc.links.codec
-    if not codec:
-        raise PlannerError("links.codec.encode_GBps",
-                           f"missing in links file {sc.links.name!r} (needed by delta)")
+    # the trainer encodes on its nodes, the workers apply on theirs
+    codec = {**_codec_of(sc.links, "encode"), **_codec_of(sc.rollout_links or sc.links, "apply")}
     workers = sc.replica_size
     recs, rec_bytes, dense_sent = records(pts, sc.delta, workers)
     inner_bucket = min(sc.bucket_size, DELTA_BUCKET)
