@@ -138,6 +138,12 @@ def test_multi_gpu_script_dry_run_on_cpu(tmp_path):
     assert scaling["scaling_2_over_1"] > 0
 
 
+#: gpu_bench.py's row options the CPU smoke tests turn off (each test asks for its own rows)
+_GPU_BENCH_OFF = ("host", "zero-copy", "zero-copy-host", "baseline", "stream-waits", "no-links",
+                  "into", "into-zero-copy", "zero-copy-first-bucket", "rx-waits",
+                  "rx-waits-zero-copy", "views")
+
+
 @pytest.mark.timeout(180)
 def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     """benchmarks/gpu_bench.py's plumbing check (--cpu-smoke) with --timeline: every warm
@@ -146,9 +152,7 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    off = ("host", "zero-copy", "zero-copy-host", "baseline", "stream-waits", "no-links",
-           "into", "into-zero-copy", "zero-copy-first-bucket", "rx-waits",
-           "rx-waits-zero-copy", "views")
+    off = _GPU_BENCH_OFF
     cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "2",
            "--scale", "16", "--warm", "3", "--timeline", "--buckets", "1,2",
            "--out", str(tmp_path)] + [f"--{o}-buckets=" for o in off]
@@ -184,9 +188,7 @@ def test_gpu_bench_delta_rows_send_records_and_the_plan_predicts_their_bytes(tmp
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    off = ("host", "zero-copy", "zero-copy-host", "baseline", "stream-waits", "no-links",
-           "into", "into-zero-copy", "zero-copy-first-bucket", "rx-waits",
-           "rx-waits-zero-copy", "views")
+    off = _GPU_BENCH_OFF
     cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "2",
            "--scale", "8", "--warm", "3", "--buckets=", "--into-delta-buckets", "8",
            "--changed", "0.01", "--out", str(tmp_path)] + [f"--{o}-buckets=" for o in off]

@@ -522,6 +522,23 @@ def _model_key(rec: Mapping) -> tuple:
     return rec["workload"], rec["dtype"], rec["bucket_size"]
 
 
+def _cpu_scenario(models: dict, rec: Mapping, strategy: str, replace: Mapping,
+                  extra: Mapping) -> Callable[[Links], Scenario]:
+    """The Scenario of one CPU bench row for given links: its workload's model (built once
+    per :func:`_model_key` in ``models``), the run's link fields ``replace``d, ``extra``
+    Scenario fields."""
+    key = _model_key(rec)
+    if key not in models:
+        models[key] = _cpu_model(rec)
+
+    def scenario(links: Links) -> Scenario:
+        return Scenario(model=models[key], links=dataclasses.replace(links, **replace),
+                        trainer_gpus=1, replicas=rec["receivers"],
+                        bucket_size=rec["bucket_size"], src_dtype=rec["dtype"],
+                        dst_dtype=rec["dtype"], strategies=(strategy,), **extra)
+    return scenario
+
+
 def _cpu_model(rec: dict) -> ModelSpec:
     from weightsync.tools.bench.workloads import hf_qwen2, parse_size, synthetic, tiny
     if rec["workload"].startswith("hf-qwen2"):
@@ -748,16 +765,7 @@ def _cpu_cases(root: str) -> list[dict]:
             replace = {**knob.get("links", {}), **replace}
             extra = {**extra, **knob.get("scenario", {})}
             fill_open = extra.pop("fill_open", False)
-            if _model_key(rec) not in models:
-                models[_model_key(rec)] = _cpu_model(rec)
-
-            def scenario(links: Links, rec=rec, strategy=strategy, replace=replace,
-                         extra=extra) -> Scenario:
-                return Scenario(model=models[_model_key(rec)],
-                                links=dataclasses.replace(links, **replace), trainer_gpus=1,
-                                replicas=rec["receivers"], bucket_size=rec["bucket_size"],
-                                src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
-                                strategies=(strategy,), **extra)
+            scenario = _cpu_scenario(models, rec, strategy, replace, extra)
             sets, where = run_links(rec, limits[(rec["workload"], rec["dtype"])])
             if "tensor_from" in knob:      # its code's own per-tensor cost
                 sets["software.tensor_us"] = tiny_tensor_us(root, *knob["tensor_from"])
@@ -1308,16 +1316,8 @@ def _delta_cases(root: str) -> list[dict]:
                 continue
             strategy, replace, extra = method
             replace = {**knob.get("links", {}), **replace}
-            if _model_key(rec) not in models:
-                models[_model_key(rec)] = _cpu_model(rec)
-
-            def scenario(links: Links, rec=rec, strategy=strategy, replace=replace,
-                         extra=extra) -> Scenario:
-                return Scenario(model=models[_model_key(rec)],
-                                links=dataclasses.replace(links, **replace), trainer_gpus=1,
-                                replicas=rec["receivers"], bucket_size=rec["bucket_size"],
-                                src_dtype=rec["dtype"], dst_dtype=rec["dtype"],
-                                strategies=(strategy,), delta=changed, **extra)
+            scenario = _cpu_scenario(models, rec, strategy, replace,
+                                     {**extra, "delta": changed})
             case = f"CPU {rec['workload']} {rec['method']} at {changed:g} R={rec['receivers']}"
             made = _rows(f"{case} ({label})", strategy, scenario, rec["warm_median_s"],
                          f"{folder}/{name} warm_median_s", "cpu-2core", {}, {},
