@@ -11,7 +11,8 @@ memory, host-side software costs). Modules:
   rollout worker keeps (the TP/EP slicing table, FP8 blocks);
 * :mod:`.links` links files and presets, :mod:`.scenario` inputs and placement;
 * :mod:`.compiled` compile_plan per distinct tensor layout, aggregated;
-* :mod:`.linkmodel` the link model, :mod:`.p2p` and :mod:`.bucketed` the strategies;
+* :mod:`.linkmodel` the link model, :mod:`.p2p` and :mod:`.bucketed` the strategies,
+  :mod:`.delta` any of them under the delta codec (``Scenario.delta``);
 * :mod:`.predict` one prediction (JSON schema ``weightsync.plan/1``), :mod:`.report`
   table and plot, :mod:`.calibrate` predicted vs measured, :mod:`.cli` the subcommand.
 
