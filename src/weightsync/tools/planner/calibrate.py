@@ -381,8 +381,9 @@ REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
               f"H100 runs of 12-06 {s} on one machine"
               for s in ("s30", "s31") for code in ("c1129", "c1201", "now")
               for k in (1, 2, 3, 4)},
-           **{f"gpu-h100-2026-12-07-s34/{code}/r{k}/gpu_bench.json": "H100 runs of 12-07 s34 on one "
-              "machine" for code in ("c1129", "c1201", "now") for k in (1, 2)},
+           **{f"gpu-h100-2026-12-07-{s}/{code}/r{k}/gpu_bench.json": f"H100 runs of 12-07 {s} on "
+              "one machine" for s in ("s34", "s34b") for code in ("c1129", "c1201", "now")
+              for k in (1, 2)},
            **{f"gpu-h100-2026-12-07-s33/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-07 s33 on one machine"
               for code in ("c1129", "c1201", "now") for k in (1, 2, 3)},
@@ -950,6 +951,9 @@ S33_H200_RING = "gpu-h200-2026-12-07-s33"
 #: timelines (``tl/``) are not read; its two timed rounds check the costs the other
 #: machines gave.
 S34_RING = "gpu-h100-2026-12-07-s34"
+#: The same again later in session 34 on a freshly started H100 (whether another host is
+#: not recorded), held out alike.
+S34B_RING = "gpu-h100-2026-12-07-s34b"
 #: Session 34's delta+cuda_ipc runs on one H100 (``run_s34_delta.sh`` there): the codec's
 #: kernels, then two rounds of gpu_bench.py's delta rows (receive_into, 256 MiB and 1 GiB
 #: buckets, 0.5 % and 5 % of the trainer's elements changed between syncs) beside the dense
@@ -980,7 +984,7 @@ def delta_costs(root: Optional[str] = None) -> dict[str, float]:
 #: Folders of runs of the three ring codes in session 30's layout (``tl<k>/<code>``
 #: timelines, ``<code>/r<k>`` timed rounds; ``now``: today's code, read by ``receive_into``
 #: alone): three H100 machines and, since session 33, one H200.
-_S30_H100 = frozenset({S30_RING, S31_RING, S33_RING, S34_RING})
+_S30_H100 = frozenset({S30_RING, S31_RING, S33_RING, S34_RING, S34B_RING})
 _S30_LAYOUT = _S30_H100 | {S33_H200_RING}
 #: Folders of H100 runs of the old ring codes (a ``c1129`` / ``c1201`` folder per code).
 _OLD_H100_RUNS = frozenset({S26_RING, S29_RING, *_S30_H100})
@@ -1526,6 +1530,7 @@ NOT_CALIBRATED: dict[str, str] = {
                        "check the costs the other machines gave",
     f"{S34_RING}/tl/": "--timeline runs of a machine held out of the costs: its timed "
                        "rounds check the costs the other machines gave",
+    f"{S34B_RING}/tl/": f"as {S34_RING}/tl/",
     f"{S33_RING}/tl/now/": "today's ring's timelines on the third H100 machine, not pooled "
                            "into the H100 preset (its tensor_us also prices pushes; pooled: "
                            "377 of 381 rows, two s24 push rows out)",
