@@ -124,13 +124,13 @@ def predict_delta(sc: Scenario, pl: Placement, pts: list[PlannedTensor], strateg
     ranks = dense.source_bytes or [sent]
 
     def work(side: str, nbytes: float) -> float:      # a rank's share of the changes too
-        return nbytes / codec[side] + changes * nbytes / sent * codec[f"{side}_ns"]
+        return nbytes / codec[side] + changes * nbytes / max(sent, 1) * codec[f"{side}_ns"]
     encodes = [work("encode", b) for b in ranks]
     encode, apply = max(encodes), work("apply", sent)
     buckets = max(1, math.ceil(rec_bytes / inner_bucket))
     seconds = _pipeline(encode, apply, buckets)
     limit = (f"trainer rank {encodes.index(encode)} encode ({max(ranks) / 1e9:.3g} GB, "
-             f"{changes * max(ranks) / sent:.3g} changed elements)" if encode >= apply else
+             f"{changes * max(ranks) / max(sent, 1):.3g} changed elements)" if encode >= apply else
              f"every worker's apply ({sent / 1e9:.3g} GB, {changes:.3g} changed elements)")
     cores = sc.links.cores
     if pl.host and cores:
