@@ -105,7 +105,7 @@ class Links:
     direct_window: int = 2                 # direct tensors left unread before the trainer waits
     max_nodes: Optional[int] = None
     cores: Optional[int] = None            # a host's cores shared by its processes
-    codec: Mapping[str, float] = field(default_factory=dict)   # delta: "encode" / "apply", B/s
+    codec: Mapping[str, float] = field(default_factory=dict)   # delta: B/s and s a change
     description: str = ""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
