@@ -166,6 +166,40 @@ def nixl_kill_trainer_0_mid_pull(engine, role, rank):
     engine._hub_push = pushed
 
 
+def nixl_receivers_leave_before_trainer_0_ends_its_last_sync(engine, role, rank):
+    """Every receiver finishes the third sync, finalizes and closes its links before
+    trainer rank 0 sends its last note of that sync (the ``own`` StagedMsg of ``_serve``):
+    each receiver waited only for the blocks it reads from rank 0, and reported. Both
+    sides meet through files in ``$WS_FAULT_DIR``."""
+    import glob
+    import time
+
+    where = os.environ["WS_FAULT_DIR"]
+    if role == "rollout":
+        orig_fin = engine.finalize
+
+        def finalize():
+            orig_fin()
+            open(os.path.join(where, f"rollout{rank}"), "w").close()
+        engine.finalize = finalize
+        return
+    engine._serve_mode = "staging"    # receivers wait on no "own" block of rank 0
+    if rank != 0:
+        return
+    orig, seen = engine._serve, {}
+
+    def serve(seq, version, pipelined=False):
+        if seen.setdefault("n", 0) == 2:
+            deadline = time.monotonic() + 30
+            while len(glob.glob(os.path.join(where, "rollout*"))) < engine._num_receivers \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)           # their closes (resets) have reached this end
+        seen["n"] += 1
+        return orig(seq, version, pipelined)
+    engine._serve = serve
+
+
 def nixl_mutate_after_send(engine, role, rank):
     """Serve from the tensors' own memory (no staging copy) and scribble over every tensor
     the instant send_weights returns: a pull still reading would see the scribbles."""

@@ -167,3 +167,59 @@ def test_rank_0_does_not_wait_at_teardown_for_a_rank_that_posted_its_failure():
     close_store(host)
     client.close()
     assert took < 2.5, took       # nobody reads sync 2's agreement: no wait for the bound
+
+
+def _hub_and_links(family: str):
+    """A trainer's LinkHub and two receivers' Links to it, over TCP or a Unix socket."""
+    import socket
+
+    from weightsync.transport.control.links import Link, LinkHub, unix_address
+
+    token = "l" * 32
+    if family == "tcp":
+        fam, where = socket.AF_INET, ("127.0.0.1", 0)
+    else:
+        fam, where = socket.AF_UNIX, unix_address(f"{time.monotonic_ns()}{token}", 0)
+    hub = LinkHub(fam, where, token, 10.0)
+    links = [Link(fam, hub.address, token, r, 10.0, peer="trainer rank 0") for r in (0, 1)]
+    hub.accept(2, time.monotonic() + 10.0)
+    return hub, links
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_a_receiver_that_reported_and_left_is_not_a_failed_push(family):
+    """A receiver reads only what it needs, reports and may close its link while the
+    trainer still names blocks for the others (its last sync): a ``gone_ok`` push skips
+    it, a plain one still fails naming it, and the trainer still reads its report. One
+    that left without a report is the trainer's ``PeerFailed`` at the next ``pop``."""
+    from weightsync.core.wire import PulledMsg, StagedMsg
+
+    hub, (a, b) = _hub_and_links(family)
+    try:
+        staged = StagedMsg(seq=3, stream=0, blocks=("b0",))
+        hub.push_many(["r0", "r1"], staged)      # b never reads it: it closes with it unread
+        b.push("t", PulledMsg(seq=3, stream=0, rank=1, nbytes=8, plan="p"))
+        b.close()
+        time.sleep(0.3)                          # its close (a reset, over TCP) is here
+        with pytest.raises(PeerFailed) as info:
+            for _ in range(3):                   # TCP may take one write before it tells
+                hub.push("r1", staged)
+        assert info.value.peer == "rollout rank 1" and info.value.phase == "send"
+        hub.push_many(["r0", "r1"], staged, gone_ok=True)
+        for _ in range(2):
+            assert a.pop(timeout=5, peer="trainer rank 0", phase="receive") == staged
+        hub.expect({1})
+        got = hub.pop(timeout=5, peer="rollout rank 1", phase="send")
+        assert isinstance(got, PulledMsg) and got.rank == 1
+        hub.expect({0})          # rank 1 is done: its closed link is dropped quietly
+        a.close()                # rank 0 leaves without its report
+        time.sleep(0.3)
+        hub.push_many(["r0", "r1"], staged, gone_ok=True)
+        with pytest.raises(PeerFailed) as info:
+            hub.pop(timeout=5, peer="rollout rank 0", phase="send", version=3)
+        assert info.value.peer == "rollout rank 0" and info.value.version == 3
+    finally:
+        hub.close()
+        for link in (a, b):
+            link.close()

@@ -106,6 +106,21 @@ def test_trainer_that_scribbles_right_after_send_never_corrupts_a_pull():
 
 
 @pytest.mark.timeout(150)
+def test_receivers_that_finished_and_left_do_not_fail_a_trainer_still_naming_blocks(
+        tmp_path, monkeypatch):
+    """Two trainers serve the same bytes; each receiver reads part from each, reports and
+    leaves once its own blocks are read, while trainer rank 0 still names blocks (the
+    flake of ``test_two_trainers[full-nixl]``: "lost the control link to rollout rank 1
+    ([Errno 32] Broken pipe)"). Every sync of every rank is clean."""
+    monkeypatch.setenv("WS_FAULT_DIR", str(tmp_path))
+    spec = _spec("faults:nixl_receivers_leave_before_trainer_0_ends_its_last_sync",
+                 trainers=2, steps=3)
+    results = run_group(spec)
+    assert_clean(results, spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout0", "rollout1"]
+
+
+@pytest.mark.timeout(150)
 def test_ranks_that_disagree_on_a_shape_are_a_plan_mismatch_before_any_read():
     spec = _spec("faults:nixl_shape_disagrees_on_rank_1", trainers=2, steps=1)
     results = run_group(spec)

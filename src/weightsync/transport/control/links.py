@@ -161,15 +161,22 @@ class LinkHub:
         cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         return struct.unpack("3i", cred)[0]
 
-    def push(self, box: str, msg: Message | bytes, aux: int = 0) -> None:
-        self._send(int(box[1:]), _frame(msg, aux))
+    def push(self, box: str, msg: Message | bytes, aux: int = 0, *,
+             gone_ok: bool = False) -> None:
+        """Send ``msg`` to receiver ``box`` (``"r<rank>"``). ``gone_ok``: a receiver that
+        closed its link (it may have finished the sync and left) is skipped, not raised;
+        the caller must then learn from that link's own messages (its report, or the
+        end of the stream before it, which ``pop`` raises) whether it finished."""
+        self._send(int(box[1:]), _frame(msg, aux), gone_ok)
 
-    def push_many(self, boxes: list[str], msg: Message, aux: int = 0) -> None:
+    def push_many(self, boxes: list[str], msg: Message, aux: int = 0, *,
+                  gone_ok: bool = False) -> None:
+        """:meth:`push` to each of ``boxes``."""
         frame = _frame(msg, aux)
         for box in boxes:
-            self._send(int(box[1:]), frame)
+            self._send(int(box[1:]), frame, gone_ok)
 
-    def _send(self, rank: int, frame: bytes) -> None:
+    def _send(self, rank: int, frame: bytes, gone_ok: bool = False) -> None:
         conn = self._conns.get(rank)
         if conn is None:
             raise PeerFailed(f"rollout rank {rank} has no control link", peer=f"rollout rank {rank}",
@@ -177,6 +184,8 @@ class LinkHub:
         try:
             _send_all(conn, frame, time.monotonic() + self._timeout)
         except (OSError, TimeoutError) as exc:
+            if gone_ok and isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+                return      # the peer closed its end: it reads nothing more from this link
             raise PeerFailed(f"lost the control link to rollout rank {rank} ({exc})",
                              peer=f"rollout rank {rank}", phase="send") from None
 

@@ -306,8 +306,14 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 continue
 
     def _staged(self, seq: int, blocks: list[str]) -> None:
+        # A receiver waits only for the blocks it reads from this rank: it may have read
+        # them, reported and closed its link while this rank still names blocks others
+        # read (its last sync). A closed link is skipped here; _await_pulled then reads
+        # the receiver's report (or the end of its stream before one, a PeerFailed).
         if blocks:
-            self._hub_push(StagedMsg(seq=seq, stream=self._rank, blocks=tuple(blocks)))
+            self._hub.push_many(self._receiver_boxes(),
+                                StagedMsg(seq=seq, stream=self._rank, blocks=tuple(blocks)),
+                                gone_ok=True)
 
     def _serve(self, seq: int, version: Any, pipelined: bool = False) -> dict[int, int]:
         """Publish the layout if it changed, tell receivers to pull (unless a pipelined
