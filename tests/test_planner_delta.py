@@ -73,11 +73,12 @@ def test_the_planned_records_are_what_the_codec_encodes(dtype, changed):
 
 def test_the_record_bytes_of_the_recorded_delta_run_are_predicted_exactly():
     """The 12-02 bench run of delta+shm (256 MiB bf16, 0.5 % changed) sent 4,401,408 bytes
-    of records a warm sync; the plan of that workload at the run's measured fraction sends
-    the same (the bench changes round(fraction x n) elements of each tensor)."""
+    of records a warm sync, and so did its code's two runs of session 35; the plan of that
+    workload at the run's measured fraction sends the same (the bench changes
+    round(fraction x n) elements of each tensor)."""
     rows = calibrate.run(("delta",))["rows"]
     checked = [r for r in rows if "record_bytes" in r]
-    assert len(checked) == 4          # delta+shm and delta+collective, R=1 and R=2
+    assert len(checked) == 12         # delta+shm and delta+collective, R=1 and R=2, 3 runs
     for r in checked:
         assert r["record_bytes"] == {"measured": 4401408, "predicted": 4401408}
     sc = [r for r in rows if r["case"].startswith("CPU synthetic-256MiB delta+shm")][0]
@@ -89,10 +90,12 @@ def test_the_delta_runs_are_calibrated_and_the_nixl_ones_shown_apart():
     counted = doc["rows"]
     assert sorted(r["case"].split(" (")[0] for r in counted) == sorted(
         f"CPU synthetic-256MiB delta+{b} at 0.005 R={k}" for b in ("shm", "collective")
-        for k in (1, 2))
+        for k in (1, 2) for _ in range(3))     # 12-02's run and its code's two of s35
     assert all(r["within_goal"] for r in counted)
+    groups = calibrate.repeat_groups(counted)
+    assert len(groups) == 4 and all(len(g["cases"]) == 3 for g in groups)
     spun = doc["spun_rows"]          # every NIXL agent spun a core then (before 3d72733)
-    assert len(spun) == 2 and all("delta+nixl" in r["case"] for r in spun)
+    assert len(spun) == 6 and all("delta+nixl" in r["case"] for r in spun)
 
 
 def test_the_codec_is_a_pipeline_over_record_buckets():

@@ -186,7 +186,8 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
     receiver count): the limit the bench paired with ``rec``'s steps (run right before
     each step, in the same processes) where it paired that one, else the limit's own
     record of the same receiver count (of any, for a ``ceiling``; for a ``host`` limit the
-    median of the run's records of 2+ processes, where it has any). Returns the
+    median of the run's records of 2+ processes, none where it has none: one process
+    copying alone is not the node's copies together). Returns the
     :func:`~.links.load_links` overrides and, per field, where it came from; both empty
     when the run recorded none of them. Without ``cma-raw``, or where the step has a paired
     ``memcpy``, the direct reads take the ``memcpy``'s rate."""
@@ -206,6 +207,8 @@ def run_links(rec: Mapping, limits: Mapping[str, list]) -> tuple[dict[str, float
             pool = limits[_host_key(lim.method)]
             rate = statistics.median(_rate(lim, r, _seconds(r, lim.method)) for r in pool)
             how = f"median of the run's {len(pool)} records of 2+ processes"
+        elif lim.host:
+            continue    # one process copying (R=1) is not every copy of the node together
         elif same:
             best = max(same, key=lambda r: _rate(lim, r, _seconds(r, lim.method)))
             rate = _rate(lim, best, _seconds(best, lim.method))
@@ -310,9 +313,31 @@ def _describe(sets: Mapping[str, float], where: Mapping[str, str]) -> str:
 #:   at 1 then at 2, each window's three runs a group;
 #: - ``cpu-2026-12-06-s27/bench.json`` and ``cpu-2026-12-06-s28-s27code``: the code of
 #:   f3939a7 (``git archive``) with session 27's command, once then, twice in session 28.
+#: - ``cpu-2026-12-07-s35-repeats`` (session 35, ``run.sh``): four recorded runs' codes
+#:   (``git archive``) each run again twice, alternating, with that run's command less the
+#:   cases no calibration reads: 11-29's earlier run and its fp32 run (7209436, the last
+#:   code with direct reads from 1 MiB), the 12-03 review's runs after the mend (3986479:
+#:   ``after_mend_1g``, and ``shm_window1_mend`` under ``WEIGHTSYNC_SHM_DIRECT_WINDOW=1``)
+#:   and the 12-02 delta run (26065dd; here with the limits that run did not record).
 #: Runs of other days ran other code (the direct window of 12-03, the copy threads and
 #: pipelined nixl of later days), so they are not repeats of one another.
-REPEATS = {"cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
+_S35 = "cpu-2026-12-07-s35-repeats"
+#: session 35's runs again (:data:`REPEATS`): its file stem -> (the recorded run, the set)
+S35_REPEATS = {"prev": ("cpu-2026-11-29/bench-previous-run.json",
+                        "CPU runs of the code of 7209436 (11-29, direct from 1 MiB)"),
+               "fp32": ("cpu-2026-11-29/bench-fp32.json",
+                        "CPU fp32 runs of the code of 7209436 (11-29, direct from 1 MiB)"),
+               "mend": ("review-2026-12-03/after_mend_1g.json",
+                        "CPU runs of the code of 3986479 (12-03 review, after the mend)"),
+               "mendw1": ("review-2026-12-03/shm_window1_mend.json",
+                          "CPU runs of the code of 3986479 (12-03 review, after the mend), "
+                          "direct window 1"),
+               "delta": ("delta-2026-12-02/bench_256mib.json",
+                         "CPU runs of the code of 26065dd (12-02 delta run)")}
+REPEATS = {**{f: rset for f, rset in S35_REPEATS.values()},
+           **{f"{_S35}/{stem}_r{k}.json": rset for stem, (_, rset) in S35_REPEATS.items()
+              for k in (1, 2)},
+           "cpu-2026-11-29/bench.json": "CPU runs of the code of 11-29",
            "cpu-2026-12-06-s25-1129code/bench_run1.json": "CPU runs of the code of 11-29",
            "cpu-2026-12-06-s25-1129code/bench_run2.json": "CPU runs of the code of 11-29",
            "cpu-lasting-2026-12-03/bench_1g.json": "CPU runs of the code of a958c09 (12-03)",
@@ -639,6 +664,18 @@ CPU_RUNS_MORE = (
     ("delta-2026-12-02", "bench_256mib.json", "12-02 delta run, dense rows", WAITED),
     ("cpu-2026-11-29", "bench-fp32.json", "11-29 fp32, direct from 1 MiB",
      {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+    # session 35's runs of those codes again, and of the 12-03 review's after the mend
+    *((_S35, f"{stem}_r{k}.json", f"{what}, 12-07 s35 run {k}", knob)
+      for k in (1, 2) for stem, what, knob in (
+          ("prev", "code of 11-29's earlier run, direct from 1 MiB",
+           {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+          ("fp32", "code of 11-29's fp32 run, direct from 1 MiB",
+           {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+          ("mend", "code of the 12-03 review after the mend",
+           {"tensor_from": TINY_COSTS["12-03, after the mend"]}),
+          ("mendw1", "code of the 12-03 review after the mend, direct window 1",
+           {**WAITED, "tensor_from": TINY_COSTS["12-03, after the mend"]}),
+          ("delta", "code of the 12-02 delta run, dense rows", WAITED))),
     ("cpu-1g-2026-12-02", "threads0_into.json", "12-02, --threads 0", WAITED),
     *(("cpu-shm-window-2026-12-03", f"window{w}_threads0.json",
        f"12-03, direct window {w}, --threads 0", WAITED if w == 1 else {}) for w in (1, 2)),
@@ -1241,7 +1278,8 @@ NIXL_RUNS = (("cpu-nixl-2026-12-01", "bench_1g.json", False, "staging"),
              # 12-02 per-tensor runs (910c979 / 47ee8d4: not pipelined, staging)
              ("per-tensor-2026-12-02", "nixl_after.json", False, "staging"),
              ("per-tensor-2026-12-02", "after_threads0.json", False, "staging"),
-             ("delta-2026-12-02", "bench_256mib.json", False, "staging"))
+             ("delta-2026-12-02", "bench_256mib.json", False, "staging"),
+             *((_S35, f"delta_r{k}.json", False, "staging") for k in (1, 2)))
 
 #: nixl bench runs whose bench kept a core spinning beside the sync (not counted): until
 #: f7466f0 (12-06, session 26) the bench paired every ``nixl`` step with ``nixl-raw`` in
@@ -1296,7 +1334,9 @@ def _nixl_cases(root: str) -> list[dict]:
 #: the direct window, ``nixl`` not pipelined and staging, every NIXL agent with its
 #: progress thread) timed 256 MiB at 0.5 % into 1 and 2 receivers; its dense rows are
 #: cases of their own (:data:`CPU_RUNS_MORE`, :data:`NIXL_RUNS`).
-DELTA_RUNS = (("delta-2026-12-02", "bench_256mib.json", "12-02", WAITED),)
+DELTA_RUNS = (("delta-2026-12-02", "bench_256mib.json", "12-02", WAITED),
+              *((_S35, f"delta_r{k}.json", f"code of 12-02, 12-07 s35 run {k}", WAITED)
+                for k in (1, 2)))
 #: each codec method as the strategy its transport is (with the method's own knobs)
 _DELTA_METHODS = {f"delta+{name}": _CPU_METHODS[name] for name in ("shm", "collective")}
 _DELTA_METHODS["delta+nixl"] = ("p2p", {}, {"pipelined": False, "serve": "staging"})
@@ -1325,7 +1365,7 @@ def _delta_cases(root: str) -> list[dict]:
             case = f"CPU {rec['workload']} {rec['method']} at {changed:g} R={rec['receivers']}"
             made = _rows(f"{case} ({label})", strategy, scenario, rec["warm_median_s"],
                          f"{folder}/{name} warm_median_s", "cpu-2core", {}, {},
-                         check=_record_bytes(rec))
+                         check=_record_bytes(rec), repeat_of=_repeat_of(folder, name, case))
             for row in made:
                 row["spun"] = strategy == "p2p" and f"{folder}/{name}" in SPUN_RAW
             rows += made
