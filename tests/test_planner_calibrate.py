@@ -759,8 +759,14 @@ def test_runs_whose_trainer_waited_for_each_direct_read_are_priced_with_window_1
     WEIGHTSYNC_SHM_DIRECT_WINDOW=1 waited for each direct read: those runs, and only those,
     are predicted with links.ring.direct_window 1, which makes their direct rows slower and
     leaves every other row as it was; a run of the window's own day at 2 is not among them."""
-    waited = {f"{f}/{n}" for f, n, _, *knob in calibrate.CPU_RUNS
-              if knob and knob[0] is calibrate.WAITED}
+    def waits(knob):
+        return knob.get("links", {}).get("direct_window") == 1
+
+    def unwaited(knob):     # the same run as if its trainer had not waited
+        links = {k: v for k, v in knob.get("links", {}).items() if k != "direct_window"}
+        return {**{k: v for k, v in knob.items() if k != "wait_from"}, "links": links}
+
+    waited = {f"{f}/{n}" for f, n, _, *knob in calibrate.CPU_RUNS if knob and waits(knob[0])}
     assert {"cpu-2026-11-29/bench.json", "cpu-1g-2026-12-02/into.json",
             "cpu-shm-window-2026-12-03/window1.json", "cpu-lasting-2026-12-03/bench_1g.json",
             "cpu-2026-12-06-s27-lastingcode/bench_1g_run1.json",
@@ -772,7 +778,8 @@ def test_runs_whose_trainer_waited_for_each_direct_read_are_priced_with_window_1
                          "cpu-shm-window-2026-12-03/collective_window1.json"}
     res = calibrate.run(("cpu",))
     monkeypatch.setattr(calibrate, "CPU_RUNS", tuple(
-        r[:3] if len(r) > 3 and r[3] is calibrate.WAITED else r for r in calibrate.CPU_RUNS))
+        (*r[:3], unwaited(r[3])) if len(r) > 3 and waits(r[3]) else r
+        for r in calibrate.CPU_RUNS))
     before = {r["case"]: r["predicted_s"] for r in calibrate.run(("cpu",))["rows"]}
     moved = {r["case"] for r in res["rows"] if r["predicted_s"] != before[r["case"]]}
     assert moved, "no row is priced with the window"
@@ -1252,3 +1259,29 @@ def test_a_workloads_model_is_built_per_dtype_and_bucket_size():
         assert abs(r["error"]) < 0.3, r["case"]
     assert calibrate._model_key({"workload": "w", "dtype": "float32", "bucket_size": 1}) != \
         calibrate._model_key({"workload": "w", "dtype": "bfloat16", "bucket_size": 1})
+
+
+def test_each_11_29_codes_wait_for_a_direct_read_is_its_own_timing(tmp_path):
+    """The 11-29 codes' trainer blocked on every direct read; the wait each read adds is
+    their own, timed in session 35 (their receiver's gap between reads over today's at
+    window 2 from the same size, same round), not the later code's 370 us. Every shm row of
+    those runs carries it, and says so; a timing file without the rounds is an error."""
+    root = calibrate.results_dir()
+    early = calibrate.direct_wait_us(root, "7209436")      # reads from 1 MiB
+    late = calibrate.direct_wait_us(root, "dda6fe7")       # reads from 8 MiB
+    assert 40 < early < 150 and 150 < late < 300
+    assert load_links("cpu-2core").sw("direct_wait_us") == pytest.approx(370e-6)
+    rows = calibrate.run(("cpu",))["rows"]
+    for label, wait in (("(11-29, earlier run", early), ("(11-29)", late),
+                        ("(code of 11-29's earlier run", early), ("(11-29 code, 12-06 run", late)):
+        mine = [r for r in rows if label in r["case"] and " shm" in r["case"]]
+        assert mine, label
+        assert all("its code's wait for each direct read" in r["links_from"] for r in mine)
+    qwen = [r for r in rows if r["case"].startswith("CPU hf-qwen2-0.5b shm R=1 (")
+            and "earlier run" in r["case"]]
+    assert len(qwen) == 3 and all(r["within_goal"] for r in qwen)
+    (tmp_path / calibrate.WAIT_RUN[0]).mkdir()
+    (tmp_path / calibrate.WAIT_RUN[0] / calibrate.WAIT_RUN[1]).write_text(
+        json.dumps({"code": "c7209436", "median": {"gap_per_read_us": 300.0}}) + "\n")
+    with pytest.raises(PlannerError, match="no rounds"):
+        calibrate.direct_wait_us(str(tmp_path), "7209436")

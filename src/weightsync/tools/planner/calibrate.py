@@ -607,6 +607,35 @@ def tiny_tensor_us(root: str, folder: str, name: str) -> float:
 #: ``WEIGHTSYNC_SHM_DIRECT_WINDOW=1``.
 WAITED = {"links": {"direct_window": 1}}
 
+#: Each 11-29 code's own wait between direct reads (``software.direct_wait_us``): their
+#: trainer blocked on every read's acknowledgement (window 1, with no setting to change it).
+#: The ``cpu-2core`` preset's 370 us is a later code's window 1 over window 2 (session 28).
+#: Session 35 timed the receiver's gap between direct reads of Qwen2-0.5B in each of these
+#: codes (``cpu-shm-wait-2026-12-07-s35``: ``gaps.py``, two rounds, ``gaps.jsonl``) beside
+#: today's code at window 2 from the same size in the same round (the gap when nothing
+#: waits). A code's wait is its gap over that one: the mean of the two rounds. code ->
+#: (its record, the record at window 2).
+WAIT_COSTS = {"7209436": ("c7209436", "now_min1m_w2"),      # direct reads from 1 MiB
+              "dda6fe7": ("cdda6fe7", "now_min8m_w2")}      # from 8 MiB
+WAIT_RUN = ("cpu-shm-wait-2026-12-07-s35", "gaps.jsonl")
+#: the runs of the code of 11-29's reported run (dda6fe7) and of its earlier run (7209436)
+WAITED_1129 = {**WAITED, "wait_from": "dda6fe7"}
+WAITED_1129_1MIB = {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20},
+                    "wait_from": "7209436"}
+
+
+def direct_wait_us(root: str, code: str) -> float:
+    """Microseconds of ``code``'s wait for each direct read (:data:`WAIT_COSTS`)."""
+    name, base = WAIT_COSTS[code]
+    path = os.path.join(root, *WAIT_RUN)
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    mine = [r["median"]["gap_per_read_us"] for r in recs if r["code"] == name]
+    free = [r["median"]["gap_per_read_us"] for r in recs if r["code"] == base]
+    if not mine or len(mine) != len(free):
+        raise PlannerError("calibrate", f"{'/'.join(WAIT_RUN)} has no rounds of {name} and {base}")
+    return round(statistics.mean(a - b for a, b in zip(mine, free)), 1)
+
 #: The other CPU bench runs of ``shm`` / ``collective`` with one torch thread a process and
 #: ``receive_into`` (the bench's defaults; session 26 added them): (folder, file, label,
 #: what that run's code or command set that the rows of :data:`CPU_RUNS` before them did
@@ -660,17 +689,14 @@ CPU_RUNS_MORE = (
        f"12-06 s28, sampler check, run {k}", {"scenario": {"fill_open": True}})
       for k in (1, 2)),
     ("cpu-2026-11-29", "bench-previous-run.json", "11-29, earlier run, direct from 1 MiB",
-     {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+     WAITED_1129_1MIB),
     ("delta-2026-12-02", "bench_256mib.json", "12-02 delta run, dense rows", WAITED),
-    ("cpu-2026-11-29", "bench-fp32.json", "11-29 fp32, direct from 1 MiB",
-     {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+    ("cpu-2026-11-29", "bench-fp32.json", "11-29 fp32, direct from 1 MiB", WAITED_1129_1MIB),
     # session 35's runs of those codes again, and of the 12-03 review's after the mend
     *((_S35, f"{stem}_r{k}.json", f"{what}, 12-07 s35 run {k}", knob)
       for k in (1, 2) for stem, what, knob in (
-          ("prev", "code of 11-29's earlier run, direct from 1 MiB",
-           {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
-          ("fp32", "code of 11-29's fp32 run, direct from 1 MiB",
-           {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20}}),
+          ("prev", "code of 11-29's earlier run, direct from 1 MiB", WAITED_1129_1MIB),
+          ("fp32", "code of 11-29's fp32 run, direct from 1 MiB", WAITED_1129_1MIB),
           ("mend", "code of the 12-03 review after the mend",
            {"tensor_from": TINY_COSTS["12-03, after the mend"]}),
           ("mendw1", "code of the 12-03 review after the mend, direct window 1",
@@ -732,16 +758,16 @@ CPU_RUNS_MORE = (
 #: steps, ``memcpy`` over both cores (:data:`_ALL_CORES`). Last, two runs of the code of
 #: 11-29 on 12-06 (repeats of 11-29's cases, :data:`REPEATS`), and two of the code of 12-03
 #: on 12-06 (0.25 GiB and Qwen2, ``shm`` methods: repeats of 12-03's).
-CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29", WAITED),
+CPU_RUNS = (("cpu-2026-11-29", "bench.json", "11-29", WAITED_1129),
             ("cpu-calib-2026-12-03", "bench.json", "12-03"),
             ("cpu-calib-2026-12-04", "bench.json", "12-04"),
             ("cpu-calib-2026-12-04b", "bench.json", "12-04b"),
             ("cpu-2026-12-04-s16", "r1.json", "12-04 s16"),
             ("cpu-2026-12-04-s16", "r2.json", "12-04 s16"),
             ("cpu-2026-12-06-s25-1129code", "bench_run1.json", "11-29 code, 12-06 run 1",
-             WAITED),
+             WAITED_1129),
             ("cpu-2026-12-06-s25-1129code", "bench_run2.json", "11-29 code, 12-06 run 2",
-             WAITED),
+             WAITED_1129),
             ("cpu-2026-12-06-s27-1203code", "bench_run1.json", "12-03 code, 12-06 run 1"),
             ("cpu-2026-12-06-s27-1203code", "bench_run2.json", "12-03 code, 12-06 run 2"),
             *CPU_RUNS_MORE)
@@ -805,6 +831,10 @@ def _cpu_cases(root: str) -> list[dict]:
             fill_open = extra.pop("fill_open", False)
             scenario = _cpu_scenario(models, rec, strategy, replace, extra)
             sets, where = run_links(rec, limits[(rec["workload"], rec["dtype"])])
+            if "wait_from" in knob:        # its code's own wait for each direct read
+                sets["software.direct_wait_us"] = direct_wait_us(root, knob["wait_from"])
+                where["software.direct_wait_us"] = (f"its code's wait for each direct read "
+                                                    f"({'/'.join(WAIT_RUN)})")
             if "tensor_from" in knob:      # its code's own per-tensor cost
                 sets["software.tensor_us"] = tiny_tensor_us(root, *knob["tensor_from"])
                 where["software.tensor_us"] = (f"its code's per-tensor cost "
@@ -1653,12 +1683,13 @@ del NOT_CALIBRATED["gpu-h100-2026-12-05-s23/call1/"]
 
 def cost_inputs() -> list[str]:
     """The runs the host costs are read off: the ``--timeline`` runs of the GPU rings (the
-    presets' and the old codes') and the CPU codes' ``--tiny`` runs (:data:`TINY_COSTS`):
-    inputs of the calibration, not its cases."""
+    presets' and the old codes'), the CPU codes' ``--tiny`` runs (:data:`TINY_COSTS`) and
+    the 11-29 codes' waits between direct reads (:data:`WAIT_RUN`): inputs of the
+    calibration, not its cases."""
     folders = {*TODAY_H100_TIMELINES, *TODAY_H200_TIMELINES, OLD_H200_TIMELINE,
                *(f for fs in OLD_H100_TIMELINES.values() for f in fs)}
     return sorted([f"{f}/gpu_bench.json" for f in folders]
-                  + ["/".join(run) for run in TINY_COSTS.values()])
+                  + ["/".join(run) for run in TINY_COSTS.values()] + ["/".join(WAIT_RUN)])
 
 
 def _not_calibrated(path: str) -> Optional[str]:
@@ -1844,9 +1875,9 @@ def _coverage_summary(doc: dict) -> str:
     cov = doc.get("coverage")
     if not cov:
         return ""
-    return (f"; recorded measurements (.json under benchmarks/results): {len(cov['cases'])} "
-            f"files predicted, {len(cov['cost_inputs'])} the costs' inputs (timelines, tiny "
-            f"runs), "
+    return (f"; recorded measurements (.json and .jsonl under benchmarks/results): "
+            f"{len(cov['cases'])} files predicted, {len(cov['cost_inputs'])} the costs' inputs "
+            f"(timelines, tiny runs, direct-read waits), "
             f"{len(cov['not_calibrated'])} not calibrated (calibrate.NOT_CALIBRATED says "
             f"why), {len(cov['unaccounted'])} unaccounted")
 
