@@ -497,7 +497,8 @@ def test_the_h100_run_of_12_05_is_calibrated_with_its_own_rates():
     h100 = [r for r in rows if r["case"].startswith("H100 ") and "zero-copy" not in r["case"]
             and "cuda_ipc push" not in r["case"]
             and not r["source"].startswith((calibrate.S26_RING, calibrate.S29_RING + "/",
-                                            calibrate.S29_NOW, *calibrate._S30_LAYOUT))]
+                                            calibrate.S29_NOW, *calibrate._S30_LAYOUT,
+                                            calibrate.S34_DELTA, calibrate.S35_DELTA))]
     assert sorted(r["case"] for r in h100) == sorted([
         "H100 cuda_ipc ring 2048 MiB (event, receive_into, 2026-12-05)",
         "H100 cuda_ipc ring 4096 MiB (event, receive_into, 2026-12-05)",

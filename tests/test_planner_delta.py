@@ -192,7 +192,7 @@ def test_the_gpu_presets_codec_costs_are_per_changed_element_read_off_the_h100_r
     a changed element at 0.5 % and 5 %): the H100 preset carries round 1's costs as
     calibrate.delta_costs reads them (no byte rate), the H200 preset assumes them, and
     round 2's delta rows are predicted within the goal at both fractions (a byte rate alone
-    would give both fractions one time)."""
+    would give both fractions one time). Session 35's H100 start checks them too."""
     costs = calibrate.delta_costs()
     for preset in ("h100-8gpu-400g", "h200-8gpu-400g"):
         codec = load_links(preset).codec
@@ -207,6 +207,10 @@ def test_the_gpu_presets_codec_costs_are_per_changed_element_read_off_the_h100_r
     slow = [r["predicted_s"] for r in rows if "delta at 0.05" in r["case"]]
     fast = [r["predicted_s"] for r in rows if "delta at 0.005" in r["case"]]
     assert min(slow) > 8 * max(fast)
+    # another H100 start (session 35), held out: both rounds' delta rows check those costs
+    held = [r for r in calibrate.run(("h200",))["rows"]
+            if r["source"].startswith(calibrate.S35_DELTA + "/") and "delta at" in r["case"]]
+    assert len(held) == 8 and all(r["within_goal"] for r in held)
 
 
 def test_a_codec_side_needs_a_rate_or_a_cost_per_change():

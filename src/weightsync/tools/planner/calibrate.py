@@ -386,9 +386,9 @@ REPEATS = {**{f: rset for f, rset in S35_REPEATS.values()},
            **{f"gpu-h100-2026-12-06-s26/call{c}/{code}/r{k}/gpu_bench.json":
               "H100 runs of 12-06 s26 on one machine"
               for c in (1, 2) for k in (1, 2, 3) for code in ("c1129", "c1201")},
-           **{f"gpu-h100-2026-12-07-s34-delta/r{k}/c{ch}/gpu_bench.json":
-              "H100 runs of 12-07 s34 (delta calls) on one machine"
-              for k in (1, 2) for ch in ("0.005", "0.05")},
+           **{f"gpu-h100-2026-12-07-{s}-delta/r{k}/c{ch}/gpu_bench.json":
+              f"H100 runs of 12-07 {s} (delta calls) on one machine"
+              for s in ("s34", "s35") for k in (1, 2) for ch in ("0.005", "0.05")},
            **{f"cpu-tiny-2026-12-07-s34/tiny_r{k}.json": "CPU tiny runs of 12-07 s34"
               for k in (2, 3)},
            **{f"gpu-h100-2026-12-05-s20/{name}": "H100 runs of 12-05 s20 (4414fc4), a "
@@ -971,7 +971,7 @@ _GPU_PRESETS = frozenset({"h100-8gpu-400g", "h200-8gpu-400g", "h200-host"})
 _RING_1204_RUNS = frozenset({"gpu-h100-2026-12-05", "gpu-h200-2026-12-05",
                              "gpu-h100-2026-12-05-s20", "gpu-h200-2026-12-05-s21",
                              "gpu-h100-2026-12-05-s21", "gpu-h200-2026-12-05-branches",
-                             "gpu-h100-2026-12-07-s34-delta",
+                             "gpu-h100-2026-12-07-s34-delta", "gpu-h100-2026-12-07-s35-delta",
                              "gpu-h100-2026-12-05-s23", "gpu-h100-2026-12-06-s24",
                              "gpu-h100-2026-12-06-s29b"})
 
@@ -1027,6 +1027,10 @@ S34B_RING = "gpu-h100-2026-12-07-s34b"
 #: ring. Round 1's delta rows are the H100 preset's codec costs (:func:`delta_costs`),
 #: round 2's check them; every dense row is a case of today's ring.
 S34_DELTA = "gpu-h100-2026-12-07-s34-delta"
+#: The same script again in session 35 on another H100 start (``run_s35_delta.sh``, a copy
+#: of session 34's), held out: both rounds' delta rows check the costs of
+#: :data:`S34_DELTA`'s round 1.
+S35_DELTA = "gpu-h100-2026-12-07-s35-delta"
 
 
 def delta_costs(root: Optional[str] = None) -> dict[str, float]:
@@ -1101,7 +1105,8 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                            for k in (1, 2) for st in (0, 200)),
                          # session 34, H100: delta+cuda_ipc beside the dense ring, two
                          # rounds (round 1's delta rows: the preset's codec costs)
-                         *((S34_DELTA, f"r{k}/c{ch}/gpu_bench.json")
+                         *((folder, f"r{k}/c{ch}/gpu_bench.json")
+                           for folder in (S34_DELTA, S35_DELTA)
                            for k in (1, 2) for ch in ("0.005", "0.05")),
                          # 12-05, H200: the copy programs as 1, 2 and 4 graph branches
                          *(("gpu-h200-2026-12-05-branches", f"gpu_bench_r{k}.json")
@@ -1166,7 +1171,7 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
 
             changed = None
             if cfg.get("delta") is not None:     # delta+cuda_ipc: the codec's own count
-                if name.startswith("r1/"):
+                if folder == S34_DELTA and name.startswith("r1/"):
                     continue        # round 1: the H100 preset's codec costs (delta_costs)
                 codec = e["metrics"]["codec"]
                 changed = codec["changed"] / codec["compared"]
@@ -1202,7 +1207,7 @@ def _h200_cases(root: str, folders: Optional[frozenset] = None) -> list[dict]:
                 run = f", round {k[1:]}"
             elif folder.endswith("-2026-12-05-s21") and name.startswith(("call3", "call4")):
                 run = f", {name.split('/')[0]} round {name.split('/')[1][1]}"
-            elif folder == S34_DELTA:
+            elif folder in (S34_DELTA, S35_DELTA):
                 run = f", round {name[1]}"
             elif folder == "gpu-h200-2026-12-05-branches":
                 run = f", round {name[-6]}"
@@ -1664,6 +1669,8 @@ NOT_CALIBRATED: dict[str, str] = {
     f"{S34_DELTA}/kernels.json": "the codec's kernels on one tensor (delta_bench.py "
                                  "--kernels): not a sync; the H100 preset's codec source "
                                  "reads it",
+    f"{S35_DELTA}/kernels.json": "the codec's kernels on one tensor (delta_bench.py "
+                                 "--kernels) on session 35's H100: not a sync",
     # measurements that are not a sync of weightsync's own paths
     "gpu-h200-2026-12-02-codec/": _NOT_SYNCS + "the FP8 / delta codec kernels alone",
     "gpu-h200-2026-12-05-branches/gpu_copies.json": _NOT_SYNCS + "copy kernels alone",
