@@ -591,6 +591,7 @@ TINY_COSTS = {"today": ("cpu-tiny-2026-12-07-s34", "tiny_r1.json"),
               "12-03, after the mend": ("review-2026-12-03", "tiny_after_mend.json")}
 
 
+@functools.lru_cache(maxsize=None)      # read once per run file, not once per row
 def tiny_tensor_us(root: str, folder: str, name: str) -> float:
     """Microseconds a tensor of a ``--tiny`` run (:data:`TINY_COSTS`): the mean over its
     ``shm`` and ``collective`` rows of the warm median over the tensor count."""
@@ -624,6 +625,7 @@ WAITED_1129_1MIB = {"links": {"direct_window": 1, "direct_min_bytes": 1 << 20},
                     "wait_from": "7209436"}
 
 
+@functools.lru_cache(maxsize=None)      # read once per code, not once per row
 def direct_wait_us(root: str, code: str) -> float:
     """Microseconds of ``code``'s wait for each direct read (:data:`WAIT_COSTS`)."""
     name, base = WAIT_COSTS[code]
@@ -1027,8 +1029,8 @@ S34B_RING = "gpu-h100-2026-12-07-s34b"
 #: ring. Round 1's delta rows are the H100 preset's codec costs (:func:`delta_costs`),
 #: round 2's check them; every dense row is a case of today's ring.
 S34_DELTA = "gpu-h100-2026-12-07-s34-delta"
-#: The same script again in session 35 on another H100 start (``run_s35_delta.sh``, a copy
-#: of session 34's), held out: both rounds' delta rows check the costs of
+#: The same script again in session 35 on another H100 start (``commands.txt`` there),
+#: held out: both rounds' delta rows check the costs of
 #: :data:`S34_DELTA`'s round 1.
 S35_DELTA = "gpu-h100-2026-12-07-s35-delta"
 
