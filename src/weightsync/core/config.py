@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from weightsync.core.plan import DEFAULT_ALIGNMENT, dtype_from_name
 
-__all__ = ["EngineConfig", "DEFAULT_BUCKET_SIZE", "DEFAULT_NUM_SLOTS", "DEFAULT_TIMEOUT", "env_value", "parse_bool",
+__all__ = ["EngineConfig", "option", "option_rows", "DEFAULT_BUCKET_SIZE", "DEFAULT_NUM_SLOTS", "DEFAULT_TIMEOUT", "env_value", "parse_bool",
            "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS"]
 
 DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
@@ -54,6 +54,33 @@ def parse_bool(raw: str) -> bool:
 def parse_auto_bool(raw: str) -> Optional[bool]:
     """``auto`` (None: the code decides), else as :func:`parse_bool`."""
     return None if raw.strip().lower() == "auto" else parse_bool(raw)
+
+
+def option(env: Optional[str], cast: Callable[[str], Any], default: Any, doc: str) -> Any:
+    """A field of an options dataclass.
+
+    Its default is ``WEIGHTSYNC_<env>`` parsed by ``cast`` when that variable is set and not
+    empty, read when the dataclass is built; else ``default``. ``env=None`` is a field with no
+    variable. ``doc`` is one short sentence; the docs' options tables are generated from it
+    (see :func:`option_rows`).
+    """
+    meta = {"env": ("WEIGHTSYNC_" + env) if env else None, "doc": doc, "default": default}
+    if env is None:
+        return field(default=default, metadata=meta)
+    return field(default_factory=lambda: env_value(env, cast, default), metadata=meta)
+
+
+def option_rows(cls: type) -> list[tuple[str, str, Any, str]]:
+    """``(field, env variable or "", default, doc)`` for each field of an options dataclass
+    declared with :func:`option` (used to generate the docs' options tables)."""
+    import dataclasses
+    rows = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata or {}
+        if "doc" not in meta:
+            continue
+        rows.append((f.name, meta.get("env") or "", meta.get("default"), meta["doc"]))
+    return rows
 
 
 @dataclass(kw_only=True)
