@@ -14,7 +14,8 @@ import torch
 
 from weightsync.core.plan import DEFAULT_ALIGNMENT, dtype_from_name
 
-__all__ = ["EngineConfig", "option", "option_rows", "DEFAULT_BUCKET_SIZE", "DEFAULT_NUM_SLOTS", "DEFAULT_TIMEOUT", "env_value", "parse_bool",
+__all__ = ["EngineConfig", "option", "option_rows", "option_names", "build_options",
+           "DEFAULT_BUCKET_SIZE", "DEFAULT_NUM_SLOTS", "DEFAULT_TIMEOUT", "env_value", "parse_bool",
            "SLEEP_LEVELS", "WAKE_TAGS", "WEIGHT_KINDS"]
 
 DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
@@ -81,6 +82,39 @@ def option_rows(cls: type) -> list[tuple[str, str, Any, str]]:
             continue
         rows.append((f.name, meta.get("env") or "", meta.get("default"), meta["doc"]))
     return rows
+
+
+def option_names(cls: Optional[type]) -> tuple[str, ...]:
+    """The keyword arguments of an options dataclass (``()`` for ``None``)."""
+    import dataclasses
+    if cls is None:
+        return ()
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def build_options(cls: Optional[type], options: Any = None, given: Optional[dict] = None, *,
+                  owner: str = "this backend") -> Any:
+    """The options object an engine runs with.
+
+    ``options``: an instance of ``cls`` (or ``None``); ``given``: keyword arguments named
+    like ``cls``'s fields, which override it (a ``None`` value counts as not given). With
+    neither, ``cls()``: every field from its ``WEIGHTSYNC_*`` variable or its default.
+    ``cls=None`` (a backend without options) takes no options. ``ValueError`` for an
+    ``options`` of another type.
+    """
+    import dataclasses
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    if cls is None:
+        if options is not None or given:
+            raise ValueError(f"{owner} takes no backend options, got "
+                             f"{sorted(given) or type(options).__name__}")
+        return None
+    if options is None:
+        return cls(**given)
+    if not isinstance(options, cls):
+        raise ValueError(f"options for {owner} must be a {cls.__name__}, got "
+                         f"{type(options).__name__}")
+    return dataclasses.replace(options, **given) if given else options
 
 
 @dataclass(kw_only=True)
