@@ -19,6 +19,17 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _script(name: str):
+    """``benchmarks/<name>.py`` loaded as a module (the scripts are not a package)."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"weightsync_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod        # dataclasses look their module up while it loads
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.timeout(300)
 def test_bench_cli_smoke(tmp_path, capsys):
     out, png, md = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "bench.md"
@@ -160,7 +171,6 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "gpu_bench.txt").write_text(done.stdout)
     assert done.stdout.count("timeline: warm sync ") == 6
-    from weightsync.tools.planner.calibrate import _script
     got = _script("timeline_costs").syncs(str(tmp_path / "gpu_bench.txt"))
     assert [s.cfg["bucket_size"] >> 20 for s in got] == [1, 1, 1, 2, 2, 2]
     assert all(s.publishes > 1 and s.host_ms > 0 for s in got)
@@ -200,7 +210,6 @@ def test_gpu_bench_delta_rows_send_records_and_the_plan_predicts_their_bytes(tmp
     assert codec["mode"] == "delta" and codec["resent"] == 0
     assert 0 < codec["record_bytes"] < codec["dense_bytes"] / 20
     assert 0.009 < codec["changed_fraction"] <= 0.01
-    from weightsync.tools.planner.calibrate import _script
     from weightsync.tools.planner.delta import records
     from weightsync.tools.planner.model import model_from_tensors
     from weightsync.tools.planner.rules import planned_tensors
@@ -213,8 +222,8 @@ def test_gpu_bench_delta_rows_send_records_and_the_plan_predicts_their_bytes(tmp
 @pytest.mark.timeout(120)
 def test_cross_memory_read_limit(tmp_path):
     """``cma-raw``: every receiver reads the trainer's flat buffer with cross-memory reads;
-    a time per step for 1 and 2 receivers, the rate ``weightsync plan --calibrate`` takes as
-    ``ring.direct_GBps`` of that run."""
+    a time per step for 1 and 2 receivers, the rate ``weightsync plan --fit`` takes as
+    ``ring.direct_GBps``."""
     out = tmp_path / "cma.json"
     assert main(["bench", "--sizes", "16MiB", "--dtypes", "bfloat16", "--receivers", "1,2",
                  "--warm", "2", "--no-hf", "--quiet", "--timeout", "60", "--methods",

@@ -77,15 +77,12 @@ def test_big_tensor_is_chunked_and_memory_bounded():
 
 
 def test_tensors_of_one_and_a_half_buckets_fill_every_bucket():
-    """Tensors a little over a bucket (an MLP matrix against 64 MiB buckets) used to close
-    the open bucket and start one each, so buckets alternated full and ~40 % full; each
-    now starts in the free space the previous one left."""
+    """Tensors a little over a bucket (an MLP matrix against 64 MiB buckets) do not close
+    the open bucket and start one each (buckets would alternate full and ~40 % full): each
+    starts in the free space the previous one left."""
     plan = build_plan([(f"w{i}", (384,), "float32") for i in range(6)], 1024)
     assert [b.nbytes for b in plan.buckets] == [1024] * 9
     assert sum(b.nbytes for b in plan.buckets) == 6 * 384 * 4
-    # the layout of the code before (kept for the planner's predictions of its runs)
-    old = build_plan([(f"w{i}", (384,), "float32") for i in range(6)], 1024, fill_open=False)
-    assert [b.nbytes for b in old.buckets] == [1024, 512] * 6
 
 
 def test_signature_changes_with_any_field_and_bucket_size():

@@ -2,7 +2,7 @@
 on the wire are the codec's own (its encode makes records of exactly the planned size), the
 codec's encode and apply are priced from ``links.codec`` as a pipeline over the record
 buckets, a sharded trainer gathers first and every worker takes every record whole, bad
-input is a PlannerError naming the field, and the recorded CPU runs are predicted."""
+input is a PlannerError naming the field."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from weightsync.tools.planner import PlannerError, calibrate
+from weightsync.tools.planner import PlannerError
 from weightsync.tools.cli import main as weightsync_main
 from weightsync.tools.planner.delta import RECORD_DTYPE, records
 from weightsync.tools.planner.links import PRESET_DIR, load_links
@@ -71,31 +71,22 @@ def test_the_planned_records_are_what_the_codec_encodes(dtype, changed):
     assert rec_bytes or changed >= 0.3 or dtype == "float32" and changed > 0.5
 
 
-def test_the_record_bytes_of_the_recorded_delta_run_are_predicted_exactly():
-    """The 12-02 bench run of delta+shm (256 MiB bf16, 0.5 % changed) sent 4,401,408 bytes
-    of records a warm sync, and so did its code's two runs of session 35; the plan of that
-    workload at the run's measured fraction sends the same (the bench changes
-    round(fraction x n) elements of each tensor)."""
-    rows = calibrate.run(("delta",))["rows"]
-    checked = [r for r in rows if "record_bytes" in r]
-    assert len(checked) == 12         # delta+shm and delta+collective, R=1 and R=2, 3 runs
-    for r in checked:
-        assert r["record_bytes"] == {"measured": 4401408, "predicted": 4401408}
-    sc = [r for r in rows if r["case"].startswith("CPU synthetic-256MiB delta+shm")][0]
-    assert "encode" in sc["limited_by"]
-
-
-def test_the_delta_runs_are_calibrated_and_the_nixl_ones_shown_apart():
-    doc = calibrate.run(("delta",))
-    counted = doc["rows"]
-    assert sorted(r["case"].split(" (")[0] for r in counted) == sorted(
-        f"CPU synthetic-256MiB delta+{b} at 0.005 R={k}" for b in ("shm", "collective")
-        for k in (1, 2) for _ in range(3))     # 12-02's run and its code's two of s35
-    assert all(r["within_goal"] for r in counted)
-    groups = calibrate.repeat_groups(counted)
-    assert len(groups) == 4 and all(len(g["cases"]) == 3 for g in groups)
-    spun = doc["spun_rows"]          # every NIXL agent spun a core then (before 3d72733)
-    assert len(spun) == 6 and all("delta+nixl" in r["case"] for r in spun)
+def test_the_record_bytes_of_the_bench_workload_are_the_codecs():
+    """The bench's 256 MiB bf16 workload at 0.5 % changed (``weightsync bench --methods
+    delta+shm,delta+collective --changed 0.005``): a warm sync sends 4,401,408 bytes of
+    records, the codec's own count for that workload; the plan sends the same to every
+    receiver, over the ring and the broadcast alike (the bench changes round(fraction x n)
+    elements of each tensor)."""
+    from weightsync.tools.bench.workloads import synthetic
+    w = synthetic(256 << 20, "bfloat16", bucket_size=64 << 20)
+    model = model_from_tensors(w.name, w.tensors)
+    for receivers in (1, 2):
+        p = predict(_scenario(model=model, replicas=receivers, strategies=("ring", "broadcast"),
+                              delta=0.005))
+        for name in ("ring", "broadcast"):
+            assert p.delta[name]["record_bytes"] == 4401408
+            assert p.results[name].dest_bytes == [4401408] * receivers
+    assert "encode" in p.results["ring"].bottleneck.limit
 
 
 def test_the_codec_is_a_pipeline_over_record_buckets():
@@ -187,30 +178,21 @@ def test_the_cli_takes_delta_and_writes_its_figures(tmp_path, capsys):
     assert "delta" in capsys.readouterr().err
 
 
-def test_the_gpu_presets_codec_costs_are_per_changed_element_read_off_the_h100_runs():
-    """On a GPU the codec's work per changed element sets the pace (the H100 runs: 31-39 ns
-    a changed element at 0.5 % and 5 %): the H100 preset carries round 1's costs as
-    calibrate.delta_costs reads them (no byte rate), the H200 preset assumes them, and
-    round 2's delta rows are predicted within the goal at both fractions (a byte rate alone
-    would give both fractions one time). Session 35's H100 start checks them too."""
-    costs = calibrate.delta_costs()
+def test_the_gpu_presets_price_the_codec_per_changed_element():
+    """On a GPU the codec's work per changed element sets the pace, not its bytes: both GPU
+    presets carry a cost per changed element and no byte rate, so ten times the changed
+    elements take several times as long (a byte rate alone would give both one time)."""
     for preset in ("h100-8gpu-400g", "h200-8gpu-400g"):
         codec = load_links(preset).codec
         assert codec["encode"] == codec["apply"] == math.inf
-        assert (codec["encode_ns"] * 1e9, codec["apply_ns"] * 1e9) == pytest.approx(
-            (costs["codec.encode_ns"], costs["codec.apply_ns"]))
-    rows = [r for r in calibrate.run(("h200",))["rows"]
-            if r["source"].startswith(calibrate.S34_DELTA) and "delta at" in r["case"]]
-    assert len(rows) == 4 and not [r for r in rows if r["source"].startswith(
-        f"{calibrate.S34_DELTA}/r1/")]
-    assert all(r["within_goal"] for r in rows)
-    slow = [r["predicted_s"] for r in rows if "delta at 0.05" in r["case"]]
-    fast = [r["predicted_s"] for r in rows if "delta at 0.005" in r["case"]]
-    assert min(slow) > 8 * max(fast)
-    # another H100 start (session 35), held out: both rounds' delta rows check those costs
-    held = [r for r in calibrate.run(("h200",))["rows"]
-            if r["source"].startswith(calibrate.S35_DELTA + "/") and "delta at" in r["case"]]
-    assert len(held) == 8 and all(r["within_goal"] for r in held)
+        assert codec["encode_ns"] > 0 and codec["apply_ns"] > 0
+    model = model_from_tensors("8b", [(f"model.layers.{i}.mlp.down_proj.weight", (4096, 14336))
+                                      for i in range(8)])
+    sc = Scenario(model=model, links=load_links("h100-8gpu-400g"), trainer_gpus=1,
+                  replicas=1, placement="colocated", strategies=("ring",), delta=0.005)
+    fast = predict(sc).delta["ring"]["codec_s"]
+    slow = predict(dataclasses.replace(sc, delta=0.05)).delta["ring"]["codec_s"]
+    assert 6 * fast < slow <= 10 * fast
 
 
 def test_a_codec_side_needs_a_rate_or_a_cost_per_change():

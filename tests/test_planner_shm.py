@@ -238,21 +238,25 @@ def test_a_side_alone_copies_at_its_own_rate_while_the_other_waits():
     assert 0 < stall(fill_alone=1.5 * r, drain_alone=1.5 * r) < 0.8 * stall()
 
 
-def test_tensors_of_one_and_a_half_buckets_cost_the_old_layout_its_stalls():
-    """Tensors of 1.4 buckets: the layout before 2026-12-05 (``fill_open=False``) closed the
-    open bucket before each, so buckets alternated full and 40 % full and the two-slot ring
-    stalled; today's layout fills every bucket and costs what the fluid model says."""
-    model = model_from_tensors("mlp", [(f"w{i}", (7 * MiB // 10,)) for i in range(20)])
-    new = ring(host_links(), model=model, bucket_size=MiB)
-    old = ring(host_links(), model=model, bucket_size=MiB, fill_open=False)
+def test_buckets_that_alternate_full_and_part_full_stall_the_two_slot_ring():
+    """Tensors of one bucket and of 0.4 bucket in turn: buckets alternate full and 40 %
+    full, and the two-slot ring stalls on every full one; the same bytes as tensors of 0.7
+    bucket fill every bucket (each starts in the free space the one before left) and cost
+    what the fluid model says."""
+    even = model_from_tensors("mlp", [(f"w{i}", (7 * MiB // 10,)) for i in range(20)])
+    uneven = model_from_tensors("mlp", [(f"w{i}", (MiB // 2 if i % 2 == 0 else MiB // 5,))
+                                        for i in range(40)])       # bf16: 1 and 0.4 MiB
+    assert even.params == uneven.params
+    new = ring(host_links(), model=even, bucket_size=MiB)
+    old = ring(host_links(), model=uneven, bucket_size=MiB)
     assert new.dest_reads[0] < old.dest_reads[0]                     # fewer buckets
     assert old.seconds > 1.1 * new.seconds
     assert "slots" in old.bottleneck.limit and "slots" not in new.bottleneck.limit
     # a third slot absorbs most of it (weightsync plan --num-slots, WEIGHTSYNC_NUM_SLOTS)
-    three = ring(host_links(), model=model, bucket_size=MiB, fill_open=False, num_slots=3)
+    three = ring(host_links(), model=uneven, bucket_size=MiB, num_slots=3)
     assert new.seconds <= three.seconds < old.seconds
     with pytest.raises(PlannerError, match="num_slots"):
-        ring(host_links(), model=model, num_slots=0)
+        ring(host_links(), model=uneven, num_slots=0)
     rc = main(["plan", "--model", "bench:synthetic-16MiB", "--links", "cpu-2core",
                "--strategies", "ring", "--num-slots", "3"])
     assert rc == 0

@@ -14,9 +14,8 @@ bucket, aligned up to ``alignment``:
 * ``n > bucket_size``: the tensor is cut into chunks: the first fills the open bucket from
   the cursor to its end, each next one a whole bucket; its last chunk leaves room for the
   next tensors. Memory per bucket therefore stays bounded whatever the tensor size, and
-  every bucket a chunk closes is full. (Up to 2026-12-05 the open bucket was closed first
-  and every chunk started a bucket: with tensors of 1.4 buckets, buckets alternated full
-  and 40 % full, and a ring of two slots stalled on every full one.)
+  every bucket a chunk closes is full (a ring of two slots does not stall on buckets that
+  alternate full and part-full).
 """
 
 from __future__ import annotations
@@ -203,13 +202,10 @@ class PlanBuilder:
     """Lays tensors into buckets one at a time (streaming; bounded memory).
 
     ``add`` returns the pieces of the tensor as ``(bucket_index, TensorMeta)``; every
-    bucket index below ``open_index`` is closed and can be published. ``fill_open=False``
-    lays out as the code before 2026-12-05 did (a tensor bigger than a bucket closes the
-    open bucket first); only the planner uses it, to predict runs of that code.
+    bucket index below ``open_index`` is closed and can be published.
     """
 
-    def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT, *,
-                 fill_open: bool = True) -> None:
+    def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive int, got {bucket_size!r}")
         if alignment <= 0 or alignment & (alignment - 1):
@@ -218,7 +214,6 @@ class PlanBuilder:
             raise ValueError(f"bucket_size {bucket_size} must be a multiple of {alignment}")
         self.bucket_size = bucket_size
         self.alignment = alignment
-        self.fill_open = bool(fill_open)
         self.open_index = 0
         self._cursor = 0
         self._entries: list[TensorMeta] = []
@@ -242,7 +237,7 @@ class PlanBuilder:
             if self._entries:
                 self._close()
             return self._place(TensorMeta(name, shape, dtype, 0, nbytes, 0, nbytes))
-        if start >= self.bucket_size or (self._entries and not self.fill_open):
+        if start >= self.bucket_size:
             self._close()
             start = 0
         pieces, off = [], 0
@@ -347,12 +342,9 @@ def build_plan(
     tensors: Iterable[tuple[str, Sequence[int], str | torch.dtype]],
     bucket_size: int,
     alignment: int = DEFAULT_ALIGNMENT,
-    *,
-    fill_open: bool = True,
 ) -> WeightPlan:
-    """Plan for a whole sequence of ``(name, shape, dtype)`` at once (``fill_open``: see
-    :class:`PlanBuilder`)."""
-    builder = PlanBuilder(bucket_size, alignment, fill_open=fill_open)
+    """Plan for a whole sequence of ``(name, shape, dtype)`` at once."""
+    builder = PlanBuilder(bucket_size, alignment)
     seen: set[str] = set()
     for name, shape, dtype in tensors:
         if name in seen:

@@ -14,7 +14,8 @@ memory, host-side software costs). Modules:
 * :mod:`.linkmodel` the link model, :mod:`.p2p` and :mod:`.bucketed` the strategies,
   :mod:`.delta` any of them under the delta codec (``Scenario.delta``);
 * :mod:`.predict` one prediction (JSON schema ``weightsync.plan/1``), :mod:`.report`
-  table and plot, :mod:`.calibrate` predicted vs measured, :mod:`.cli` the subcommand.
+  table and plot, :mod:`.fit` a links file from your own ``weightsync bench --json`` run,
+  :mod:`.cli` the subcommand.
 
 Example::
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from weightsync.tools.planner.errors import PlannerError
+from weightsync.tools.planner.fit import fit_links
 from weightsync.tools.planner.links import Links, load_links, preset_names
 from weightsync.tools.planner.model import ModelSpec, load_model, model_from_tensors, model_presets
 from weightsync.tools.planner.predict import SCHEMA, Prediction, predict
@@ -38,7 +40,7 @@ from weightsync.tools.planner.scenario import STRATEGIES, Scenario
 
 __all__ = ["plan", "predict", "Scenario", "Prediction", "PlannerError", "ModelSpec",
            "load_model", "model_from_tensors", "model_presets", "Links", "load_links",
-           "preset_names", "format_table", "plot", "TABLE", "STRATEGIES", "SCHEMA"]
+           "preset_names", "format_table", "plot", "TABLE", "STRATEGIES", "SCHEMA", "fit_links"]
 
 
 def plan(model: str | ModelSpec, *, links: str | Links = "h100-8gpu-400g",

@@ -288,7 +288,7 @@ def _streams(sc: Scenario, pts, owners: list[int], dmin: int,
         s["zc_batches"] = len(batches)
         s["zc_set"] = set(s["zc"])
         plan = build_plan([(pts[i].name, pts[i].shape, pts[i].src_dtype) for i in s["bucketed"]],
-                          sc.bucket_size, fill_open=sc.fill_open)
+                          sc.bucket_size)
         index = {pts[i].name: i for i in s["bucketed"]}
         where: dict[str, set] = defaultdict(set)
         for b in plan.buckets:

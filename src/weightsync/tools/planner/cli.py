@@ -111,10 +111,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--label", default="", help="a title for the report")
     out.add_argument("--json", metavar="PATH", help="write the prediction as JSON ('-': stdout)")
     out.add_argument("--plot", metavar="PNG", help="write a plot (matplotlib)")
-    out.add_argument("--calibrate", action="store_true",
-                     help="predict the recorded benchmark runs and compare (no other input)")
-    out.add_argument("--markdown", metavar="PATH",
-                     help="with --calibrate: write the table as Markdown")
+    fit = p.add_argument_group("fit a links file to your machine")
+    fit.add_argument("--fit", metavar="BENCH_JSON",
+                     help="write a links file from a 'weightsync bench --json' run: its "
+                          "memcpy, memcpy-parallel, gloo-flat, nixl-raw, cma-raw and --tiny "
+                          "rows set the rates they measured (no other input)")
+    fit.add_argument("--out", metavar="PATH",
+                     help="with --fit: the links file to write (default: stdout)")
+    fit.add_argument("--base", default="cpu-2core",
+                     help="with --fit: the host links preset or file every field the bench "
+                          "did not measure comes from (default cpu-2core)")
     out.add_argument("--list-presets", action="store_true", help="list links and model presets")
 
 
@@ -162,16 +168,8 @@ def _main(args: argparse.Namespace) -> int:
         print("links presets: " + ", ".join(links.preset_names()))
         print("model presets: " + ", ".join(model.model_presets()))
         return 0
-    if args.calibrate:
-        from weightsync.tools.planner import calibrate
-        doc = calibrate.run()
-        print(calibrate.format_text(doc))
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write(calibrate.format_markdown(doc) + "\n")
-        if args.json:
-            write_json(doc, args.json)
-        return 0
+    if args.fit:
+        return _fit(args)
     doc = predict(scenario_from_args(args)).to_dict()
     doc["command"] = ("weightsync plan " + " ".join(sys.argv[2:])
                       if sys.argv[1:2] == ["plan"] else "")
@@ -180,6 +178,24 @@ def _main(args: argparse.Namespace) -> int:
         write_json(doc, args.json)
     if args.plot:
         plot(doc, args.plot)
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from weightsync.tools.planner.fit import fit_file
+    doc = fit_file(args.fit, args.base)
+    text = json.dumps(doc, indent=2) + "\n"
+    summary = sys.stderr if not args.out or args.out == "-" else sys.stdout
+    for field, got in doc["fitted"].items():
+        unit = " GB/s" if field.endswith("GBps") else (" us" if field.endswith("_us") else "")
+        rows = f"  ({got['method']}, median of {got['rows']} rows)" if got["rows"] else ""
+        print(f"{field:<24} {got['value']:.4g}{unit}{rows}", file=summary)
+    if not args.out or args.out == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}: weightsync plan --links {args.out} ...", file=summary)
     return 0
 
 

@@ -21,13 +21,10 @@ runs after the pull.
 
 Except on a host (a CPU trainer and workers): there the staging copy was measured *not*
 to hide behind the pulls, so bytes staged on a host are priced as their own phase before
-the pull, pipelined or not. Each pipelined staging step of the 1 GiB runs
-(``cpu-nixl-pipelined-2026-12-02/bench_1g.json``, ``cpu-nixl-auto-2026-12-03/
-bench_1g_staging_default_before.json``) took 147 and 187 ms (medians) beyond the raw READ
-the bench paired with it, at least the whole copy at the run's own memcpy rate (55 and
-147 ms), while the same runs served from the tensors' own storage added about nothing; the
-cores and host memory the model gives the box would have had room for both, so why they
-do not overlap (NIXL's progress threads, perhaps) is not known.
+the pull, pipelined or not: on a 2-core box each pipelined staging step of 1 GiB took at
+least the whole copy at the box's memcpy rate beyond the raw READ paired with it, while
+serving from the tensors' own storage added about nothing. Why they do not overlap there
+(NIXL's progress threads, perhaps) is not known.
 """
 
 from __future__ import annotations

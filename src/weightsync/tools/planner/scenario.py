@@ -90,10 +90,6 @@ class Scenario:
     collective_direct_min: int = COLLECTIVE_DIRECT_MIN
     #: buckets of a trainer rank's ring (``WEIGHTSYNC_NUM_SLOTS``)
     num_slots: int = DEFAULT_NUM_SLOTS
-    #: bucket layout (:class:`weightsync.core.plan.PlanBuilder`): ``True``, today's (a tensor
-    #: bigger than a bucket starts in the open bucket's free space); ``False``, the code's
-    #: before 2026-12-05 (it closed the open bucket first), for predicting runs of that code
-    fill_open: bool = True
     #: ring on GPUs (``cuda_ipc``'s ``sync``): ``"event"`` (default) orders the copies on the
     #: GPU; ``"host"``: the trainer waits for each bucket's pack before it publishes it
     ring_sync: str = "event"
