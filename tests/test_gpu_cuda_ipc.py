@@ -25,10 +25,10 @@ def _spec(**kw):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero_copy", [False, True])
-@pytest.mark.parametrize("receivers,sync", [(1, "event"), (3, "event"), (3, "host")])
-def test_one_trainer_many_receivers(receivers, zero_copy, sync):
+@pytest.mark.parametrize("receivers", [1, 3])
+def test_one_trainer_many_receivers(receivers, zero_copy):
     spec = _spec(receivers=receivers, steps=3, tiny=1500,
-                 engine_kwargs={"zero_copy": zero_copy, "min_ref_bytes": 0, "sync": sync})
+                 engine_kwargs={"zero_copy": zero_copy})
     results = run_group(spec)
     assert_clean(results, spec)
     trainer = results[0]["steps"]
@@ -38,11 +38,11 @@ def test_one_trainer_many_receivers(receivers, zero_copy, sync):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero_copy,sync", [(False, "event"), (True, "event"), (True, "host")])
+@pytest.mark.parametrize("zero_copy", [False, True])
 @pytest.mark.parametrize("pattern", ["full", "disjoint"])
-def test_two_trainers(pattern, zero_copy, sync):
+def test_two_trainers(pattern, zero_copy):
     spec = _spec(trainers=2, receivers=2, steps=3, pattern=pattern,
-                 engine_kwargs={"zero_copy": zero_copy, "min_ref_bytes": 0, "sync": sync})
+                 engine_kwargs={"zero_copy": zero_copy})
     assert_clean(run_group(spec), spec)
 
 
@@ -87,12 +87,11 @@ async def _race_trainer(engine, zero_copy, cycles, kept=False, steps=3):
             _sleep(cycles)
             yield f"t{i}", torch.full((n,), 1000 * step + i, dtype=torch.int32, device="cuda")
 
-    held, pushed = [], []
+    held = []
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(steps):
             if zero_copy or kept:  # an in-place update behind a slow kernel, then send the
-                # parameters themselves (by reference, or, kept, on the ring stream or
-                # through fill programs)
+                # parameters themselves (by reference, or, kept, through fill programs)
                 for i, p in enumerate(params.values()):
                     _sleep(cycles)
                     p.fill_(1000 * step + i)
@@ -100,28 +99,21 @@ async def _race_trainer(engine, zero_copy, cycles, kept=False, steps=3):
             else:
                 out = await engine.send_weights(fresh(step), version=step)
             held.append(out.get("fill_graph_tensors", 0))
-            pushed.append(out.get("pushed", 0))
     graphs = [getattr(run, "graph", None) is not None
               for _, run in engine.__dict__.get("_fill_progs", {}).values()]
-    return {"held": held, "graphs": graphs, "pushed": pushed}
+    return {"held": held, "graphs": graphs}
 
 
-async def _race_rollout(engine, cycles, into=False, steps=3, scribble=False):
+async def _race_rollout(engine, cycles, into=False, steps=3):
     """Returns the corrupt (step, name) pairs; with ``into`` (``receive_into``, whose
     copies the engine replays: a CUDA graph from the second sync on) also each replayed
-    program's (runs, graph captured). ``scribble``: before each receive, a slow kernel and
-    then a write of -1 into every destination stay queued on the receiver's stream (a
-    trainer that writes into them must wait for it)."""
+    program's (runs, graph captured)."""
     bad = []
     n = BUCKET // 4
     dests = {f"t{i}": torch.zeros(n, dtype=torch.int32, device="cuda")
              for i in range(RACE_TENSORS)}
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(steps):
-            if scribble:
-                _sleep(cycles)
-                for d in dests.values():
-                    d.fill_(-1)
             kept = {}
             stream = engine.receive_into(dests, version=step) if into else \
                 engine.receive_weights(version=step)
@@ -138,41 +130,33 @@ async def _race_rollout(engine, cycles, into=False, steps=3, scribble=False):
     return bad, sorted((p.runs, getattr(p.runner, "graph", None) is not None) for p in progs)
 
 
-def _race_worker(role, zero_copy, sync, mutant, scenario, conn, kept=False, rxw=False,
-                 into=False, branches=1, fill=False, push=False):
+def _race_worker(role, zero_copy, mutant, scenario, conn, kept=False, into=False, steps=3):
     import asyncio
     try:
         engine = CheckpointEngineRegistry.new(
             "cuda_ipc", role=role, bucket_size=BUCKET, timeout=60, device="cuda",
-            num_slots=2, zero_copy=zero_copy, min_ref_bytes=0, sync=sync, rx_stream_waits=rxw,
-            stream_waits=kept and not fill, graph_branches=branches, fill_graphs=fill,
-            push=push)
+            num_slots=2, zero_copy=zero_copy)
         if mutant:  # drop every wait of the engine (streams and events)
             engine._sync = lambda *a, **k: None
             engine._wait_event = lambda *a, **k: None
-            engine._stream_wait = lambda *a, **k: None
         conn.send(engine.prepare())
         engine.init_process_group(**conn.recv())
         prod, cons = SCENARIOS[scenario]
-        steps = 4 if fill else 3
-        job = _race_trainer(engine, zero_copy, prod, kept or push, steps) \
-            if role == "trainer" else _race_rollout(engine, cons, into or push, steps,
-                                                    scribble=push and scenario == "slow_consumer")
+        job = _race_trainer(engine, zero_copy, prod, kept, steps) \
+            if role == "trainer" else _race_rollout(engine, cons, into, steps)
         conn.send({"bad": asyncio.run(job)})
         engine.finalize()
     except BaseException:
         conn.send({"fatal": traceback.format_exc()})
 
 
-def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False, into=False,
-              branches=1, fill=False, push=False):
+def _run_race(zero_copy, scenario, mutant=False, kept=False, into=False, steps=3):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_race_worker,
-                        args=(role, zero_copy, sync, mutant, scenario, child, kept, rxw,
-                              into, branches, fill, push),
+                        args=(role, zero_copy, mutant, scenario, child, kept, into, steps),
                         daemon=True)
         p.start()
         pipes.append(parent)
@@ -200,29 +184,8 @@ def _run_race(zero_copy, sync, scenario, mutant=False, kept=False, rxw=False, in
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("zero_copy", [False, True])
-@pytest.mark.parametrize("sync", ["event", "host"])
-def test_slow_streams_never_corrupt(sync, zero_copy, scenario):
-    trainer, rollout = _run_race(zero_copy, sync, scenario)
-    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
-    assert rollout["bad"] == []
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("zero_copy", [False, True])
-def test_slow_streams_never_corrupt_with_receiver_stream_waits(scenario, zero_copy):
-    """``rx_stream_waits``: the consumer's stream waits for the fills on the GPU."""
-    trainer, rollout = _run_race(zero_copy, "event", scenario, rxw=True)
-    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
-    assert rollout["bad"] == []
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_slow_streams_never_corrupt_kept_parameters_on_the_ring(scenario):
-    """Parameters updated in place and sent again: from the second sync on they go on the
-    ring stream, whose refills wait for the receiver on the GPU."""
-    trainer, rollout = _run_race(False, "event", scenario, kept=True)
+def test_slow_streams_never_corrupt(zero_copy, scenario):
+    trainer, rollout = _run_race(zero_copy, scenario)
     assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
     assert rollout["bad"] == []
 
@@ -235,7 +198,7 @@ def test_slow_streams_never_corrupt_replayed_copies_into_the_callers_tensors(sce
     """``receive_into``: each bucket's copies are a program, queued one by one at the first
     sync, captured as a CUDA graph at the second and replayed at the third; the bytes stay
     right behind slow kernels on either side."""
-    trainer, rollout = _run_race(zero_copy, "event", scenario, kept=kept, into=True)
+    trainer, rollout = _run_race(zero_copy, scenario, kept=kept, into=True)
     assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
     bad, progs = rollout["bad"]
     assert bad == []
@@ -248,11 +211,10 @@ def test_slow_streams_never_corrupt_replayed_copies_into_the_callers_tensors(sce
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("into", [False, True])
 def test_slow_streams_never_corrupt_fill_programs(scenario, into):
-    """``fill_graphs``: parameters updated in place behind slow kernels and sent again fill
-    their slots through programs (graphs with 3 branches from their second use); the bytes
-    stay right whatever side is slow."""
-    trainer, rollout = _run_race(False, "event", scenario, kept=True, into=into, branches=3,
-                                 fill=True)
+    """Parameters updated in place behind slow kernels and sent again fill their slots
+    through programs (graphs in ``GRAPH_BRANCHES`` chains from their second use); the
+    bytes stay right whatever side is slow."""
+    trainer, rollout = _run_race(False, scenario, kept=True, into=into, steps=4)
     assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
     bad = rollout["bad"][0] if into else rollout["bad"]
     assert bad == []
@@ -262,50 +224,18 @@ def test_slow_streams_never_corrupt_fill_programs(scenario, into):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("zero_copy", [False, True])
-def test_slow_streams_never_corrupt_copy_graphs_with_branches(scenario, zero_copy):
-    """``graph_branches=3``: each replayed program's graph runs its copies in 3 chains;
-    the bytes stay right behind slow kernels on either side (every chain starts after the
-    bucket's fill and ends before the slot's release)."""
-    trainer, rollout = _run_race(zero_copy, "event", scenario, into=True, branches=3)
-    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
-    bad, progs = rollout["bad"]
-    assert bad == []
-    assert progs == [(3, True)] * (4 if zero_copy else RACE_TENSORS), progs
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero_copy,sync,scenario", [
-    (False, "event", "slow_producer"), (False, "event", "slow_consumer"),
-    (True, "event", "slow_producer"), (False, "host", "slow_producer"),
-    (False, "host", "slow_consumer"), (False, "event", "slow_consumer-kept"),
-    (False, "event", "slow_producer-kept"), (False, "event", "slow_producer-rxw"),
-    (True, "event", "slow_producer-rxw"), (False, "event", "slow_consumer-into"),
-    (True, "event", "slow_producer-into"), (False, "event", "slow_consumer-fill"),
-    (False, "event", "slow_producer-push"), (False, "event", "slow_consumer-push")])
-def test_race_checks_catch_a_missing_wait(zero_copy, sync, scenario):
-    scenario, kept, rxw, into, fill, push = scenario.split("-")[0], \
-        scenario.endswith("-kept"), scenario.endswith("-rxw"), scenario.endswith("-into"), \
-        scenario.endswith("-fill"), scenario.endswith("-push")
-    trainer, rollout = _run_race(zero_copy, sync, scenario, mutant=True, kept=kept or fill,
-                                 rxw=rxw, into=into, fill=fill, push=push)
+@pytest.mark.parametrize("zero_copy,scenario", [
+    (False, "slow_producer"), (False, "slow_consumer"), (True, "slow_producer"),
+    (False, "slow_consumer-kept"), (False, "slow_producer-kept"),
+    (False, "slow_consumer-into"), (True, "slow_producer-into")])
+def test_race_checks_catch_a_missing_wait(zero_copy, scenario):
+    scenario, kept, into = scenario.split("-")[0], scenario.endswith("-kept"), \
+        scenario.endswith("-into")
+    trainer, rollout = _run_race(zero_copy, scenario, mutant=True, kept=kept, into=into,
+                                 steps=4 if kept else 3)
     assert "fatal" not in rollout, rollout
-    bad = rollout["bad"][0] if into or push else rollout["bad"]
+    bad = rollout["bad"][0] if into else rollout["bad"]
     assert bad, f"no corruption without stream waits ({scenario})"
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_slow_streams_never_corrupt_pushes(scenario):
-    """``push``: the trainer writes the receiver's tensors after what the receiver queued
-    before its receive (slow_consumer: a slow kernel, then -1 written into each), and the
-    receiver reads them only after the trainer's writes (slow_producer: slow kernels
-    before the trainer's in-place updates)."""
-    trainer, rollout = _run_race(False, "event", scenario, push=True)
-    assert "fatal" not in trainer and "fatal" not in rollout, (trainer, rollout)
-    assert rollout["bad"][0] == []
-    assert trainer["bad"]["pushed"] == [RACE_TENSORS] * 3
 
 
 @pytest.mark.timeout(120)

@@ -13,6 +13,11 @@ Lifecycle, the same on both sides (trainer workers send, rollout workers receive
         ...
     engine.finalize()                           # releases buffers, sockets, groups
 
+Backend options (``ShmOptions``, ``CollectiveOptions``, ``CudaIpcOptions``,
+``NixlOptions``; ``CodecOptions`` for the codec names) are keyword arguments of the same
+call (``new("shm", direct=False)``) or one object (``new("shm", options=ShmOptions(...))``);
+keywords given beside ``options=`` override its fields.
+
 ``init_process_group`` is done once; ``send_weights``/``receive_weights`` run as many
 syncs as wanted on the same engines; ``finalize`` ends it (``prepare`` may start again).
 
@@ -38,11 +43,15 @@ from typing import Any, AsyncIterator, ClassVar, Iterable, Mapping, Optional, Un
 
 import torch
 
-from weightsync.core.config import EngineConfig
+from weightsync.core.config import EngineConfig, build_options, option_names
 from weightsync.core.errors import TopologyError
 
-__all__ = ["CheckpointEngine", "NamedTensors", "check_topology", "worker_kwargs",
+__all__ = ["CheckpointEngine", "CONFIG_KEYS", "NamedTensors", "check_topology", "worker_kwargs",
            "per_worker", "validate_topology"]
+
+#: Keyword arguments every engine takes (:class:`~weightsync.core.config.EngineConfig`).
+CONFIG_KEYS = ("bucket_size", "timeout", "device", "dtype", "num_slots", "checksum", "role",
+               "host")
 
 NamedTensors = Union[Iterable[tuple[str, torch.Tensor]], Any]  # or an async iterable
 
@@ -56,16 +65,25 @@ class CheckpointEngine(abc.ABC):
 
     backend_name: ClassVar[str] = ""
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: The backend's options dataclass (``None``: only :class:`EngineConfig`'s settings).
+    #: Its fields are keyword arguments of the engine; ``options=`` takes a whole instance.
+    options_cls: ClassVar[Optional[type]] = None
 
-    def __init__(self, **kwargs: Any) -> None:
-        known = {"bucket_size", "timeout", "device", "dtype", "num_slots", "checksum", "role",
-                 "host"}
+    def __init__(self, *, options: Any = None, **kwargs: Any) -> None:
+        own = option_names(type(self).options_cls)
+        known = set(CONFIG_KEYS) | set(own)
         unknown = set(kwargs) - known
+        name = type(self).backend_name or type(self).__name__
         if unknown:
             raise ValueError(
-                f"unknown option(s) {sorted(unknown)} for backend "
-                f"{type(self).backend_name or type(self).__name__!r}; known: {sorted(known)}")
-        self.config = EngineConfig(**{k: v for k, v in kwargs.items() if v is not None})
+                f"unknown option(s) {sorted(unknown)} for backend {name!r}; known: "
+                f"{sorted(known) + (['options'] if own else [])}")
+        self.config = EngineConfig(**{k: v for k, v in kwargs.items()
+                                      if v is not None and k in CONFIG_KEYS})
+        #: this backend's options (an instance of ``options_cls``), or ``None``
+        self.options = build_options(type(self).options_cls, options,
+                                     {k: v for k, v in kwargs.items() if k in own},
+                                     owner=f"backend {name!r}")
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Zero-copy half of ``cuda_ipc``: receivers read tensors straight from the trainer's memory.
 
 With ``zero_copy=True`` a trainer does not pack contiguous CUDA tensors (on its device, no
-cast, at least ``min_ref_bytes``): it exports each tensor's *storage* once (a *region*,
+cast): it exports each tensor's *storage* once (a *region*,
 descriptors in the trainer's control store, one reference per receiver) and announces
 batches of ``(name, shape, dtype, region << 40 | byte offset)`` entries as buckets of their
 own (indices from ``REF_INDEX_BASE``, slot ``num_slots``; their layouts are replayed like
@@ -101,7 +101,6 @@ class ZeroCopyMixin:
                 and tensor.device == self._ops.device
                 and wire_dtype(tensor, self.config.dtype) == tensor.dtype
                 and tensor.numel() > 0
-                and tensor.numel() * tensor.element_size() >= self.options.min_ref_bytes
                 and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
 
     def _replayed(self, name: str, tensor: torch.Tensor) -> Optional[tuple]:
@@ -139,9 +138,8 @@ class ZeroCopyMixin:
         state.nbytes += nbytes
         # The first batch goes out early; each next one doubles, so a sync sends few
         # messages (on the H200 a cap at 2 GiB, i.e. more messages, was slower and noisier).
-        first = max(1, min(self.options.ref_first_bytes or self.config.bucket_size,
-                           self.config.bucket_size))
-        limit = self.options.ref_batch_bytes or first << min(len(self._ref_plan_new), 20)
+        first = max(1, self.config.bucket_size)
+        limit = first << min(len(self._ref_plan_new), 20)
         if self._ref_bytes >= limit or len(self._ref_entries) >= MAX_REF_ENTRIES:
             await self._blocking(self._publish_refs, state)
 
