@@ -1,4 +1,4 @@
-"""Delta updates and FP8 on the fly, measured on a real workload (issue 16).
+"""Delta updates and FP8 on the fly, measured on a real workload.
 
 The demo's Qwen2 (``weightsync.testing.toymodel.tiny_qwen2_config``, sized by ``--size``)
 trains in bf16 with AdamW in its own process; after every step it syncs to one receiver

@@ -1,4 +1,4 @@
-"""Syncs in a row with failures injected, per CPU backend (issue 14, "faults as figures").
+"""Syncs in a row with failures injected, per CPU backend: what each failure costs.
 
 The trainer engine runs in this process; the rollout engine in a child process, so a
 receiver can really die. Each sync sends a fresh version; with probability 1/5 one failure

@@ -1,4 +1,4 @@
-"""How fast can one process copy a model's tensors on one GPU? (issue 20's copy kernels)
+"""How fast can one process copy a model's tensors on one GPU? (the copy kernels of cuda_ipc)
 
 On the Llama-3-8B shapes of ``gpu_bench.py`` (16.06 GB bf16 by default), each way of
 moving every tensor is timed with CUDA events (median of ``--reps``), with the host time

@@ -1,8 +1,8 @@
 """The ``cuda_ipc`` ring trainer's host costs, read off ``gpu_bench.py --timeline`` outputs.
 
 A ``--timeline`` run prints, per engine configuration, both processes' engine steps of each
-warm sync on one clock (a ``timeline: warm sync k of n`` block each; runs before session 32
-printed the last warm sync alone, with no such line). Per sync (:func:`syncs`) this takes,
+warm sync on one clock (a ``timeline: warm sync k of n`` block each; an output with no
+such line holds the last warm sync alone). Per sync (:func:`syncs`) this takes,
 from the trainer's steps:
 
 * packing: from the end of each wait for a free slot (``_tx_wait_free``) to the start of
@@ -12,9 +12,7 @@ from the trainer's steps:
   the trainer's own work did not hide);
 * host: everything from the start of the first slot wait to the end of the last publish
   but the slot waits: packing and publishing, and the trainer's loop between a publish and
-  its next slot wait (60-220 us a bucket on the H100 hosts; until session 31 it was left
-  out, and a code's costs then predicted its own timeline's 256 / 512 MiB syncs 15-29 %
-  short).
+  its next slot wait.
 
 :func:`host_costs` turns the syncs of one code on one host, ordered by events (``sync``
 ``"event"``) and at two or more bucket sizes, into the planner's ``software`` costs (us):
@@ -23,8 +21,7 @@ the least-squares line of the host time against the number of buckets, and
 ``handoff_us`` is the slot waits per bucket at the smallest bucket size timed. A run that
 printed several syncs of a configuration gives one point per bucket size: the median of
 its syncs' host times and of their slot waits and publishes (one slow sync, a stall of
-the host, then moves no cost). This is how
-the GPU presets' costs of today's ring were read (``gpu-h100-2026-12-06-s29c``). Where the
+the host, then moves no cost). This is how the GPU presets' costs were read. Where the
 runs also timed host-ordered syncs (``sync="host"``: the trainer synchronizes its stream
 inside each publish), ``pack_wait_x`` is what those publishes take beyond the event-ordered
 ones at the same bucket size, over one flat copy of the model (the run's ``d2d``
@@ -35,9 +32,7 @@ over the bucket sizes timed both ways.
 and after its last publish: the closing message, the receivers' last bucket and their
 final acknowledgement) beyond one bucket's pack and unpack at the flat copy's rate (the
 pipeline's fill and drain, which the planner prices already), at the smallest bucket size
-timed, where the GPU has the least queued behind the trainer: 0.8 ms for today's ring on
-the H100 hosts (1.6 ms on the H200 host), 2.9 ms for the code of 12-01 and 3.2 ms for that
-of 11-29 on the H100 hosts.
+timed, where the GPU has the least queued behind the trainer.
 
     python3 benchmarks/timeline_costs.py DIR [DIR ...]   # each DIR: gpu_bench.txt + .json
 
