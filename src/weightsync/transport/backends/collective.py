@@ -96,6 +96,17 @@ def _wait_at_most(work: Any, seconds: float) -> None:
         pass
 
 
+def _drop_later(doomed: list, until: float) -> None:
+    """Thread: hold an aborted sync's groups until ``until``, when every operation posted
+    on them has ended on its own (each is bounded by its group's timeout), then drop them:
+    gloo's destructor then has nothing left to wait out. The wait is in Python, so
+    interpreter exit neither waits for this thread (a daemon) nor finds it inside that
+    destructor; groups still held then end with the process (NCCL's aborted groups go at
+    once: ``until`` is now)."""
+    time.sleep(max(0.0, until - time.monotonic()))
+    doomed.clear()
+
+
 def _make_group(store: dist.Store, rank: int, size: int, device: torch.device,
                 timeout: float, host: str) -> dist.ProcessGroup:
     td = datetime.timedelta(seconds=timeout)
@@ -487,12 +498,14 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
     def _release(self) -> None:
         self._stop_threads()
         if self._aborted:
-            # nothing to drain; gloo's destructor waits out an op stuck on a dead peer (up to
-            # the group's timeout), so a thread drops the groups. Not a daemon: at exit the
-            # process waits for it rather than tearing gloo's threads down mid-destructor.
+            # nothing to drain; gloo's destructor would wait out an op stuck on a peer that
+            # never posts its side (up to the group's timeout): the groups go to a daemon
+            # thread that drops them once those ops ended on their own (_drop_later)
             doomed = [self._groups, self._works]
             self._groups, self._works = {}, {}
-            threading.Thread(target=doomed.clear, name="weightsync-drop").start()
+            linger = 0.0 if self._cuda else patience(self.config.timeout) + 1.0
+            threading.Thread(target=_drop_later, args=(doomed, time.monotonic() + linger),
+                             name="weightsync-drop", daemon=True).start()
         for work in self._works.values():
             try:
                 work.wait(datetime.timedelta(seconds=1))
