@@ -1,0 +1,144 @@
+"""mkdocs hook: options and configuration tables generated from the options dataclasses.
+
+Markers it replaces in any page:
+
+- ``<!-- options: weightsync.transport.backends.shm.engine.ShmOptions -->``: a table of that
+  dataclass's fields (field, ``WEIGHTSYNC_*`` variable, default, doc), from
+  :func:`weightsync.core.config.option_rows`.
+- ``<!-- env-table -->``: one table of every ``WEIGHTSYNC_*`` variable of every class named
+  by an ``options:`` marker anywhere in the docs, with a link to the page that documents it.
+
+A class that cannot be imported, or that declares no field with ``option()``, is a warning,
+so ``mkdocs build --strict`` fails. So is a ``WEIGHTSYNC_*`` name that ``src/weightsync``
+reads but the configuration page does not name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from pathlib import Path
+
+log = logging.getLogger("mkdocs.hooks.options")
+
+MARKER = re.compile(r"<!--\s*options:\s*([\w.]+)\s*-->")
+ENV_MARKER = "<!-- env-table -->"
+CONFIG_PAGE = "configuration.md"
+#: names read in src/weightsync: a literal WEIGHTSYNC_X, or env_value("X", ...) / option("X", ...)
+SRC_NAMES = (re.compile(r"\bWEIGHTSYNC_([A-Z][A-Z0-9_]*[A-Z0-9])"),
+             re.compile(r"\b(?:env_value|option)\(\s*[\"']([A-Z][A-Z0-9_]*)[\"']"))
+
+_classes: dict[str, str] = {}     # dotted class name -> page (src_uri) that shows its table
+_rows: dict[str, object] = {}     # dotted class name -> its option_rows, or None (warned once)
+
+
+def _load(dotted: str):
+    if dotted not in _rows:
+        _rows[dotted] = _read_rows(dotted)
+    return _rows[dotted]
+
+
+def _read_rows(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        from weightsync.core.config import option_rows
+        rows = option_rows(cls)
+    except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
+        log.warning("options table %s: cannot load it (%s: %s)", dotted, type(exc).__name__, exc)
+        return None
+    if not rows:
+        log.warning("options table %s: no field declared with weightsync.core.config.option()",
+                    dotted)
+        return None
+    return rows
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _default(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return f"`{value}`"
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"`{value}` ({value >> 20} MiB)"
+    if isinstance(value, str):
+        return f"`{value!r}`" if value else "`''`"
+    return f"`{value!r}`"
+
+
+def _table(dotted: str) -> str:
+    rows = _load(dotted)
+    if rows is None:
+        return f"!!! failure\n    The options table of `{dotted}` could not be generated.\n"
+    lines = [f"Options of `{dotted.rpartition('.')[2]}` (keywords, or the environment "
+             "variable, read when the options are built):", "",
+             "| option | environment | default | what it does |", "| --- | --- | --- | --- |"]
+    for name, env, default, doc in rows:
+        lines.append(f"| `{name}` | {f'`{env}`' if env else '-'} | {_default(default)} | "
+                     f"{_cell(doc)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _env_table(page_uri: str) -> str:
+    lines = ["| variable | option | class | default | what it does |",
+             "| --- | --- | --- | --- | --- |"]
+    seen = {}
+    for dotted, src in sorted(_classes.items(), key=lambda kv: kv[0].rpartition(".")[2]):
+        rows = _load(dotted) or []
+        link = _relative(page_uri, src)
+        short = dotted.rpartition(".")[2]
+        for name, env, default, doc in rows:
+            if not env:
+                continue
+            if env in seen and seen[env] != dotted:
+                log.warning("%s is declared by both %s and %s", env, seen[env], dotted)
+            seen[env] = dotted
+            lines.append(f"| `{env}` | `{name}` | [{short}]({link}) | {_default(default)} | "
+                         f"{_cell(doc)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _relative(from_uri: str, to_uri: str) -> str:
+    if from_uri == to_uri:
+        return ""
+    depth = from_uri.count("/")
+    return "../" * depth + to_uri
+
+
+def _src_names(root: Path) -> set[str]:
+    names: set[str] = set()
+    for path in (root / "src" / "weightsync").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for pattern in SRC_NAMES:
+            names.update("WEIGHTSYNC_" + m for m in pattern.findall(text))
+    return names
+
+
+def on_files(files, config):
+    """Find every class an ``options:`` marker names, and the page that shows it."""
+    _classes.clear()
+    _rows.clear()
+    for f in files:
+        if not f.src_uri.endswith(".md"):
+            continue
+        text = Path(f.abs_src_path).read_text(encoding="utf-8")
+        for dotted in MARKER.findall(text):
+            _classes.setdefault(dotted, f.src_uri)
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    uri = page.file.src_uri
+    if ENV_MARKER in markdown:
+        markdown = markdown.replace(ENV_MARKER, _env_table(uri))
+    markdown = MARKER.sub(lambda m: _table(m.group(1)), markdown)
+    if uri == CONFIG_PAGE:
+        root = Path(config["config_file_path"]).parent
+        missing = sorted(n for n in _src_names(root) if n not in markdown)
+        if missing:
+            log.warning("configuration.md does not name %s, read in src/weightsync",
+                        ", ".join(missing))
+    return markdown
