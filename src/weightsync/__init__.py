@@ -1,10 +1,11 @@
 """weightsync: move trainer weights into rollout engines fast and safely.
 
-Quick start (two processes, shared memory)::
+Quick start (two processes, shared memory; the whole program: examples/quickstart.py)::
 
-    import weightsync   # every process of the job: WEIGHTSYNC_TOKEN=<the job's secret>
-    engine = weightsync.connect("shm", role="trainer", address="127.0.0.1:29555")
-    ...
+    engine = weightsync.connect("shm", role="trainer", address="127.0.0.1:29555", token=secret)
+    stats = engine.send(model.state_dict(), version=1)              # the trainer process
+    stats = engine.receive(into=model.state_dict(), version=1)      # the rollout process
+    engine.finalize()
 
 See README.md for the whole lifecycle and docs/architecture.md for the layers.
 """
@@ -20,6 +21,7 @@ from weightsync.orchestration.manager import CheckpointEngineManager
 from weightsync.orchestration.report import ReplicaStatus, SyncReport, VerifyReport
 from weightsync.rollout.vllm.util import VLLMOptions
 from weightsync.transport import CheckpointEngine, CheckpointEngineRegistry
+from weightsync.transport.base import SyncStats
 from weightsync.transport.rendezvous import connect
 
 __version__ = "0.1.0"
@@ -30,7 +32,7 @@ __all__ = [
     "CheckpointEngineRegistry",
     "EngineConfig",
     "connect",
-    "normalize_version",
+    "SyncStats",
     "CheckpointEngineManager",
     "SyncReport",
     "ReplicaStatus",

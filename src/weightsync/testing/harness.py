@@ -11,6 +11,8 @@ byte for byte against the expected tensors. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import importlib
 import multiprocessing as mp
 import os
@@ -27,7 +29,7 @@ from weightsync.transport.base import worker_kwargs
 from weightsync.transport.tensors import CASTABLE
 from weightsync.core.plan import DTYPES
 
-__all__ = ["make_tensors", "expected_tensors", "run_group", "GroupSpec", "same_bytes"]
+__all__ = ["make_tensors", "expected_tensors", "run_group", "GroupSpec", "same_bytes", "CONSUME"]
 
 
 def _random(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -83,6 +85,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                        b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
 
 
+#: How receivers take the weights (``GroupSpec.consume``).
+CONSUME = ("views", "into", "into-shared", "plain", "plain-dict")
+
+
 @dataclass(kw_only=True)
 class GroupSpec:
     """One multi-process sync scenario."""
@@ -110,11 +116,14 @@ class GroupSpec:
                                         # ``timeout`` bounds the wait
     consume: str = "views"              # "views": receive_weights; "into": receive_into
                                         # the receiver's own tensors; "into-shared": the
-                                        # same tensors in shared memory (shm: pushes)
+                                        # same tensors in shared memory (shm: pushes);
+                                        # "plain": the blocking engine.send on trainers and
+                                        # engine.receive(into=own tensors) on receivers;
+                                        # "plain-dict": engine.send and engine.receive()
 
     def __post_init__(self) -> None:
-        if self.consume not in ("views", "into", "into-shared"):
-            raise ValueError(f"consume must be views, into or into-shared, got {self.consume!r}")
+        if self.consume not in CONSUME:
+            raise ValueError(f"consume must be one of {CONSUME}, got {self.consume!r}")
         if self.pattern not in ("full", "disjoint"):
             raise ValueError(f"pattern must be 'full' or 'disjoint', got {self.pattern!r}")
         if self.straggler_s is not None and not self.straggler_s > 0:
@@ -167,23 +176,87 @@ async def _receive_step(engine, spec: GroupSpec, step: int) -> dict[str, Any]:
             "count": len(counts)}
 
 
+def _receive_step_plain(engine, spec: GroupSpec, step: int) -> dict[str, Any]:
+    """One step of the blocking API: ``receive(into=...)`` or ``receive()``."""
+    expected = expected_tensors(step, bucket_size=spec.engine_kwargs["bucket_size"],
+                                tiny=spec.tiny, dtype=spec.engine_kwargs.get("dtype"))
+    version = step + spec.expect_version_offset
+    if spec.consume == "plain":
+        params = engine.__dict__.get("_harness_params")
+        if params is None:
+            params = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in expected.items()}
+            engine.__dict__["_harness_params"] = params
+        stats = engine.receive(into=params, version=version)
+        got = params
+    else:
+        got = engine.receive(version=version)
+        stats = None
+    bad = [n for n, t in got.items() if n not in expected or not same_bytes(t, expected[n])]
+    out = {"step": step, "missing": sorted(set(expected) - set(got)), "dupes": [],
+           "bad": bad, "count": len(got)}
+    if stats is not None:
+        out["stats"] = dataclasses.asdict(stats)
+    return out
+
+
+class _Steps:
+    """One worker's record of its steps: results, errors and where they came from."""
+
+    def __init__(self, role: str, rank: int) -> None:
+        self.role, self.rank = role, rank
+        self.steps: list = []
+        self.errors: list[str] = []
+        self.origins: list = []
+        self.failed_after: Optional[float] = None
+
+    def failed(self, exc: BaseException, started: float) -> None:
+        self.errors.append(f"{type(exc).__name__}: {exc}")
+        self.origins.append(getattr(exc, "origin", None) or getattr(exc, "peer", None))
+        self.failed_after = time.monotonic() - started
+
+    def result(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "steps": self.steps,
+                "errors": self.errors, "origins": self.origins,
+                "failed_after_s": self.failed_after}
+
+
 async def _run_role(engine, spec: GroupSpec, role: str, rank: int) -> dict[str, Any]:
-    steps, errors, origins, failed_after = [], [], [], None
+    rec = _Steps(role, rank)
     for step in range(spec.steps):
         started = time.monotonic()
         try:
             if role == "trainer":
-                steps.append(await engine.send_weights(_trainer_items(spec, step, rank),
-                                                       version=step))
+                rec.steps.append(await engine.send_weights(_trainer_items(spec, step, rank),
+                                                           version=step))
             else:
-                steps.append(await _receive_step(engine, spec, step))
+                rec.steps.append(await _receive_step(engine, spec, step))
         except Exception as exc:  # reported to the parent, which asserts on it
-            errors.append(f"{type(exc).__name__}: {exc}")
-            origins.append(getattr(exc, "origin", None) or getattr(exc, "peer", None))
-            failed_after = time.monotonic() - started
+            rec.failed(exc, started)
             break
-    return {"role": role, "rank": rank, "steps": steps, "errors": errors,
-            "origins": origins, "failed_after_s": failed_after}
+    return rec.result()
+
+
+def _run_role_plain(engine, spec: GroupSpec, role: str, rank: int) -> dict[str, Any]:
+    """:func:`_run_role` through the blocking ``send`` / ``receive``, called from a thread
+    without an event loop as a plain program calls them (a trainer step's result is its
+    ``SyncStats`` as a dict)."""
+    rec = _Steps(role, rank)
+    for step in range(spec.steps):
+        started = time.monotonic()
+        try:
+            if role == "trainer":
+                stats = engine.send(_trainer_items(spec, step, rank), version=step)
+                rec.steps.append(dataclasses.asdict(stats))
+            else:
+                rec.steps.append(_receive_step_plain(engine, spec, step))
+        except Exception as exc:  # reported to the parent, which asserts on it
+            rec.failed(exc, started)
+            break
+    return rec.result()
+
+
+def _plain(spec: GroupSpec) -> bool:
+    return spec.consume.startswith("plain")
 
 
 def _worker(spec: GroupSpec, role: str, rank: int, conn) -> None:
@@ -198,7 +271,10 @@ def _worker(spec: GroupSpec, role: str, rank: int, conn) -> None:
         if not conn.poll(spec.timeout):
             raise TimeoutError("no topology from the parent")
         engine.init_process_group(**conn.recv())
-        result = asyncio.run(_run_role(engine, spec, role, rank))
+        if _plain(spec):
+            result = _run_role_plain(engine, spec, role, rank)
+        else:
+            result = asyncio.run(_run_role(engine, spec, role, rank))
         if spec.hold:  # report now; finalize and exit once the parent has every report
             conn.send(result)
             conn.poll(spec.timeout)
@@ -228,7 +304,14 @@ def _run_inproc(spec: GroupSpec) -> list[dict[str, Any]]:
         jobs += [_run_role(e, spec, "rollout", j) for j, e in enumerate(rollouts)]
         return await asyncio.wait_for(asyncio.gather(*jobs), spec.timeout)
 
-    results = list(asyncio.run(main()))
+    if _plain(spec):     # blocking calls: one thread per engine
+        roles = [("trainer", i, e) for i, e in enumerate(trainers)] + \
+                [("rollout", j, e) for j, e in enumerate(rollouts)]
+        with concurrent.futures.ThreadPoolExecutor(len(roles)) as pool:
+            futs = [pool.submit(_run_role_plain, e, spec, role, rank) for role, rank, e in roles]
+            results = [f.result(spec.timeout) for f in futs]
+    else:
+        results = list(asyncio.run(main()))
     for e in trainers + rollouts:
         e.finalize()
     return results

@@ -21,6 +21,14 @@ keywords given beside ``options=`` override its fields.
 ``init_process_group`` is done once; ``send_weights``/``receive_weights`` run as many
 syncs as wanted on the same engines; ``finalize`` ends it (``prepare`` may start again).
 
+The blocking forms do the same from plain synchronous code (``weightsync.connect`` does the
+first four steps)::
+
+    stats = engine.send(model.state_dict(), version=3)          # trainer ranks
+    stats = engine.receive(into=model.state_dict(), version=3)  # rollout ranks
+    print(stats)   # version 3: ... tensors, ... MB in ... s (... GB/s)
+    weights = engine.receive(version=3)   # no ``into``: a dict of copies
+
 Rules every backend keeps (the conformance suite checks them):
 
 * Trainer ranks each pass an iterable (or async iterable) of ``(name, tensor)``. A name
@@ -39,21 +47,51 @@ Rules every backend keeps (the conformance suite checks them):
 from __future__ import annotations
 
 import abc
-from typing import Any, AsyncIterator, ClassVar, Iterable, Mapping, Optional, Union
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import (Any, AsyncIterator, Awaitable, ClassVar, Iterable, Mapping, Optional, Union,
+                    overload)
 
 import torch
 
 from weightsync.core.config import EngineConfig, build_options, option_names
-from weightsync.core.errors import TopologyError
+from weightsync.core.errors import PlanMismatch, SyncTimeout, TopologyError
+from weightsync.core.remote import normalize_version
 
-__all__ = ["CheckpointEngine", "CONFIG_KEYS", "NamedTensors", "check_topology", "worker_kwargs",
-           "per_worker", "validate_topology"]
+__all__ = ["CheckpointEngine", "CONFIG_KEYS", "NamedTensors", "SyncStats", "check_topology",
+           "worker_kwargs", "per_worker", "validate_topology"]
 
 #: Keyword arguments every engine takes (:class:`~weightsync.core.config.EngineConfig`).
 CONFIG_KEYS = ("bucket_size", "timeout", "device", "dtype", "num_slots", "checksum", "role",
                "host")
 
 NamedTensors = Union[Iterable[tuple[str, torch.Tensor]], Any]  # or an async iterable
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one blocking :meth:`CheckpointEngine.send` or :meth:`CheckpointEngine.receive`
+    moved: ``tensors`` and ``bytes`` (a sender counts what its backend sent for this rank,
+    a receiver what it received), ``seconds`` of wall time of the call, ``gbps``
+    (``bytes / seconds / 1e9``) and the ``version``."""
+
+    version: Any
+    tensors: int
+    bytes: int
+    seconds: float
+    gbps: float
+
+    @classmethod
+    def of(cls, version: Any, tensors: int, nbytes: int, seconds: float) -> "SyncStats":
+        return cls(version=version, tensors=int(tensors), bytes=int(nbytes),
+                   seconds=float(seconds),
+                   gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0)
+
+    def __str__(self) -> str:
+        return (f"version {self.version!r}: {self.tensors} tensors, {self.bytes / 1e6:.3f} MB "
+                f"in {self.seconds:.4f} s ({self.gbps:.3f} GB/s)")
 
 
 class CheckpointEngine(abc.ABC):
@@ -138,6 +176,109 @@ class CheckpointEngine(abc.ABC):
             dest.copy_(tensor)
             yield name, dest
 
+    # -- blocking forms ------------------------------------------------------------------
+
+    def send(self, weights: Any, *, version: Any = None,
+             timeout: Optional[float] = None) -> SyncStats:
+        """Send one version and return when it is sent: :meth:`send_weights` for callers
+        without an event loop.
+
+        ``weights``: a state dict (any mapping of name -> tensor), an ``nn.Module`` (its
+        ``state_dict()``) or an iterable of ``(name, tensor)``. Every wait inside is
+        bounded by the engine's ``timeout`` (a dead peer raises within it, naming it); the
+        whole call by ``timeout`` (default: twice the engine's plus 30 s). Runs on a private
+        event loop in a helper thread, so it may be called from any thread that does not
+        itself run an event loop (there, ``await send_weights(...)``).
+        """
+        items, limit = _items_of(weights), self._plain_timeout(timeout)
+        version = normalize_version(version)
+        start = time.perf_counter()
+        metrics = _block(self.send_weights(items, version=version), what="send", timeout=limit,
+                         version=version, waits_for="rollout ranks") or {}
+        seconds = time.perf_counter() - start
+        return SyncStats.of(version, metrics.get("tensors", 0), metrics.get("bytes", 0), seconds)
+
+    @overload
+    def receive(self, into: None = None, *, version: Any = None, strict: bool = True,
+                timeout: Optional[float] = None) -> dict[str, torch.Tensor]: ...
+
+    @overload
+    def receive(self, into: Union[Mapping[str, torch.Tensor], torch.nn.Module], *,
+                version: Any = None, strict: bool = True,
+                timeout: Optional[float] = None) -> SyncStats: ...
+
+    def receive(self, into: Any = None, *, version: Any = None, strict: bool = True,
+                timeout: Optional[float] = None) -> Any:
+        """Receive one version and return when every tensor of it has arrived: the
+        blocking form of :meth:`receive_into` / :meth:`receive_weights`.
+
+        ``into``: the receiver's own tensors, a mapping of name -> tensor or an
+        ``nn.Module`` (its ``state_dict()``, whose tensors are the module's own). Each
+        received tensor is written into the one of its name (``copy_`` semantics: dtype
+        cast, any layout; backends land the bytes there directly where they can) and a
+        :class:`SyncStats` is returned. ``strict``: a name received but not in ``into``,
+        or in ``into`` but not received, raises :class:`~weightsync.core.errors.PlanMismatch`
+        once the stream has ended (with ``strict=False`` such names are skipped).
+        Without ``into``: returns a dict of name -> a copy of each received tensor.
+
+        ``version``: the version expected (``None``: any). Timeouts and threads: as
+        :meth:`send`.
+        """
+        version, limit = normalize_version(version), self._plain_timeout(timeout)
+        if into is None:
+            received: dict[str, torch.Tensor] = {}
+
+            async def collect() -> None:
+                async for name, tensor in self.receive_weights(version):
+                    received[name] = tensor.clone()
+
+            _block(collect(), what="receive", timeout=limit, version=version,
+                   waits_for="trainer ranks")
+            return received
+        if isinstance(into, torch.nn.Module):
+            into = into.state_dict()
+        if not isinstance(into, Mapping):
+            raise ValueError(f"into must be a mapping of name -> tensor or an nn.Module, got "
+                             f"{type(into).__name__}")
+        # detached views share the parameters' storage and take in-place writes
+        targets = {n: t.detach() for n, t in into.items()}
+        counts = {"tensors": 0, "bytes": 0}
+        unexpected: list[str] = []
+        seen: set[str] = set()
+
+        async def land() -> None:
+            async for name, tensor in self.receive_into(targets, version):
+                seen.add(name)
+                dest = targets.get(name)
+                if dest is None:
+                    unexpected.append(name)
+                    continue
+                if tensor is not dest:
+                    if tuple(dest.shape) != tuple(tensor.shape):
+                        raise ValueError(f"receive: {name} has shape {tuple(tensor.shape)}, "
+                                         f"into[{name!r}] has {tuple(dest.shape)}")
+                    dest.copy_(tensor)
+                counts["tensors"] += 1
+                counts["bytes"] += tensor.numel() * tensor.element_size()
+
+        start = time.perf_counter()
+        _block(land(), what="receive", timeout=limit, version=version, waits_for="trainer ranks")
+        seconds = time.perf_counter() - start
+        missing = sorted(set(targets) - seen)
+        if strict and (unexpected or missing):
+            raise PlanMismatch(f"receive: {len(unexpected)} tensor(s) received that into has "
+                               f"no place for {sorted(unexpected)[:5]}, {len(missing)} of into "
+                               f"not received {missing[:5]} (strict=False skips them)",
+                               peer="trainer ranks", phase="receive", version=version)
+        return SyncStats.of(version, counts["tensors"], counts["bytes"], seconds)
+
+    def _plain_timeout(self, timeout: Optional[float]) -> float:
+        if timeout is None:
+            return 2 * self.config.timeout + 30
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return float(timeout)
+
     # -- helpers -------------------------------------------------------------------------
 
     def reset_plan(self) -> None:
@@ -148,6 +289,63 @@ class CheckpointEngine(abc.ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.finalize()
+
+
+def _items_of(weights: Any) -> Any:
+    """``(name, tensor)`` pairs of a state dict, a module or an iterable of pairs."""
+    if isinstance(weights, torch.nn.Module):
+        return weights.state_dict().items()
+    if isinstance(weights, Mapping):
+        return weights.items()
+    if isinstance(weights, (str, bytes, torch.Tensor)) or not (
+            hasattr(weights, "__iter__") or hasattr(weights, "__aiter__")):
+        raise ValueError("weights must be a state dict, an nn.Module or an iterable of "
+                         f"(name, tensor), got {type(weights).__name__}")
+    return weights
+
+
+def _block(coro: Awaitable[Any], *, what: str, timeout: float, version: Any,
+           waits_for: str) -> Any:
+    """Run ``coro`` to its end on a private event loop in a helper thread; at most
+    ``timeout`` seconds (then it is cancelled, which tells the peers, and
+    ``SyncTimeout`` names ``waits_for``). Refused in a thread that runs an event loop:
+    blocking there would stall that loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        getattr(coro, "close", lambda: None)()
+        async_form = "send_weights" if what == "send" else "receive_into / receive_weights"
+        raise RuntimeError(f"engine.{what}() blocks and this thread runs an event loop: "
+                           f"await engine.{async_form}(...) there, or call {what}() from "
+                           "another thread")
+    result: dict[str, Any] = {}
+
+    async def bounded() -> None:
+        task = asyncio.ensure_future(coro)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            result["expired"] = True
+            task.cancel()
+            await asyncio.wait({task})   # the cancelled coroutine tells its peers
+        result["value"] = task.result()
+
+    def main() -> None:
+        try:
+            asyncio.run(bounded())
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=main, name=f"weightsync-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout + 30.0)
+    if thread.is_alive() or result.get("expired"):
+        raise SyncTimeout(f"{what} did not finish within {timeout:.1f}s", peer=waits_for,
+                          phase=what, version=version) from None
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
 
 
 def check_topology(

@@ -41,7 +41,10 @@ class _Mailbox:
         self.seq = 0
 
     def put(self, item: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:    # the receiver's loop has ended (it left that receive)
+            pass
 
 
 class _Hub:
