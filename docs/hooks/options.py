@@ -1,6 +1,6 @@
 """mkdocs hook: options and configuration tables generated from the options dataclasses.
 
-Markers it replaces in any page:
+Markers it replaces in any page, each alone on its line:
 
 - ``<!-- options: weightsync.transport.backends.shm.engine.ShmOptions -->``: a table of that
   dataclass's fields (field, ``WEIGHTSYNC_*`` variable, default, doc), from
@@ -22,8 +22,9 @@ from pathlib import Path
 
 log = logging.getLogger("mkdocs.hooks.options")
 
-MARKER = re.compile(r"<!--\s*options:\s*([\w.]+)\s*-->")
-ENV_MARKER = "<!-- env-table -->"
+#: a marker counts only alone on its line (so a page can quote one in code)
+MARKER = re.compile(r"^<!--\s*options:\s*([\w.]+)\s*-->[ \t]*$", re.M)
+ENV_MARKER = re.compile(r"^<!--\s*env-table\s*-->[ \t]*$", re.M)
 CONFIG_PAGE = "configuration.md"
 #: names read in src/weightsync: a literal WEIGHTSYNC_X, or env_value("X", ...) / option("X", ...)
 SRC_NAMES = (re.compile(r"\bWEIGHTSYNC_([A-Z][A-Z0-9_]*[A-Z0-9])"),
@@ -132,8 +133,8 @@ def on_files(files, config):
 
 def on_page_markdown(markdown, page, config, files):
     uri = page.file.src_uri
-    if ENV_MARKER in markdown:
-        markdown = markdown.replace(ENV_MARKER, _env_table(uri))
+    if ENV_MARKER.search(markdown):
+        markdown = ENV_MARKER.sub(lambda m: _env_table(uri), markdown)
     markdown = MARKER.sub(lambda m: _table(m.group(1)), markdown)
     if uri == CONFIG_PAGE:
         root = Path(config["config_file_path"]).parent
