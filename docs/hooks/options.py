@@ -9,8 +9,9 @@ Markers it replaces in any page, each alone on its line:
   by an ``options:`` marker anywhere in the docs, with a link to the page that documents it.
 
 A class that cannot be imported, or that declares no field with ``option()``, is a warning,
-so ``mkdocs build --strict`` fails. So is a ``WEIGHTSYNC_*`` name that ``src/weightsync``
-reads but the configuration page does not name.
+so ``mkdocs build --strict`` fails. So is a ``WEIGHTSYNC_*`` variable that ``src/weightsync``
+reads but the configuration page does not name, and one that ``src/weightsync`` names (in a
+docstring, a help text) but nothing reads.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ log = logging.getLogger("mkdocs.hooks.options")
 MARKER = re.compile(r"^<!--\s*options:\s*([\w.]+)\s*-->[ \t]*$", re.M)
 ENV_MARKER = re.compile(r"^<!--\s*env-table\s*-->[ \t]*$", re.M)
 CONFIG_PAGE = "configuration.md"
-#: names read in src/weightsync: a literal WEIGHTSYNC_X, or env_value("X", ...) / option("X", ...)
-SRC_NAMES = (re.compile(r"\bWEIGHTSYNC_([A-Z][A-Z0-9_]*[A-Z0-9])"),
-             re.compile(r"\b(?:env_value|option)\(\s*[\"']([A-Z][A-Z0-9_]*)[\"']"))
+#: variables src/weightsync reads: env_value("X", ...) / option("X", ...), or
+#: environ.get / env.get / environ[...] / getenv of a literal "WEIGHTSYNC_X"
+READS = (re.compile(r"\b(?:env_value|option)\(\s*[\"']([A-Z][A-Z0-9_]*)[\"']"),
+         re.compile(r"\b(?:environ\.get|env\.get|getenv|environ\[)\(?\s*[\"']WEIGHTSYNC_([A-Z][A-Z0-9_]*)[\"']"))
+#: every WEIGHTSYNC_X that src/weightsync names (docstrings, help texts, messages)
+MENTIONS = re.compile(r"\bWEIGHTSYNC_([A-Z][A-Z0-9_]*[A-Z0-9])\b")
 
 _classes: dict[str, str] = {}     # dotted class name -> page (src_uri) that shows its table
 _rows: dict[str, object] = {}     # dotted class name -> its option_rows, or None (warned once)
@@ -109,13 +113,17 @@ def _relative(from_uri: str, to_uri: str) -> str:
     return "../" * depth + to_uri
 
 
-def _src_names(root: Path) -> set[str]:
-    names: set[str] = set()
-    for path in (root / "src" / "weightsync").rglob("*.py"):
+def _src_names(root: Path) -> tuple[set[str], dict[str, str]]:
+    """(variables src/weightsync reads, every variable it names -> a file naming it)."""
+    read: set[str] = set()
+    named: dict[str, str] = {}
+    for path in sorted((root / "src" / "weightsync").rglob("*.py")):
         text = path.read_text(encoding="utf-8")
-        for pattern in SRC_NAMES:
-            names.update("WEIGHTSYNC_" + m for m in pattern.findall(text))
-    return names
+        for pattern in READS:
+            read.update("WEIGHTSYNC_" + m for m in pattern.findall(text))
+        for m in MENTIONS.findall(text):
+            named.setdefault("WEIGHTSYNC_" + m, str(path.relative_to(root)))
+    return read, named
 
 
 def on_files(files, config):
@@ -138,8 +146,13 @@ def on_page_markdown(markdown, page, config, files):
     markdown = MARKER.sub(lambda m: _table(m.group(1)), markdown)
     if uri == CONFIG_PAGE:
         root = Path(config["config_file_path"]).parent
-        missing = sorted(n for n in _src_names(root) if n not in markdown)
+        read, named = _src_names(root)
+        missing = sorted(n for n in read if not re.search(rf"\b{n}\b", markdown))
         if missing:
             log.warning("configuration.md does not name %s, read in src/weightsync",
                         ", ".join(missing))
+        stale = sorted(n for n in named if n not in read)
+        if stale:
+            log.warning("src/weightsync names variables nothing reads: %s",
+                        ", ".join(f"{n} ({named[n]})" for n in stale))
     return markdown

@@ -6,8 +6,7 @@ shared-memory file that the owning process keeps open (torch's default
 keeps it). A process allowed to inspect the owner (the same permission as cross-memory
 attach) can open that descriptor through ``/proc/<pid>/fd/<n>``, map the file, and copy
 the bytes with ``memcpy`` at the memory's full speed, instead of asking the kernel to
-read the other address space page by page (``process_vm_readv``, about half that speed
-per thread: BENCHMARKS.md).
+read the other address space page by page (``process_vm_readv``, slower per thread).
 
 Sender side: :func:`shared_ref` names a tensor's bytes as ``(fd, inode, storage bytes,
 byte offset)``, or ``None`` when its storage is not shared that way. Receiver side:

@@ -14,8 +14,8 @@ and only walk their export): ``senders="master"``, the default (env
 ``torch.distributed`` world into the weightsync group behind that shape: a rank -1 trainer
 learns its index from ``torch.distributed``, reports to rank 0's rendezvous and sends what
 its export yields, each name from one rank (the backend's ownership agreement) -- for
-trainer ranks with links of their own (several hosts or NICs); on one small host the
-senders only share its cores (BENCHMARKS.md: slower there). A send that fails walks the
+trainer ranks with links of their own (several hosts or NICs); on one host the senders
+share its memory bandwidth and cores, so one sender is as fast. A send that fails walks the
 rest of its iterator, so trainer ranks in a collective export are never left waiting.
 
 The version of a sync is the count of rank 0's ``prepare()`` calls (the same on every

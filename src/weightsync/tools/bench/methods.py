@@ -264,12 +264,10 @@ class NixlRaw(Method):
     (trainer -> every receiver), the agents and handles set up before timing.
 
     The bench pairs it with ``nixl`` in the same processes, so its agents live through every
-    step of the engine's too. With ``WEIGHTSYNC_NIXL_PROGRESS_THREAD=auto`` (the default)
-    none of them runs NIXL's progress thread, which would keep a core busy all along (a
-    trainer-side one cost the engine's 1 GiB sync 0.19 -> 0.26 s here, BENCHMARKS.md): the
-    readers progress their reads as they poll them, and the trainer's agent, read from, is
-    progressed by a :class:`~weightsync.transport.backends.nixl.agent.Poller`. With
-    ``all`` every agent runs the thread, as NIXL's default does."""
+    step of the engine's too. None of them runs NIXL's progress thread, which would keep a
+    core busy all along and slow the engine's steps beside it: the readers progress their
+    reads as they poll them, and the trainer's agent, read from, is progressed by a
+    :class:`~weightsync.transport.backends.nixl.agent.Poller`."""
 
     verify = False
 

@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lk.add_argument("--collective-direct-mb", type=float,
                     help="broadcast on a host links file (collective on CPU): tensors of at "
                          "least this many MiB go as their own broadcast, unpacked "
-                         "(WEIGHTSYNC_COLLECTIVE_DIRECT_MIN; default "
+                         "(the engine's direct_min_bytes; default "
                          f"{COLLECTIVE_DIRECT_MIN >> 20}; 0: none)")
     lk.add_argument("--serve", choices=("auto", "staging"), default="auto",
                     help="p2p: where trainer ranks serve from (WEIGHTSYNC_NIXL_SERVE; "
@@ -91,10 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "receiver's memory, no ring); both (push). Ring on a gpu links "
                          "file (cuda_ipc): trainer is zero-copy (receivers read the trainer's "
                          "tensors in place; WEIGHTSYNC_CUDA_IPC_ZERO_COPY), receivers or both "
-                         "are pushes (WEIGHTSYNC_CUDA_IPC_PUSH)")
+                         "are pushes (the trainer writes into the receivers' tensors)")
     lk.add_argument("--ring-sync", choices=("event", "host"), default="event",
                     help="ring on a gpu links file (cuda_ipc): how a bucket's copies are "
-                         "ordered (WEIGHTSYNC_CUDA_IPC_SYNC): event (default, on the GPU) or "
+                         "ordered: event (default, on the GPU) or "
                          "host (the trainer waits for each bucket's pack before publishing it)")
     lk.add_argument("--trainer-device", choices=("cpu", "gpu"), default="cpu",
                     help="host links file only: cpu (default) or gpu (the trainer's tensors "
@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "change between syncs (e.g. 0.005); the codec's records on the "
                          "wire, its encode and apply priced from links.codec (default: dense)")
     lk.add_argument("--no-pipeline", action="store_true",
-                    help="p2p: stage everything, then pull (WEIGHTSYNC_NIXL_PIPELINE=0); "
+                    help="p2p: stage everything, then pull; "
                          "default: each staging block is read once written")
     out = p.add_argument_group("output")
     out.add_argument("--label", default="", help="a title for the report")

@@ -121,8 +121,8 @@ def workers_cut(pt: PlannedTensor, cut: bool = True) -> Optional[tuple]:
     """The boxes the ``nixl`` trainers stage ``pt`` by, or None: every worker keeps none of
     it or a box of it that is not one run (a row-parallel weight's columns; what its
     receivers tell the trainers), and together those boxes partition it
-    (:func:`~weightsync.core.xferplan.cut_boxes`). ``cut`` False: box-by-box staging off
-    (``WEIGHTSYNC_NIXL_CUT=0``), always None."""
+    (:func:`~weightsync.core.xferplan.cut_boxes`). ``cut`` False: box-by-box staging off,
+    always None."""
     if not cut or not pt.shape or not all(w == () or any(not box_is_run(pt.shape, b) for b in w)
                                for w in pt.boxes):
         return None
@@ -259,7 +259,7 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
     replica, or, where some byte has several holders (replicated over DP, TP/EP trainer
     boxes), of every replica (``workers x replicas`` columns: replicas then read
     differently, each receiver turning its ties by its rank). ``cut`` False: the trainers
-    stage no tensor box by box (``WEIGHTSYNC_NIXL_CUT=0``)."""
+    stage no tensor box by box."""
     expand = shard != "fsdp" or any(pt.held is not None for pt in tensors)
     cols_n = workers * replicas if expand else workers
     classes: dict[tuple, list[PlannedTensor]] = defaultdict(list)

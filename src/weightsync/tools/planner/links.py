@@ -20,7 +20,7 @@ YAML/JSON file). A links file describes one kind of node:
 * ``ring``: ``direct_min_bytes`` / ``direct_max_receivers`` (shm reads tensors that big
   straight from the trainer when there are at most that many receivers; 0: never),
   ``direct_GBps`` (what all those cross-memory reads of a host reach together) and
-  optionally ``direct_window`` (default 2, the engine's ``WEIGHTSYNC_SHM_DIRECT_WINDOW``:
+  optionally ``direct_window`` (default 2, the engine's direct window:
   how many direct tensors the trainer leaves unread before it waits; 1: it waits for each
   read before it asks for the next item, as the engine does for tensors whose storage does
   not outlive their item, e.g. a trainer that yields fresh tensors every sync);

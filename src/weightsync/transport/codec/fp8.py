@@ -45,7 +45,7 @@ def scale_name(name: str, scheme: str) -> str:
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
     # tensor / tensor: true division on every device (CUDA turns ``tensor / scalar`` into a
-    # multiplication by the reciprocal, off by an ulp from the CPU: the H200 run caught it)
+    # multiplication by the reciprocal, off by an ulp from the CPU)
     return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 

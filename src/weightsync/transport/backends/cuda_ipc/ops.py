@@ -296,10 +296,9 @@ def spread(sizes: list[int], lanes: int) -> list[int]:
 class GraphedCopies:
     """A receiver's replayed copies on the current stream. The first call queues them one
     by one; the second captures them once as a CUDA graph, and every call from then on
-    replays it: one launch, no per-tensor host work (on the H200, 291 copies of a 16 GB
-    model: 8.41 ms one by one, 8.07 ms as a graph of one chain, 7.58 ms in 4 chains, the
-    flat copy's rate; host 2.7 vs 0.1 ms; ``benchmarks/gpu_copies.py``). With ``branches``
-    > 1 the graph forks into that many
+    replays it: one launch, no per-tensor host work (``benchmarks/gpu_copies.py`` times it
+    against one flat copy; docs/benchmarks.md). With ``branches`` > 1 the graph forks into
+    that many
     independent chains of copies (balanced by bytes) that join at its end, so one copy's
     last, partly idle wave overlaps the next copy's start; the graph as a whole is still
     one unit of the current stream, before and after which everything stays ordered. The

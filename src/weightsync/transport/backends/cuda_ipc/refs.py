@@ -137,7 +137,7 @@ class ZeroCopyMixin:
         state.tensors += 1
         state.nbytes += nbytes
         # The first batch goes out early; each next one doubles, so a sync sends few
-        # messages (on the H200 a cap at 2 GiB, i.e. more messages, was slower and noisier).
+        # messages (a fixed cap means more messages, each a host round trip).
         first = max(1, self.config.bucket_size)
         limit = first << min(len(self._ref_plan_new), 20)
         if self._ref_bytes >= limit or len(self._ref_entries) >= MAX_REF_ENTRIES:
