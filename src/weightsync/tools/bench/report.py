@@ -226,7 +226,7 @@ def format_goals(doc: dict) -> str:
 
 
 def format_markdown(doc: dict) -> str:
-    """The results and goals as Markdown tables (for BENCHMARKS.md)."""
+    """The results and goals as Markdown tables."""
     out = []
     for w, d, r in _cases(doc["results"]):
         rows = [x for x in doc["results"] if (x["workload"], x["dtype"], x["receivers"]) == (w, d, r)]
