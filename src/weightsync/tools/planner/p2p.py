@@ -11,7 +11,7 @@ the number of READs, ``read_us`` of software each), and once all have landed the
 applies them: whole tensors land in its own (``receive_into``: software only), TP/EP
 slices and casts are copied by the loader (vLLM's, a receiver-side FP8 cast).
 
-A warm sync is pipelined (``WEIGHTSYNC_NIXL_PIPELINE``, on by default; ``pipelined`` of
+A warm sync is pipelined (as the engine runs it; ``pipelined`` of
 the scenario): each rank tells the workers to pull before it stages and names each
 staging block (``bucket_size``) once written, and the workers read it at once. So
 staging and the pull are one phase: their loads share every resource they both use

@@ -74,9 +74,9 @@ class Scenario:
     rollout_links: Optional[Links] = None
     bucket_size: int = DEFAULT_BUCKET_SIZE
     max_read_bytes: Optional[int] = None
-    pipelined: bool = True          # p2p: WEIGHTSYNC_NIXL_PIPELINE (warm syncs; default on)
+    pipelined: bool = True          # p2p: warm syncs stage and read at once (the engine's way)
     serve: str = "auto"             # p2p: WEIGHTSYNC_NIXL_SERVE ("auto" or "staging")
-    cut: bool = True                # p2p: WEIGHTSYNC_NIXL_CUT (box-by-box staging; default on)
+    cut: bool = True                # p2p: box-by-box staging (the engine's way)
     #: p2p: TP/EP workers give ``receive_into`` tensors of their kept boxes' shapes, so
     #: slices land straight in them; False: the loader copies each slice (vLLM's)
     into_shards: bool = False
@@ -86,7 +86,7 @@ class Scenario:
     shared: str = "none"            # ring on a host (shm): see SHARED
     trainer_device: str = "cpu"     # host links: see TRAINER_DEVICES
     #: broadcast on a host (``collective`` on CPU): tensors of at least this many bytes go
-    #: as their own broadcast, unpacked (``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``; 0: none)
+    #: as their own broadcast, unpacked (the engine's ``direct_min_bytes``; 0: none)
     collective_direct_min: int = COLLECTIVE_DIRECT_MIN
     #: buckets of a trainer rank's ring (``WEIGHTSYNC_NUM_SLOTS``)
     num_slots: int = DEFAULT_NUM_SLOTS
