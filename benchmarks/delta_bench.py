@@ -115,25 +115,25 @@ def w_recv(state, group, version):
 
 
 def w_digests(state, group, quantize=None):
-    from weightsync.transport.codec.digest import digest
+    from weightsync.core.digests import tensor_digest
     from weightsync.transport.codec.fp8 import Quantizer
     if state["role"] != "trainer":
-        return {n: digest(t)[1] for n, t in state["params"][group].items()}
+        return {n: tensor_digest(t) for n, t in state["params"][group].items()}
     items = _weights(state)
     if quantize:
         items = [pair for n, t in items for pair in Quantizer(quantize).expand(n, t)]
-    return {n: digest(t.contiguous())[1] for n, t in items}
+    return {n: tensor_digest(t.contiguous()) for n, t in items}
 
 
 def w_fp8(state):
     """FP8 block quantization of the current weights on this CPU, and the delta of the
     quantized bytes against the previous step's (no transport: the bytes a sync would move)."""
     from weightsync.transport.codec.fp8 import Quantizer
-    from weightsync.transport.codec.state import SendStats, SenderBases
+    from weightsync.transport.codec.state import EncodeRun, SendStats, SenderBases
     bases = state.setdefault("fp8_bases", SenderBases(limit=None, auto=False))
     qz, stats = Quantizer("fp8-block"), SendStats()
     quant_s = quant_bytes = 0.0
-    allow = bases.id is not None
+    run = EncodeRun(bases, allow=bases.id is not None, wrap=False, stats=stats)
     for name, t in _weights(state):
         start = time.perf_counter()
         pieces = qz.expand(name, t)
@@ -142,9 +142,8 @@ def w_fp8(state):
             quant_bytes += t.numel() * t.element_size()
         stats.source_bytes += t.numel() * t.element_size()
         for n, p in pieces:
-            bases.encode(n, p, allow=allow, wrap=False, stats=stats)
-    bases.start_refresh()
-    bases.wait_refresh()
+            run.add(n, p, own=True)
+    run.close()
     bases.id = "fp8"
     return {"bf16_bytes": stats.source_bytes, "fp8_bytes": stats.dense_bytes,
             "records": stats.delta,
@@ -155,8 +154,8 @@ def w_fp8(state):
 def kernels(shape=(4096, 14336), frac=0.005):
     """FP8 block quantization GB/s (bf16 in) and the delta codec's encode/apply times for
     one tensor, on the CPU and (if there is one) the GPU."""
+    from weightsync.core.digests import tensor_digest
     from weightsync.transport.codec import delta
-    from weightsync.transport.codec.digest import digest
     from weightsync.transport.codec.fp8 import quantize_block
     out = {}
     for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
@@ -175,13 +174,12 @@ def kernels(shape=(4096, 14336), frac=0.005):
             sync()
             return (time.perf_counter() - start) / reps
         nbytes = w.numel() * 2
-        base_d = digest(w)
-        rec, _ = delta.encode(new, w, base_d)
+        rec, _ = delta.encode(new, w)
         head = delta.parse(rec)
         out[dev] = {"shape": list(shape),
                     "fp8_quant_gbps": nbytes / timed(lambda: quantize_block(w)) / 1e9,
-                    "digest_gbps": nbytes / timed(lambda: digest(w)) / 1e9,
-                    "delta_encode_ms": 1e3 * timed(lambda: delta.encode(new, w, base_d)),
+                    "digest_gbps": nbytes / timed(lambda: tensor_digest(w)) / 1e9,
+                    "delta_encode_ms": 1e3 * timed(lambda: delta.encode(new, w)),
                     "delta_apply_ms": 1e3 * timed(lambda: delta.apply(head, rec, w.clone()), 3),
                     "clone_ms": 1e3 * timed(lambda: w.clone()), "record_bytes": rec.numel(),
                     "changed_fraction": frac}

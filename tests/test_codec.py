@@ -34,8 +34,8 @@ def codec():
     """The codec's modules, imported (registering its names) only when a test runs, so
     collecting this file adds no names to other modules' parametrizations."""
     import weightsync.transport.codec as c
-    from weightsync.transport.codec import delta, digest, fp8, kernels
-    c.delta, c.digest, c.fp8, c.kernels = delta, digest, fp8, kernels
+    from weightsync.transport.codec import delta, fp8, kernels
+    c.delta, c.fp8, c.kernels = delta, fp8, kernels
     return c
 
 
@@ -60,20 +60,21 @@ def _flip(t: torch.Tensor, frac: float, g: torch.Generator) -> torch.Tensor:
 
 
 # -- encodings --------------------------------------------------------------------------
-@pytest.mark.parametrize("frac,enc", [(0.0, "INDEX"), (0.004, "INDEX"), (0.2, "BITMAP"),
-                                      (0.6, "BITMAP"), (0.97, None)])
-def test_encoding_is_the_smallest(codec, frac, enc):
-    delta, digest = codec.delta, codec.digest.digest
+@pytest.mark.parametrize("frac,record", [(0.0, True), (0.004, True), (0.1, True), (0.2, False),
+                                         (0.97, False)])
+def test_records_list_changes_up_to_an_eighth(codec, frac, record):
+    delta = codec.delta
     base = _rand(torch.Generator().manual_seed(1), (100, 100), torch.bfloat16)
     new = _flip(base.clone(), frac, torch.Generator().manual_seed(2))
-    rec, idx = delta.encode(new, base, digest(base))
-    sizes = delta.record_sizes(new.numel(), 2, idx.numel())
-    if enc is None:
-        assert rec is None and min(sizes.values()) + 64 >= new.numel() * 2
+    rec, m = delta.encode(new, base)
+    assert m == math.ceil(frac * new.numel())
+    if not record:
+        assert rec is None and delta.record_size(new.shape, 2, m) is None
         return
     head = delta.parse(rec)
-    assert head.enc == getattr(delta, enc) and head.payload == min(sizes.values())
-    assert rec.numel() <= 1.125 * (head.offset + head.payload) + 256
+    assert head.enc == delta.INDEX and head.count == m and rec.numel() == head.size
+    assert rec.numel() == delta.record_size(new.shape, 2, m)
+    assert head.entries <= max(m + 8, 1.125 * m) and head.entries % 8 == 0
     target = base.clone()
     delta.apply(head, rec, target)
     assert same_bytes(target, new)
@@ -82,57 +83,147 @@ def test_encoding_is_the_smallest(codec, frac, enc):
 @pytest.mark.parametrize("dname", sorted(DTYPES))
 @pytest.mark.parametrize("shape", [(4000,), (37, 129)])
 def test_delta_round_trip_every_dtype(codec, dname, shape):
-    delta, digest, int_view = codec.delta, codec.digest.digest, codec.kernels.int_view
+    delta, int_view = codec.delta, codec.kernels.int_view
     g = torch.Generator().manual_seed(len(dname))
     base = _rand(g, shape, DTYPES[dname])
     new = _flip(base.clone(), 0.01, g)
-    for kind in (None, codec.digest.TORCH):
-        rec, idx = delta.encode(new, base, digest(base, kind))
-        ne = int_view(new) != int_view(base)
-        want = (ne.any(dim=1) if ne.dim() == 2 else ne).nonzero().view(-1)
-        assert rec is not None and torch.equal(idx, want) and idx.numel() > 0
-        target = base.clone()
-        delta.apply(delta.parse(rec), rec, target)
-        assert same_bytes(target, new)
-        moved = base.clone()
-        delta.scatter(moved, new, idx)
-        assert same_bytes(moved, new)
+    rec, m = delta.encode(new, base)
+    if not delta.deltable(new):                # 16-byte elements, or 1-D uint8: dense
+        assert rec is None and (new.element_size() == 16 or new.dtype == torch.uint8)
+        return
+    ne = int_view(new) != int_view(base)
+    want = (ne.any(dim=1) if ne.dim() == 2 else ne).nonzero().view(-1)
+    assert rec is not None and m == want.numel() > 0
+    assert torch.equal(delta.encode_host(new, base)[1], want)
+    target = base.clone()
+    delta.apply(delta.parse(rec), rec, target)
+    assert same_bytes(target, new)
+    moved = base.clone()
+    delta.scatter(moved, new, want)
+    assert same_bytes(moved, new)
 
 
-def test_apply_checks_base_and_result_and_refuses_garbage(codec):
-    delta, digest = codec.delta, codec.digest.digest
+def test_apply_checks_the_record_against_the_tensor_before_writing(codec):
+    """A base that differs where the record changes it, a value or position changed in
+    transit, a truncated record: refused, nothing written."""
+    delta = codec.delta
     g = torch.Generator().manual_seed(3)
     base = _rand(g, (3000,), torch.float32)
     new = _flip(base.clone(), 0.01, g)
-    rec, _ = delta.encode(new, base, digest(base))
+    rec, _ = delta.encode(new, base)
     head = delta.parse(rec)
-    wrong = _flip(base.clone(), 0.001, g)
+    wrong = base.clone()
+    first = int(rec[delta.HEAD: delta.HEAD + 4].view(torch.int32))
+    wrong[first] += 1.0                                    # drifted where the record writes
     before = wrong.clone()
-    with pytest.raises(delta.BaseMismatch):
+    with pytest.raises(delta.ResultMismatch):
         delta.apply(head, rec, wrong)
     assert same_bytes(wrong, before)                       # nothing written
-    bad = rec.clone()
-    bad[head.offset + head.payload - 1] ^= 1               # a value changed in transit
-    with pytest.raises(delta.ResultMismatch):
-        delta.apply(delta.parse(bad), bad, base.clone())
-    for cut in (rec[:40], rec[: head.offset + 3]):
+    with pytest.raises(delta.BaseMismatch):
+        delta.apply(head, rec, base.clone().view(torch.int32))
+    for at in (head.values_at, delta.HEAD + 1):            # a value, a position
+        bad = rec.clone()
+        bad[at] ^= 1
+        target = base.clone()
+        with pytest.raises(delta.ResultMismatch):
+            delta.apply(delta.parse(bad), bad, target)
+        assert same_bytes(target, base)
+    for cut in (rec[:40], rec[: delta.HEAD + 3], rec[:-8]):
         with pytest.raises(WireError):
             delta.parse(cut)
     evil = rec.clone()
-    evil[head.offset: head.offset + 2] = 255               # index 65535 of 3000
+    evil[delta.HEAD: delta.HEAD + 4] = torch.tensor([5000], dtype=torch.int32).view(torch.uint8)
     with pytest.raises(WireError):
         delta.apply(delta.parse(evil), evil, base.clone())
 
 
-def test_digests_tell_tensors_apart(codec):
-    d, digest = codec.digest, codec.digest.digest
-    t = torch.arange(1001, dtype=torch.int16)
-    u = t.clone()
-    u[500] += 1
-    for kind in (d.XXH3, d.TORCH, d.BLAKE2):
-        assert digest(t, kind) == digest(t.clone(), kind) != digest(u, kind)
-    assert digest(t[1:], d.TORCH) == digest(t[1:].clone(), d.TORCH)   # misaligned view
-    assert digest(torch.empty(0))[1] == digest(torch.empty(0, dtype=torch.int8))[1]
+def test_change_digest_sees_positions_values_and_what_they_replace(codec):
+    k = codec.kernels
+    idx = torch.tensor([3, 7, 100])
+    old = torch.tensor([1, 2, 3], dtype=torch.int16)
+    new = torch.tensor([4, 5, 6], dtype=torch.int16)
+    d = k.change_digest(idx, old, new)
+    assert d != 0 and k.change_digest(idx, new, new) == 0
+    assert d != k.change_digest(torch.tensor([3, 7, 101]), old, new)
+    assert d != k.change_digest(idx, torch.tensor([1, 2, 4], dtype=torch.int16), new)
+    assert d != k.change_digest(idx, old, torch.tensor([5, 4, 6], dtype=torch.int16))
+    assert d == k.change_digest(idx.flip(0), old.flip(0), new.flip(0))   # order-free
+
+
+def _interpreting() -> bool:
+    from weightsync.transport.codec import gpu
+    return gpu.INTERPRET and gpu.triton is not None
+
+
+@pytest.mark.skipif("not _interpreting()", reason="the device kernels run on the host only "
+                    "under TRITON_INTERPRET=1 (test_device_kernels_through_the_interpreter)")
+def test_interp_device_kernels_make_and_check_the_hosts_records(codec):
+    """The device kernels (run by Triton's interpreter on host tensors): one diff launch over
+    tensors of several dtypes and change rates makes the records the host makes (same
+    header, digest, positions and values), leaves each base equal to its new tensor, and
+    the receiver's verify-then-commit takes good records and refuses bad ones untouched."""
+    from weightsync.transport.codec import gpu
+    delta, int_view = codec.delta, codec.kernels.int_view
+    g = torch.Generator().manual_seed(11)
+    cases = [((300, 70), torch.bfloat16, 0.01), ((5000,), torch.float32, 0.05),
+             ((64, 64), torch.bfloat16, 0.5), ((100,), torch.bfloat16, 0.0),
+             ((257, 3), torch.float8_e4m3fn, 0.02), ((40, 50), torch.float64, 0.03)]
+    items, olds = [], []
+    for shape, dtype, frac in cases:
+        base = _rand(g, shape, dtype)
+        items.append((len(items), _flip(base.clone(), frac, g), base.clone()))
+        olds.append(base)
+    enc = gpu.Encoder()
+    got = enc.finish(enc.launch(items))
+    for (_, new, base), old, r in zip(items, olds, got):
+        assert same_bytes(base, new)                       # the base moved along
+        want, idx = delta.encode_host(new, old)
+        assert r.changed == idx.numel()
+        if want is None:
+            assert r.record is None
+            continue
+        head = delta.parse(r.record)
+        assert head == delta.parse(want)                   # digest, count, entries
+        pos = r.record[delta.HEAD: delta.HEAD + head.count * 4].view(torch.int32).long()
+        order = pos.argsort()
+        assert torch.equal(pos[order], idx)
+        vals = r.record[head.values_at: head.size].view(int_view(new).dtype)[: head.count]
+        assert torch.equal(vals[order], int_view(new)[idx])
+        dec = gpu.Decoder(torch.device("cpu"))
+        target = old.clone()
+        assert dec.add("good", r.record, target)
+        if head.count:
+            for at in (head.values_at, delta.HEAD, 24):     # a value, a position, the count
+                bad = r.record.clone()
+                bad[at] ^= 1
+                untouched = old.clone()
+                assert dec.add(f"bad{at}", bad, untouched)
+                assert same_bytes(untouched, old)
+            drifted = old.clone()
+            int_view(drifted)[int(pos[0])] ^= 2             # a base that differs there
+            assert dec.add("drifted", r.record, drifted)
+        assert not dec.add("short", r.record[:-8], old.clone())
+        results = dict(dec.results())
+        assert results.pop("good") and not any(results.values()), results
+        assert same_bytes(target, new)
+
+
+@pytest.mark.timeout(600)
+def test_device_kernels_through_the_interpreter(tmp_path):
+    """The device path of the codec on the host: Triton's interpreter runs the kernels on
+    host tensors, and the in-process syncs (records encoded and applied by the kernels,
+    base mismatches, tampered records, delta of FP8) run through them."""
+    import os
+    import subprocess
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    keys = ("interp_ or delta_in_place or corrupted or failed_sync or fp8_and_delta or "
+            "gone_mid_delta")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                           __file__, "-k", keys], env=env, capture_output=True, text=True,
+                          timeout=560, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "6 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-500:]
 
 
 # -- FP8 ----------------------------------------------------------------------------------
@@ -203,7 +294,7 @@ class Weights:
                   "mask": _rand(g, (3000,), torch.bool), "count": torch.tensor(7),
                   "empty": torch.empty(0, 4), "fp8": _rand(g, (900,), torch.float8_e4m3fn),
                   "cplx": _rand(g, (400,), torch.complex64),
-                  "looks.like.record": torch.frombuffer(bytearray(b"WSDELTA1" + bytes(600)),
+                  "looks.like.record": torch.frombuffer(bytearray(b"WSDELTA2" + bytes(600)),
                                                         dtype=torch.uint8)}
 
     def step(self, frac: float = 0.01) -> None:
@@ -281,6 +372,7 @@ def test_delta_in_place_then_missed_version_gets_dense(codec):
             _exact(yielded, w.d)
         if v in (1, 5):
             assert m["bytes"] < 0.3 * m["codec"]["dense_bytes"], m
+            assert (m["codec"]["groups"] > 0) == _interpreting()     # the device kernels
         w.step()
     assert modes == ["dense", "delta", "delta", "delta", "dense", "delta"], modes
     assert pa["l.0.proj.weight"].data_ptr() == ptr
@@ -315,8 +407,7 @@ def test_corrupted_base_and_corrupted_record_are_resent_dense(codec):
             async for name, t in aiter_items(items):
                 if name == "l.0.proj.weight" and delta.is_record(t):
                     t = t.clone()
-                    head = delta.parse(t)
-                    t[head.offset + head.payload - 1] ^= 1
+                    t[delta.parse(t).values_at] ^= 1
                 yield name, t
         return await inner_send(gen(), version)
 
@@ -370,6 +461,64 @@ def test_failed_sync_means_dense_next_time(codec):
     m, _ = g.sync(w.d, 2, [pa])
     assert m["codec"]["mode"] == "dense"
     _exact(pa, w.d)
+
+
+def test_receiver_gone_mid_delta_leaves_old_or_new_never_wrong(codec):
+    """Two receivers; one stops in the middle of a delta sync. The sync fails; the other
+    receiver's tensors each hold either the old or the new version's bytes (nothing in
+    between), no base is held after it, and the next sync is dense and exact."""
+    w, g = Weights(), Inproc(timeout=5)
+    a, b = g.receiver(), g.receiver()
+    pa, pb = _model(w), _model(w)
+    g.join([a, b])
+    g.sync(w.d, 0, [pa, pb])
+    old = _model(w)
+    w.step(0.02)
+
+    async def broken():
+        send = asyncio.ensure_future(g.trainer.send_weights(list(w.d.items()), 1))
+        got = asyncio.ensure_future(_drain(a.receive_into(pa, 1)))
+        it = b.receive_into(pb, 1)
+        await it.__anext__()
+        await it.aclose()                         # b gives up after one tensor
+        for fut in (send, got):
+            with pytest.raises(Exception):
+                await fut
+    asyncio.run(broken())
+    for n in w.d:
+        assert same_bytes(pa[n], old[n]) or same_bytes(pa[n], w.d[n]), n
+    assert a.rx.held == {} and g.trainer.bases.id is None
+    g.join([a, b])
+    m, _ = g.sync(w.d, 2, [pa, pb])
+    assert m["codec"]["mode"] == "dense"
+    _exact(pa, w.d), _exact(pb, w.d)
+
+
+async def _drain(it):
+    async for _ in it:
+        pass
+
+
+def drift_and_kill_rollout_1(engine, role, rank):
+    """``GroupSpec.hook``: drifting tensors, and rollout rank 1 dies in the second sync."""
+    import faults
+    drift_hook(engine, role, rank)
+    faults.kill_rollout_1(engine, role, rank)
+
+
+@pytest.mark.timeout(180)
+def test_receiver_killed_mid_delta_over_processes(codec):
+    """``delta+shm`` across processes: a receiver killed in the first delta sync fails the
+    sync on every other worker within the timeout, naming a rollout rank."""
+    spec = CodecSpec(backend="delta+shm", hook=f"{__name__}:drift_and_kill_rollout_1",
+                     receivers=2, steps=3, tiny=100, timeout=90,
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 6})
+    trainer, r0, r1 = run_group(spec)
+    assert r1 == {"died": 17}
+    assert len(trainer["steps"]) == 1 and trainer["errors"], trainer
+    assert trainer["steps"][0]["codec"]["mode"] == "dense"
+    assert "rollout rank" in trainer["errors"][0], trainer["errors"]
+    assert len(r0["steps"]) == 1 and r0["errors"], r0
 
 
 def test_fp8_and_delta_of_fp8(codec):

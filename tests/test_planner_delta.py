@@ -22,7 +22,6 @@ from weightsync.tools.planner.predict import predict
 from weightsync.tools.planner.rules import planned_tensors
 from weightsync.tools.planner.scenario import Scenario
 from weightsync.transport.codec import delta as codec_delta
-from weightsync.transport.codec.digest import digest
 from weightsync.transport.codec.engine import DELTA_BUCKET
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,7 +58,7 @@ def test_the_planned_records_are_what_the_codec_encodes(dtype, changed):
         flat = new.view(-1)
         flat[torch.randperm(n, generator=gen)[:m]] += 1.0
         assert int((new.view(-1) != base.view(-1)).sum()) == m
-        made, _ = codec_delta.encode(new, base, digest(base))
+        made, _ = codec_delta.encode(new, base)
         small = n * base.element_size() <= 256          # the codec's SMALL: always dense
         if made is None or small:
             assert rec.src_dtype == dtype and rec.shape == pt.shape, (pt.name, changed)
@@ -73,7 +72,7 @@ def test_the_planned_records_are_what_the_codec_encodes(dtype, changed):
 
 def test_the_record_bytes_of_the_bench_workload_are_the_codecs():
     """The bench's 256 MiB bf16 workload at 0.5 % changed (``weightsync bench --methods
-    delta+shm,delta+collective --changed 0.005``): a warm sync sends 4,401,408 bytes of
+    delta+shm,delta+collective --changed 0.005``): a warm sync sends 4,321,328 bytes of
     records, the codec's own count for that workload; the plan sends the same to every
     receiver, over the ring and the broadcast alike (the bench changes round(fraction x n)
     elements of each tensor)."""
@@ -84,8 +83,8 @@ def test_the_record_bytes_of_the_bench_workload_are_the_codecs():
         p = predict(_scenario(model=model, replicas=receivers, strategies=("ring", "broadcast"),
                               delta=0.005))
         for name in ("ring", "broadcast"):
-            assert p.delta[name]["record_bytes"] == 4401408
-            assert p.results[name].dest_bytes == [4401408] * receivers
+            assert p.delta[name]["record_bytes"] == 4321328
+            assert p.results[name].dest_bytes == [4321328] * receivers
     assert "encode" in p.results["ring"].bottleneck.limit
 
 
@@ -103,13 +102,14 @@ def test_the_codec_is_a_pipeline_over_record_buckets():
     assert d["encode_s"] == pytest.approx(dense / enc) and d["apply_s"] == pytest.approx(
         dense / app)
     assert d["codec_s"] == pytest.approx(d["encode_s"] + d["apply_s"])
-    # a big model whose records fill many 8 MiB buckets (half its elements change: bitmaps)
-    big = model_from_tensors("big", [(f"l{i}.weight", (4096, 4096)) for i in range(8)])
-    many = predict(_scenario(model=big, strategies=("ring",), delta=0.5)).delta["ring"]
-    assert many["record_buckets"] > 8 and many["record_bytes"] > 8 * DELTA_BUCKET
+    # a big model whose records fill many buckets (a tenth of its elements change)
+    big = model_from_tensors("big", [(f"l{i}.weight", (4096, 4096)) for i in range(64)])
+    many = predict(_scenario(model=big, strategies=("ring",), delta=0.1)).delta["ring"]
+    assert many["record_buckets"] > 8
+    assert many["record_bytes"] > 8 * min(_scenario().bucket_size, DELTA_BUCKET)
     slow, fast = max(many["encode_s"], many["apply_s"]), min(many["encode_s"], many["apply_s"])
     assert many["codec_s"] == pytest.approx(slow + fast / many["record_buckets"])
-    r = predict(_scenario(model=big, strategies=("ring",), delta=0.5)).results["ring"]
+    r = predict(_scenario(model=big, strategies=("ring",), delta=0.1)).results["ring"]
     assert r.phases[0].name.startswith("delta: encode + apply")
     assert r.seconds > many["codec_s"]              # the records' transport after it
 
@@ -192,7 +192,7 @@ def test_the_gpu_presets_price_the_codec_per_changed_element():
                   replicas=1, placement="colocated", strategies=("ring",), delta=0.005)
     fast = predict(sc).delta["ring"]["codec_s"]
     slow = predict(dataclasses.replace(sc, delta=0.05)).delta["ring"]["codec_s"]
-    assert 6 * fast < slow <= 10 * fast
+    assert 6 * fast < slow <= 10.01 * fast     # records round their entries up (<= 1/8)
 
 
 def test_a_codec_side_needs_a_rate_or_a_cost_per_change():

@@ -6,9 +6,11 @@ This package owns the codec layer, which sits above every transport backend:
   keeps the engine contract; registered as ``delta+<b>``, ``fp8+<b>``, ``delta+fp8+<b>``
   for ``b`` in inproc, shm, collective, cuda_ipc, nixl (lazily, :mod:`.wrapped`);
 * :mod:`.sender` / :mod:`.receiver`: one sync on each side (rounds, resends);
-* :mod:`.state`: what each side keeps between syncs (base copies, digests, held ids);
-* :mod:`.delta`: delta records (changed indices + values, or bitmap + values) and their
-  in-place application; :mod:`.digest`: tensor digests;
+* :mod:`.state`: what each side keeps between syncs (base copies, held ids) and one
+  sync's encode;
+* :mod:`.delta`: delta records (changed positions + values, a change digest) and their
+  checked in-place application; :mod:`.kernels`: the same work on the host (numpy);
+  :mod:`.gpu`: on a GPU, as device kernels over many tensors per launch;
 * :mod:`.fp8`: block (128 x 128, ``weight_scale_inv``) and per-tensor FP8 quantization;
 * :mod:`.control`: the small per-sync control exchange; :mod:`.options`: options + env.
 

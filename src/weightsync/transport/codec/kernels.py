@@ -1,12 +1,18 @@
-"""The element-level work of the delta codec, on CPU (numpy, no torch thread pool) or on
-the tensors' device (torch).
+"""The element-level work of the delta codec on the host (numpy, no torch thread pool), and
+the change digest both sides compute.
 
 Every function takes contiguous tensors viewed as same-width integers
 (:func:`int_view`): an element "changed" when its bits changed. Positions are int64
-tensors, sorted. On CPU the heavy passes run through numpy on zero-copy views: the word
+tensors, sorted. The heavy passes run through numpy on zero-copy views: the word
 comparison in cache-sized chunks into one reused mask (no fresh pages per tensor), fancy
-indexing, ``packbits``; measured 2-10 x faster than torch's CPU kernels for these on one
-thread, and they do not contend for torch's thread pool with a training step.
+indexing; measured 2-10 x faster than torch's CPU kernels for these on one thread, and they
+do not contend for torch's thread pool with a training step. The same work on a GPU is
+:mod:`.gpu` (device kernels, no host work per change).
+
+The change digest (:func:`change_digest`) is the sum over a record's entries of
+``h(p, new) - h(p, old)`` mod 2**64, ``h`` a multiply-xorshift of the position ``p`` and
+the element's bits (zero-extended to 64 bits): :mod:`.gpu` computes the very same value with
+tensor operations, so a record made on one device is checked on the other.
 """
 
 from __future__ import annotations
@@ -16,15 +22,16 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["int_view", "changed", "gather", "put", "pack_bits", "unpack_bits",
-           "change_digest"]
+__all__ = ["int_view", "uint_bits", "changed", "gather", "put", "change_digest", "hash_np",
+           "K1", "K2", "K3"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 _NP_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _CHUNK_WORDS = 1 << 17
 _scratch = threading.local()
-_K1, _K2, _K3 = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F),
-                 np.uint64(0x165667B19E3779F9))
+#: Odd 64-bit multipliers of the change digest's hash (below 2**63: plain int64 literals in
+#: device code too).
+K1, K2, K3 = 0x1F3D5B79A3C5E7F1, 0x2545F4914F6CDD1D, 0x4CF5AD432745937F
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -42,8 +49,15 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+def uint_bits(values: np.ndarray) -> np.ndarray:
+    """Each element's bits as a uint64 (zero-extended; 1, 2, 4 or 8-byte elements)."""
+    size = values.dtype.itemsize
+    return values.view(_NP_OF_SIZE[size]).astype(np.uint64)
+
+
 def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Positions (int64, sorted) of the elements of ``new`` whose bits differ from ``base``."""
+    """Positions (int64, sorted) of the elements of ``new`` whose bits differ from ``base``
+    (host tensors; device tensors: compared with torch, for tests)."""
     nv, bv = int_view(new), int_view(base)
     if new.device.type != "cpu":
         ne = nv != bv
@@ -97,7 +111,7 @@ def gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return torch.empty((0, *v.shape[1:]), dtype=v.dtype, device=t.device)
     if t.device.type == "cpu":
         return torch.from_numpy(np.ascontiguousarray(_np(v)[_np(idx)]))
-    return v[idx]
+    return v[idx.to(t.device, torch.int64)]
 
 
 def put(t: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -108,51 +122,31 @@ def put(t: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
     if t.device.type == "cpu":
         _np(v)[_np(idx)] = _np(values.view(v.dtype).view(-1, *v.shape[1:]))
         return
-    v[idx] = values.view(v.dtype).view(-1, *v.shape[1:])
+    v[idx.to(t.device, torch.int64)] = values.view(v.dtype).view(-1, *v.shape[1:])
 
 
-def pack_bits(idx: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-    """One bit per element (little-endian within a byte), set at ``idx``."""
-    if torch.device(device).type == "cpu":
-        mask = np.zeros(n, dtype=np.bool_)
-        mask[_np(idx)] = True
-        return torch.from_numpy(np.packbits(mask, bitorder="little"))
-    mask = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=device)
-    mask[idx] = 1
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
-    return (mask.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
-
-
-def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """The positions of the set bits among the first ``n``."""
-    if bits.device.type == "cpu":
-        flat = np.unpackbits(_np(bits), count=n, bitorder="little")
-        return _positions(np.flatnonzero(flat))
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].nonzero().view(-1)
-
-
-def _lanes(values: torch.Tensor) -> np.ndarray:
-    """Each element's bits as one uint64 (16-byte elements: their two words mixed)."""
-    v = _np(values.cpu())
-    if v.ndim == 2:
-        return v[:, 0].view(np.uint64) * _K3 + v[:, 1].view(np.uint64)
-    return v.astype(np.int64).view(np.uint64)
+def hash_np(pos: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """``h(p, e)`` of each entry (uint64): ``x = e ^ p*K2; x *= K1; x ^= x >> 29; x *= K3;
+    x ^= x >> 32`` in wrapping 64-bit arithmetic."""
+    with np.errstate(over="ignore"):
+        x = bits ^ (pos.astype(np.int64).view(np.uint64) * np.uint64(K2))
+        x = x * np.uint64(K1)
+        x ^= x >> np.uint64(29)
+        x = x * np.uint64(K3)
+        x ^= x >> np.uint64(32)
+    return x
 
 
 def change_digest(idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
-    """A 64-bit digest of a change set: the sum over changed positions of h(i, new) minus
-    h(i, old) (mod 2**64), ``h`` a multiply-xorshift of the position and the element's
-    bits. The sender computes it from its values, the receiver from what it read before
-    writing and reads back after, so a wrong position or value shows. O(changes), on CPU."""
+    """The 64-bit digest of a change set: the sum over positions ``idx`` of ``h(i, new) -
+    h(i, old)`` (mod 2**64; ``old`` / ``new`` the elements' integer views at ``idx``). The
+    sender computes it from its base and the new values; the receiver from the values it
+    holds at those positions and the record's, before it writes anything, so a wrong
+    position, value or base element shows. O(changes), on the host."""
     if idx.numel() == 0:
         return 0
+    pos = _np(idx.cpu()).astype(np.int64)
     with np.errstate(over="ignore"):
-        pos = _np(idx.cpu()).astype(np.uint64) * _K2
-
-        def h(u: np.ndarray) -> np.ndarray:
-            x = (u ^ pos) * _K1
-            x ^= x >> np.uint64(29)
-            return x * _K3
-        total = h(_lanes(new)).sum(dtype=np.uint64) - h(_lanes(old)).sum(dtype=np.uint64)
+        total = hash_np(pos, uint_bits(_np(new.cpu()).reshape(-1))).sum(dtype=np.uint64) - \
+            hash_np(pos, uint_bits(_np(old.cpu()).reshape(-1))).sum(dtype=np.uint64)
     return int(total)

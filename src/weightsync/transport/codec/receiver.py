@@ -25,7 +25,7 @@ import torch
 
 from weightsync.core.errors import IntegrityError
 from weightsync.transport.codec import delta
-from weightsync.transport.codec.state import ReceiveStats
+from weightsync.transport.codec.state import STAGED, ReceiveStats
 
 __all__ = ["CodecReceiver"]
 
@@ -47,6 +47,15 @@ class CodecReceiver:
             raise ValueError("params must be a mapping of name -> tensor, got "
                              f"{type(params).__name__}")
         return self._receive(version, params)
+
+    def _abort_unread(self, error: BaseException, version: Any) -> None:
+        """:meth:`abort_receive`: this receiver's ``held`` of the sync it skips is the
+        error, so every trainer rank fails where it gathers them (before the inner engine
+        moves a byte, which keeps the inner engines in step)."""
+        self._ready("rollout")
+        self._seq += 1
+        self.rx.held = {}
+        self._link.post_error(self._seq, "held", error)
 
     async def _receive(self, version: Any, params: Params
                        ) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -96,20 +105,34 @@ class CodecReceiver:
             stream = self.inner.receive_into(params, version)
         else:
             stream = self.inner.receive_weights(version)
+        rx, done = self.rx, False
         try:
             async for name, t in stream:
                 start = time.perf_counter()
-                if records and delta.is_record(t):
-                    out = self.rx.take_record(name, t, params, stats)
+                if records and rx.is_record(name, t, params):
+                    out = rx.take_record(name, t, params, stats)
                 else:
                     stats.dense += 1
-                    out = self.rx.take_dense(name, t, params)
+                    out = rx.take_dense(name, t, params)
                 stats.apply_seconds += time.perf_counter() - start
+                if out is STAGED:
+                    continue
+                if out is None:
+                    stats.needs.append(name)
+                    continue
+                yield name, out
+            start = time.perf_counter()
+            landed = rx.finish_records(stats)
+            stats.apply_seconds += time.perf_counter() - start
+            done = True
+            for name, out in landed:
                 if out is None:
                     stats.needs.append(name)
                     continue
                 yield name, out
         finally:
+            if not done:
+                rx.drop_staged()
             await stream.aclose()
 
     async def _round_two(self, version: Any, params: Params, records: bool,

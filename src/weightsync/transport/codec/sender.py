@@ -7,7 +7,8 @@
 2. Post this rank's mode; read every trainer rank's (if any sends deltas, dense tensors
    that look like records travel wrapped, so receivers can tell them apart).
 3. Stream the tensors through the inner engine: cast, FP8-quantize, then per tensor a
-   delta record or the dense tensor (:class:`~weightsync.transport.codec.state.SenderBases`).
+   delta record or the dense tensor (:class:`~weightsync.transport.codec.state.EncodeRun`:
+   device tensors are diffed in groups by device kernels, host tensors one by one).
 4. Read every receiver's ``needs``: names whose base or result digest did not match. If any,
    a second round sends them dense (from the base copies, which hold the new values);
    their count is ``codec.resent`` in the metrics. A name still missing after that is an
@@ -24,7 +25,7 @@ import torch
 
 from weightsync.core.errors import IntegrityError, WireError
 from weightsync.transport.codec import delta
-from weightsync.transport.codec.state import SendStats, new_id
+from weightsync.transport.codec.state import EncodeRun, SendStats, new_id
 from weightsync.transport.tensors import CASTABLE, aiter_items
 
 __all__ = ["CodecSender"]
@@ -45,9 +46,8 @@ class CodecSender:
         start = time.perf_counter()
         stats, posted, rounds = SendStats(), False, []
         lap = stats.lap
+        self.bases.lasting.begin()
         try:
-            await self._offload(self.bases.wait_refresh)
-            lap("digests")
             held = await self._gather(seq, "held", "rollout", version)
             lap("held")
             allow, reason = self._decide(held)
@@ -57,7 +57,8 @@ class CodecSender:
             modes = await self._gather(seq, "mode", "trainer", version)
             lap("modes")
             wrap = any(bool(m.get("delta")) for m in modes)
-            items = self._encoded(named_tensors, allow, wrap, stats)
+            items = self._encoded(named_tensors, EncodeRun(
+                self.bases, allow=allow, wrap=wrap, stats=stats, version=version))
             rounds.append(await self.inner.send_weights(items, version))
             lap("round1")
             needs = await self._gather(seq, "needs/1", "rollout", version)
@@ -78,11 +79,11 @@ class CodecSender:
             self._done_seq = seq
         except BaseException as exc:
             self.bases.id = None
+            self.bases.lasting.reset()   # a failed sync: trust no storage from before it
             if not posted:
                 link.post_error(seq, "mode", exc)
             raise
-        finally:
-            self.bases.start_refresh()
+        self.bases.lasting.finish()
         return self._metrics(rounds, stats, mode, needs, time.perf_counter() - start)
 
     def _decide(self, held: list[dict]) -> tuple[bool, str]:
@@ -97,37 +98,38 @@ class CodecSender:
                 return False, f"rollout rank {r} does not hold this rank's base"
         return True, "every receiver holds the base"
 
-    async def _encoded(self, named_tensors: Any, allow: bool, wrap: bool, stats: SendStats):
+    async def _encoded(self, named_tensors: Any, run: EncodeRun):
         async for name, tensor in aiter_items(named_tensors):
             nbytes = tensor.numel() * tensor.element_size()
-            if nbytes >= _OFFLOAD_BYTES:
-                pieces = await self._offload(self._encode_item, name, tensor, allow, wrap,
-                                                 stats)
+            if tensor.device.type == "cpu" and nbytes >= _OFFLOAD_BYTES:
+                pieces = await self._offload(self._encode_item, name, tensor, run)
             else:
-                pieces = self._encode_item(name, tensor, allow, wrap, stats)
+                pieces = self._encode_item(name, tensor, run)
             for pair in pieces:
                 yield pair
+        for pair in run.close():
+            yield pair
 
-    def _encode_item(self, name: str, t: torch.Tensor, allow: bool, wrap: bool,
-                     stats: SendStats) -> list[tuple[str, torch.Tensor]]:
-        cast = self.config.dtype
+    def _encode_item(self, name: str, t: torch.Tensor, run: EncodeRun
+                     ) -> list[tuple[str, torch.Tensor]]:
+        cast, stats = self.config.dtype, run.stats
+        pieces = self._quantizer.expand(name, t) if self._quantizer else [(name, t)]
         if cast is not None and t.dtype in CASTABLE and t.dtype != cast:
-            pieces = self._quantizer.expand(name, t) if self._quantizer else [(name, t)]
             pieces = [(n, p.to(cast) if p is t else p) for n, p in pieces]
-        else:
-            pieces = self._quantizer.expand(name, t) if self._quantizer else [(name, t)]
         size = cast.itemsize if cast is not None and t.dtype in CASTABLE else t.element_size()
         stats.source_bytes += size * t.numel()
         out = []
         for n, p in pieces:
-            if self._delta_on:
-                out.append((n, self.bases.encode(n, p, allow=allow, wrap=wrap, stats=stats)))
+            if not self._delta_on:
+                stats.tensors += 1
+                stats.dense += 1
+                stats.dense_bytes += p.numel() * p.element_size()
+                stats.sent_dense_bytes += p.numel() * p.element_size()
+                out.append((n, delta.raw_record(p) if run.wrap and delta.is_record(p) else p))
                 continue
-            stats.tensors += 1
-            stats.dense += 1
-            stats.dense_bytes += p.numel() * p.element_size()
-            stats.sent_dense_bytes += p.numel() * p.element_size()
-            out.append((n, delta.raw_record(p) if wrap and delta.is_record(p) else p))
+            # the caller's own tensor on a device: may its diff wait for a group?
+            mine = p is t and p.device.type != "cpu" and p.is_contiguous()
+            out += run.add(n, p, own=not mine, lasting=mine and run.lasting(n, p))
         return out
 
     def _metrics(self, rounds: list[dict], stats: SendStats, mode: dict, needs: list,

@@ -1,36 +1,46 @@
 """What each side keeps between syncs to send and apply deltas, and what it costs.
 
 Trainer (:class:`SenderBases`): per tracked tensor, a copy of what was last sent (same
-device and dtype as the tensor on the wire: after the cast, after FP8 quantization) and
-its digest (hashed in a thread after each sync, off the critical path). Memory: the size
-of the weight set as sent (bf16 model: 2 bytes/parameter; FP8: about 1), bounded by
-``delta_max_bytes`` (tensors past the bound are not tracked and always go dense); tensors
-of at most :data:`SMALL` bytes are never tracked (a record is never smaller). ``id`` names
-the base receivers must hold for a delta (None: none yet, or the last sync failed): a new
-random one after every completed sync.
+device and dtype as the tensor on the wire: after the cast, after FP8 quantization).
+Memory: the size of the weight set as sent (bf16 model: 2 bytes/parameter; FP8: about 1),
+bounded by ``delta_max_bytes`` (tensors past the bound are not tracked and always go
+dense); tensors of at most :data:`SMALL` bytes are never tracked (a record is never
+smaller). ``id`` names the base receivers must hold for a delta (None: none yet, or the
+last sync failed): a new random one after every completed sync. One sync's encode is an
+:class:`EncodeRun`: host tensors are diffed one by one (numpy), device tensors in groups by
+:mod:`.gpu` (staging: see there).
 
 Receiver (:class:`ReceiverBases`): the base of a tensor is the receiver's own tensor
 when it was passed to ``receive_into`` with the same dtype and shape (no memory); else a
 private copy in ``store`` (``receive_weights``, names not in ``params``, or a model that
 holds another dtype): up to the size of the weight set. ``held`` maps each trainer rank
-to the base id this receiver holds from it, set only when a sync completed.
+to the base id this receiver holds from it, set only when a sync completed. A record is
+applied only onto the very tensor the last sync left the base in: the same storage and
+address, and, where torch counts them, no in-place writes since (its version counter);
+anything else (a tensor replaced, or written by the caller) is a base mismatch, sent
+again dense. Writes that bypass torch's counter (``.data``, raw pointers) are caught
+where the record changes the tensor (the change digest covers the values replaced);
+after loading weights into a model behind the codec's back, call the engine's
+``drop_codec_state()``.
 """
 
 from __future__ import annotations
 
 import secrets
-import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from weightsync.transport.codec import delta
-from weightsync.transport.codec.digest import digest
+from weightsync.transport.codec import delta, gpu
 from weightsync.transport.codec.options import AUTO_BACKOFF
+from weightsync.transport.tensors import ReplayedLasting
 
-__all__ = ["SenderBases", "ReceiverBases", "SendStats", "ReceiveStats", "SMALL", "new_id"]
+__all__ = ["SenderBases", "EncodeRun", "ReceiverBases", "SendStats", "ReceiveStats", "SMALL",
+           "STAGED", "new_id"]
 
 #: Tensors of at most this many bytes always go dense (a record header costs about this).
 SMALL = 256
@@ -52,7 +62,8 @@ class SendStats:
     sent_dense_bytes: int = 0  # bytes of the tensors sent dense
     compared: int = 0          # elements diffed
     changed: int = 0           # of those, elements that changed
-    encode_seconds: float = 0.0
+    encode_seconds: float = 0.0   # host time in the encode (device work is queued)
+    groups: int = 0            # device launches of the diff
     resent: int = 0            # tensors sent again, dense, after a receiver's mismatch
     phases: dict = field(default_factory=dict)      # seconds per step of the sync
     _mark: float = field(default_factory=time.perf_counter)
@@ -73,8 +84,8 @@ class ReceiveStats:
     applied: int = 0           # delta records applied and verified
     dense: int = 0
     no_base: int = 0           # a record for a tensor this receiver holds no base of
-    base_mismatch: int = 0     # the base digest differed: not applied
-    result_mismatch: int = 0   # applied, but the digest after differed
+    base_mismatch: int = 0     # the tensor is not the one the base was left in: not applied
+    result_mismatch: int = 0   # the record's checks failed: not applied
     resent: int = 0            # received again, dense, in the second round
     needs: list = field(default_factory=list)
     apply_seconds: float = 0.0
@@ -105,127 +116,188 @@ def _copy_into(old: Optional[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
 
 
 class SenderBases:
-    """The trainer rank's copies to diff against (see the module doc).
-
-    Digests of the bases are computed off the sync's critical path: a tensor whose base
-    changed is marked dirty, and :meth:`start_refresh` hashes the dirty ones in a thread
-    after the sync (while the trainer trains); the next sync waits for it first
-    (:meth:`wait_refresh`)."""
+    """The trainer rank's copies to diff against (see the module doc)."""
 
     def __init__(self, *, limit: Optional[int], auto: bool) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.digests: dict[str, tuple[int, int]] = {}
-        self.dirty: set[str] = set()
         self.backoff: dict[str, int] = {}
         self.nbytes = 0
         self.limit = limit
         self.auto = auto
         self.id: Optional[str] = None
-        self._refresh: Optional[threading.Thread] = None
+        #: which of the caller's tensors outlive their item (their diff may wait for a group)
+        self.lasting = ReplayedLasting()
+        self.encoder = gpu.Encoder()
 
-    def encode(self, name: str, t: torch.Tensor, *, allow: bool, wrap: bool,
-               stats: SendStats) -> torch.Tensor:
-        """What to send for ``t``: a record, or ``t`` (``wrap``: in a RAW record where it
-        looks like one). Updates the base to ``t`` either way."""
-        start = time.perf_counter()
-        try:
-            return self._encode(name, t, allow, wrap, stats)
-        finally:
-            stats.encode_seconds += time.perf_counter() - start
-
-    def _encode(self, name: str, t: torch.Tensor, allow: bool, wrap: bool,
-                stats: SendStats) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
-        stats.tensors += 1
-        stats.dense_bytes += nbytes
-        if nbytes <= SMALL:
-            self._forget(name)
-            return self._dense(t, wrap, stats)
-        t = t if t.is_contiguous() else t.contiguous()
-        base = self.tensors.get(name)
-        skip = self.backoff.get(name, 0)
-        if skip:
-            self.backoff[name] = skip - 1
-        if allow and not skip and name in self.digests and name not in self.dirty \
-                and _fits(base, t.dtype, tuple(t.shape)) and base.device == t.device:
-            rec, idx = delta.encode(t, base, self.digests[name])
-            stats.compared += t.numel()
-            stats.changed += idx.numel()
-            delta.scatter(base, t, idx)
-            if idx.numel():
-                self.dirty.add(name)
-            if rec is not None:
-                stats.delta += 1
-                stats.record_bytes += rec.numel()
-                return rec
-            if self.auto:
-                self.backoff[name] = AUTO_BACKOFF
-            return self._dense(t, wrap, stats)
-        if not self._keep(name, t):
-            stats.untracked += 1
-        return self._dense(t, wrap, stats)
-
-    @staticmethod
-    def _dense(t: torch.Tensor, wrap: bool, stats: SendStats) -> torch.Tensor:
-        stats.dense += 1
-        stats.sent_dense_bytes += t.numel() * t.element_size()
-        return delta.raw_record(t) if wrap and delta.is_record(t) else t
-
-    def _keep(self, name: str, t: torch.Tensor) -> bool:
+    def keep(self, name: str, t: torch.Tensor) -> bool:
+        """Track ``t`` as the base of ``name`` (a copy); False past ``limit``."""
         old = self.tensors.get(name)
         nbytes = t.numel() * t.element_size()
         old_bytes = 0 if old is None else old.numel() * old.element_size()
         if self.limit is not None and self.nbytes - old_bytes + nbytes > self.limit:
-            self._forget(name)
+            self.forget(name)
             return False
         self.tensors[name] = _copy_into(old, t)
         self.nbytes += nbytes - old_bytes
-        self.dirty.add(name)
         return True
 
-    def _forget(self, name: str) -> None:
+    def forget(self, name: str) -> None:
         old = self.tensors.pop(name, None)
         if old is not None:
             self.nbytes -= old.numel() * old.element_size()
-        self.digests.pop(name, None)
-        self.dirty.discard(name)
-
-    # -- digests, off the critical path --------------------------------------------------
-    def start_refresh(self) -> None:
-        """Hash the dirty bases in a thread (call after a sync)."""
-        self.wait_refresh()
-        if not self.dirty:
-            return
-        todo = [(n, self.tensors[n]) for n in sorted(self.dirty) if n in self.tensors]
-        self.dirty = set()
-        self._refresh = threading.Thread(target=self._hash, args=(todo,), daemon=True,
-                                         name="weightsync-codec-digests")
-        self._refresh.start()
-
-    def _hash(self, todo: list) -> None:
-        for name, t in todo:
-            self.digests[name] = digest(t)
-
-    def wait_refresh(self) -> None:
-        if self._refresh is not None:
-            self._refresh.join()
-            self._refresh = None
 
     def resend(self, names: list[str], wrap: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """The current value of each of ``names`` this rank tracks, dense."""
         for name in names:
             t = self.tensors.get(name)
             if t is not None:
-                yield name, (delta.raw_record(t) if wrap and delta.is_record(t) else t)
+                yield name, _wrapped(t, wrap)
 
     def clear(self) -> None:
-        self.wait_refresh()
         self.tensors.clear()
-        self.digests.clear()
-        self.dirty.clear()
         self.backoff.clear()
+        self.lasting.reset()
         self.nbytes = 0
         self.id = None
+
+
+def _wrapped(t: torch.Tensor, wrap: bool) -> torch.Tensor:
+    """``t`` in a RAW record where a receiver could take it for one."""
+    return delta.raw_record(t) if wrap and delta.is_record(t) else t
+
+
+class EncodeRun:
+    """One sync's encode on a trainer rank: :meth:`add` each tensor as it is to go on the
+    wire, in order, and send what it returns; then send what :meth:`close` returns.
+
+    Device tensors whose base is tracked are diffed in groups (:class:`~.gpu.Encoder`): a
+    group is launched once it holds :data:`~.gpu.GROUP_BYTES`, or at once when the tensor
+    is the caller's own and may be rewritten by its next item (the diff then reads it
+    before the iterator moves on); a launched group's records are handed out once the
+    next group is launched (its counts read back while that one runs). A tensor that goes
+    dense after its diff is sent from its base, which holds its bytes by then."""
+
+    def __init__(self, bases: SenderBases, *, allow: bool, wrap: bool, stats: SendStats,
+                 version: Any = None) -> None:
+        self.bases, self.allow, self.wrap, self.stats = bases, allow, wrap, stats
+        self.version = version
+        self._group: list = []
+        self._group_bytes = 0
+        self._pending: deque = deque()
+
+    def lasting(self, name: str, t: torch.Tensor) -> bool:
+        """Ask (in order, for every tensor of the caller's) whether ``t`` outlives its item."""
+        return self.bases.lasting.lasting(name, t, version=self.version)
+
+    def add(self, name: str, t: torch.Tensor, *, own: bool, lasting: bool = False
+            ) -> list[tuple[str, torch.Tensor]]:
+        """``t`` to send under ``name``: ``own`` when the codec made it (a cast, an FP8
+        piece: nobody else writes it); ``lasting`` (for the caller's tensors) as
+        :meth:`lasting` answered."""
+        start = time.perf_counter()
+        try:
+            return self._add(name, t, own, lasting)
+        finally:
+            self.stats.encode_seconds += time.perf_counter() - start
+
+    def _add(self, name: str, t: torch.Tensor, own: bool, lasting: bool) -> list:
+        b, stats = self.bases, self.stats
+        nbytes = t.numel() * t.element_size()
+        stats.tensors += 1
+        stats.dense_bytes += nbytes
+        if nbytes <= SMALL or not delta.deltable(t):
+            b.forget(name)
+            return [self._dense(name, t)]
+        if not t.is_contiguous():
+            t, own = t.contiguous(), True
+        base = b.tensors.get(name)
+        skip = b.backoff.get(name, 0)
+        if skip:
+            b.backoff[name] = skip - 1
+        if not (self.allow and not skip and _fits(base, t.dtype, tuple(t.shape))
+                and base.device == t.device):
+            if not b.keep(name, t):
+                stats.untracked += 1
+            return [self._dense(name, t)]
+        stats.compared += t.numel()
+        if not gpu.available(t.device):
+            rec, idx = delta.encode_host(t, base)
+            delta.scatter(base, t, idx)
+            return [self._result(name, t, rec, idx.numel())]
+        self._group.append((name, t, base))
+        self._group_bytes += nbytes
+        if not (own or lasting) or self._group_bytes >= gpu.GROUP_BYTES \
+                or len(self._group) >= gpu.GROUP_TENSORS:
+            return self._launch()
+        return []
+
+    def close(self) -> list[tuple[str, torch.Tensor]]:
+        """What is left to send once every tensor was added."""
+        out = self._launch()
+        while self._pending:
+            out += self._finish()
+        return out
+
+    def _launch(self) -> list:
+        out = []
+        if self._group:
+            self._pending.append(self.bases.encoder.launch(self._group))
+            self.stats.groups += 1
+            self._group, self._group_bytes = [], 0
+        while len(self._pending) > 1 or (self._pending and self._pending[0].readback.ready()):
+            out += self._finish()
+        return out
+
+    def _finish(self) -> list:
+        group = self._pending.popleft()
+        out = []
+        for got, (_, t, base) in zip(self.bases.encoder.finish(group), group.items):
+            out.append(self._result(got.key, base, got.record, got.changed))
+        return out
+
+    def _result(self, name: str, dense: torch.Tensor, rec: Optional[torch.Tensor],
+                changed: int) -> tuple[str, torch.Tensor]:
+        self.stats.changed += changed
+        if rec is not None:
+            self.stats.delta += 1
+            self.stats.record_bytes += rec.numel()
+            return name, rec
+        if self.bases.auto:
+            self.bases.backoff[name] = AUTO_BACKOFF
+        return self._dense(name, dense)
+
+    def _dense(self, name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        self.stats.dense += 1
+        self.stats.sent_dense_bytes += t.numel() * t.element_size()
+        return name, _wrapped(t, self.wrap)
+
+
+def _mark(t: torch.Tensor) -> tuple:
+    """What identifies the tensor a base was left in (see :meth:`ReceiverBases.holds`)."""
+    try:
+        version = t._version
+    except RuntimeError:       # an inference tensor counts no versions
+        version = None
+    return (t.data_ptr(), tuple(t.shape), t.dtype, StorageWeakRef(t.untyped_storage()),
+            version)
+
+
+def _same(mark: Optional[tuple], t: torch.Tensor) -> bool:
+    if mark is None or mark[0] != t.data_ptr() or mark[1] != tuple(t.shape) \
+            or mark[2] != t.dtype or mark[3].expired() \
+            or mark[3].cdata != t.untyped_storage()._cdata:
+        return False
+    try:
+        return mark[4] == t._version
+    except RuntimeError:
+        return mark[4] is None
+
+
+@dataclass
+class _Pending:
+    name: str
+    target: torch.Tensor
+    dest: Optional[torch.Tensor]
 
 
 class ReceiverBases:
@@ -236,10 +308,17 @@ class ReceiverBases:
         self.store: dict[str, torch.Tensor] = {}
         self.held: dict[str, str] = {}
         self.version: Any = None
+        self.marks: dict[str, tuple] = {}
+        self._decoders: dict[torch.device, gpu.Decoder] = {}
+        self._staged: dict[str, _Pending] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.store.values())
+
+    def holds(self, name: str, t: Optional[torch.Tensor]) -> bool:
+        """Whether ``t`` is the tensor the last sync left the base of ``name`` in."""
+        return t is not None and _same(self.marks.get(name), t)
 
     def take_dense(self, name: str, t: torch.Tensor,
                    params: Optional[Mapping[str, torch.Tensor]]) -> torch.Tensor:
@@ -254,47 +333,112 @@ class ReceiverBases:
                 dest.copy_(t)
             if self.keep and not _fits(dest, t.dtype, tuple(t.shape)):
                 self.store[name] = _copy_into(self.store.get(name), t)
+                self.marks[name] = _mark(self.store[name])
             else:
                 self.store.pop(name, None)
+                if self.keep:
+                    self.marks[name] = _mark(dest)
             return dest
         if not self.keep:
             return t
         self.store[name] = _copy_into(self.store.get(name), t)
+        self.marks[name] = _mark(self.store[name])
         return self.store[name]
+
+    def is_record(self, name: str, t: torch.Tensor,
+                  params: Optional[Mapping[str, torch.Tensor]]) -> bool:
+        """Whether ``t``, received in a sync where trainers send records, is one: a 1-D
+        ``uint8`` tensor for a name whose tensor is not one is; for a name whose tensor is
+        one too (or unknown) the magic is read on the host (rare)."""
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            return False
+        known = params.get(name) if params is not None else None
+        if known is None:
+            known = self.store.get(name)
+        if known is not None and not (known.dtype == torch.uint8 and known.dim() == 1):
+            return t.numel() >= delta.HEAD
+        return delta.is_record(t)
 
     def take_record(self, name: str, rec: torch.Tensor,
                     params: Optional[Mapping[str, torch.Tensor]],
-                    stats: ReceiveStats) -> Optional[torch.Tensor]:
-        """Apply a record; the tensor to yield, or None if it needs a dense resend."""
+                    stats: ReceiveStats) -> Any:
+        """Apply a record: the tensor to yield; None if it needs a dense resend; or
+        :data:`STAGED` (a record checked and applied on the device: its outcome comes
+        from :meth:`finish_records`)."""
+        dest = params.get(name) if params is not None else None
+        target = next((c for c in (dest, self.store.get(name)) if self.holds(name, c)), None)
+        if target is not None and gpu.available(target.device):
+            decoder = self._decoders.get(target.device)
+            if decoder is None:
+                decoder = self._decoders[target.device] = gpu.Decoder(target.device)
+            if decoder.add(name, rec, target):
+                self._staged[name] = _Pending(name, target, dest)
+                return STAGED
+        # on the host: a host tensor, a RAW record, no base, or not a record for it
         head = delta.parse(rec)
         if head.enc == delta.RAW:
             stats.dense += 1
             return self.take_dense(name, delta.dense_view(head, rec), params)
-        dest = params.get(name) if params is not None else None
-        candidates = [c for c in (dest, self.store.get(name)) if _fits(c, head.dtype, head.shape)]
-        if not candidates:
-            stats.no_base += 1
+        if target is None:
+            if name in self.marks:
+                stats.base_mismatch += 1
+            else:
+                stats.no_base += 1
             return None
-        for target in candidates:
-            try:
-                delta.apply(head, rec, target)
-            except delta.BaseMismatch:
-                continue
-            except delta.ResultMismatch:
-                stats.result_mismatch += 1
-                return None
-            stats.applied += 1
-            if target is dest:
-                self.store.pop(name, None)
-                return dest
-            if dest is not None:
-                dest.copy_(target)
-                return dest
-            return target
-        stats.base_mismatch += 1
-        return None
+        try:
+            delta.apply(head, rec.to(target.device), target)
+        except delta.BaseMismatch:
+            stats.base_mismatch += 1
+            return None
+        except delta.ResultMismatch:
+            stats.result_mismatch += 1
+            return None
+        stats.applied += 1
+        return self._landed(name, target, dest)
+
+    def _landed(self, name: str, target: torch.Tensor,
+                dest: Optional[torch.Tensor]) -> torch.Tensor:
+        if dest is not None and target is not dest:
+            dest.copy_(target)
+            out = dest
+        else:
+            out = target
+        self.marks[name] = _mark(target)
+        return out
+
+    def finish_records(self, stats: ReceiveStats) -> list[tuple[str, Optional[torch.Tensor]]]:
+        """The outcome of every staged record: ``(name, tensor to yield)``, or ``(name,
+        None)`` for one that failed its checks (its tensor untouched)."""
+        out = []
+        for decoder in self._decoders.values():
+            for name, ok in decoder.results():
+                p = self._staged.pop(name)
+                if ok:
+                    stats.applied += 1
+                    out.append((name, self._landed(name, p.target, p.dest)))
+                else:
+                    stats.result_mismatch += 1
+                    out.append((name, None))
+        self._staged.clear()
+        return out
+
+    def drop_staged(self) -> None:
+        """A receive that ends early: forget what was staged (nothing of it committed is
+        trusted: the failed sync leaves no base held)."""
+        try:
+            for decoder in self._decoders.values():
+                decoder.results()
+        except Exception:  # the receive failed already: its own error is the one to see
+            pass
+        self._staged.clear()
 
     def clear(self) -> None:
         self.store.clear()
         self.held.clear()
+        self.marks.clear()
+        self._staged.clear()
         self.version = None
+
+
+#: :meth:`ReceiverBases.take_record`'s answer for a record queued on the device.
+STAGED = object()
