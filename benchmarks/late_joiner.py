@@ -10,7 +10,7 @@ serving; a thread generates on them without pause. Then, ``--rounds`` times each
 * ``join-replica``: ``add_replica(new, join_from="replica")``: it reads the version from
   a healthy replica's landed memory; the trainer is not asked;
 * ``join-busy``: ``add_replica(new, join_wait_s=--wait)`` while the trainer is in a
-  training step and answers nothing (:class:`~weightsync.testing.busy.BusyTrainer`, as a
+  training step and answers nothing (``BusyTrainer`` of ``tests/busytrainer.py``, as a
   Ray actor in a step): ``auto`` waits ``--wait`` seconds for the trainer, then reads
   from a healthy replica;
 * ``next-sync``: ``add_replica(new, join=False)`` then ``update_weights`` — the way a
@@ -30,13 +30,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 
 from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker
 from weightsync.orchestration.manager import CheckpointEngineManager
-from weightsync.testing.busy import BusyTrainer
 from weightsync.testing.toymodel import random_prompts, tiny_qwen2_config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from busytrainer import BusyTrainer  # noqa: E402  (tests/busytrainer.py)
 
 
 def _serve(replicas: list, prompts: list, stop: threading.Event, log: list) -> None:

@@ -1,7 +1,7 @@
 """Per-sync time through ms-swift's own ``CheckpointEngineManager`` vs weightsync's own
 manager: same Ray actors, same model, same backend, in one run.
 
-The cluster is :class:`weightsync.integrations.swift_harness.SwiftCluster` (2 FSDP2 trainer
+The cluster is ``SwiftCluster`` of ``tests/harness_swift.py`` (2 FSDP2 trainer
 ranks, 2 HF rollout replicas standing in for ms-swift's ``MegatronWorker`` /
 ``VllmServer``). For each weight-set kind (``full``: merged weights every sync;
 ``adapter``: LoRA, the base once, then adapter-only syncs) and each backend, both managers
@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))      # harness_swift
 
 
 class PhaseClock:
@@ -165,7 +166,7 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
-    from weightsync.integrations.swift_harness import SwiftCluster
+    from harness_swift import SwiftCluster
     from weightsync.testing.toymodel import tiny_qwen2_config
 
     command = "python benchmarks/swift_sync.py " + " ".join(

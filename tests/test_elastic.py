@@ -20,7 +20,7 @@ from syncchecks import assert_matches  # noqa: E402
 from weightsync.core.errors import PlanMismatch  # noqa: E402
 from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
 from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
-from weightsync.testing.busy import BusyTrainer  # noqa: E402
+from busytrainer import BusyTrainer  # noqa: E402
 from weightsync.testing.toymodel import random_prompts, tiny_qwen2_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)

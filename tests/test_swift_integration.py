@@ -1,6 +1,6 @@
 """weightsync under ms-swift's real CheckpointEngineManager (ms-swift 4.6.0), over Ray on CPU.
 
-One Ray cluster for the module (:mod:`weightsync.integrations.swift_harness`): 2 FSDP2
+One Ray cluster for the module (`tests/harness_swift.py`): 2 FSDP2
 trainer ranks (rank 0 sends, rank -1 walks its collective export), 2 HF rollout replicas.
 After every sync the rollouts' greedy tokens (and logits, bit for bit) equal the
 reference built from the trainer's weights. The unit tests at the top need ms-swift but no
@@ -243,7 +243,7 @@ def test_peft_config_problems():
 
 @pytest.fixture(scope="module")
 def cluster():
-    from weightsync.integrations.swift_harness import SwiftCluster
+    from harness_swift import SwiftCluster
     c = SwiftCluster("shm", timeout=TIMEOUT, bucket_size=1 << 20)
     yield c
     c.shutdown()
@@ -495,7 +495,7 @@ def test_layout_digest_and_cast():
 def test_layout_feed_holds_the_export_to_the_checked_layout(edit, match):
     from weightsync.core.errors import PlanMismatch
     from weightsync.integrations.swift.layout import Layout, LayoutFeed
-    from weightsync.integrations.swift_harness import edit_export, edit_layout
+    from harness_swift import edit_export, edit_layout
     expected = Layout.of(_layout_entries(), None)
     feed = LayoutFeed(iter(_tensors()), expected, None, version=3)
     assert [n for n, _ in feed] == ["b.weight", "a.weight", "c.idx"]

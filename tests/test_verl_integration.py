@@ -92,7 +92,7 @@ def test_group_token_is_reused_only_when_every_worker_holds_it():
 
 @pytest.fixture(scope="module")
 def cluster():
-    from weightsync.integrations.verl_harness import VerlCluster, ce_config
+    from harness_verl import VerlCluster, ce_config
     c = VerlCluster(ce_config("weightsync-shm", 1, **KW))
     c.fresh_ce = c.ce   # engines built by verl's own constructors, not used yet
     yield c
@@ -100,7 +100,7 @@ def cluster():
 
 
 def _use(cluster, backend: str, **kwargs):
-    from weightsync.integrations.verl_harness import ce_config
+    from harness_verl import ce_config
     ce = ce_config(backend, 1, **KW, **kwargs)
     if getattr(cluster, "fresh_ce", None) != ce:
         cluster.use_backend(ce)
@@ -113,7 +113,7 @@ def _bits(t: torch.Tensor) -> bytes:
 
 
 def _check(cluster, step, ranks=None) -> None:
-    from weightsync.integrations.verl_harness import expected_weights
+    from harness_verl import expected_weights
     want = expected_weights(step)
     for rank, (steps, _, items) in enumerate(cluster.received()):
         if ranks is not None and rank not in ranks:

@@ -1,8 +1,11 @@
-"""What weightsync's own tests use, importable by anyone testing a backend or a replica.
+"""For authors of a backend or a replica: test it the way weightsync tests its own.
 
 :mod:`~weightsync.testing.harness` runs real multi-process syncs and checks them byte for
-byte (the conformance suite runs on it); :mod:`~weightsync.testing.toymodel` builds a
-small Qwen2 from a config, with LoRA, prompts and batches, no download.
+byte (weightsync's conformance suite runs every backend through it: register yours and
+call :func:`run_group` with a :class:`GroupSpec`); :mod:`~weightsync.testing.toymodel`
+builds a small Qwen2 from a config, with LoRA, prompts and batches, no download (``weightsync
+demo`` runs on it). The project's own test harnesses (verl, ms-swift) live in its
+``tests/`` folder.
 """
 
 from weightsync.testing.harness import GroupSpec, expected_tensors, make_tensors, run_group, same_bytes

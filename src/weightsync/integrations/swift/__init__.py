@@ -25,7 +25,7 @@ NCCL-shaped one, and checks every sync before bytes move), :mod:`.layout` (the n
 shapes and dtypes of a sync, checked by the rollouts before bytes move, and the export
 held to them), :mod:`.mixin` (the actor side: the seam, intent of each sync, peft checks,
 the ``weightsync_describe_weights`` / ``weightsync_check_weights`` hooks, :func:`install`). The CPU test harness is
-:mod:`weightsync.integrations.swift_harness`.
+``tests/harness_swift.py`` of the repository.
 """
 
 from __future__ import annotations
