@@ -32,6 +32,7 @@ from weightsync.orchestration.group import ReplicaGroup
 from weightsync.orchestration.isolation import describe_error
 from weightsync.orchestration.replicas import ReplicaRecord, ReplicaSet
 from weightsync.orchestration.report import SyncReport
+from weightsync.orchestration import workers as ws
 
 __all__ = ["check_staging", "commit_all", "release_all", "abort_all"]
 
@@ -64,7 +65,7 @@ def commit_all(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport,
                version: Any) -> None:
     """``ws_commit`` on every replica; any failure raises (the caller aborts)."""
     targets = replicas.managed()
-    group.replica_step(report, "commit", "ws_commit", (version,), targets=targets)
+    group.replica_step(report, "commit", ws.COMMIT, (version,), targets=targets)
     for r in targets:
         replicas.status(r, report).committed = True
 
@@ -72,7 +73,7 @@ def commit_all(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport,
 def release_all(group: ReplicaGroup, report: SyncReport, version: Any) -> None:
     """The sync is decided: every replica frees its old copy (failures are logged)."""
     report.phases.append("release")
-    for o in call_all(group.replica_calls("ws_release", version), timeout=group.timeout,
+    for o in call_all(group.replica_calls(ws.RELEASE, version), timeout=group.timeout,
                       phase="release", version=version):
         if not o.ok:
             logger.warning("weightsync: release on %s failed (it keeps its old copy until "
@@ -83,7 +84,7 @@ def abort_all(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport) -> 
     """Every replica back to the version it held before the sync (see the module doc)."""
     report.phases.append("abort")
     version, records = report.version, replicas.managed()
-    outs = call_all([Call(r.name, r.handle, "ws_abort", (version,)) for r in records],
+    outs = call_all([Call(r.name, r.handle, ws.ABORT, (version,)) for r in records],
                     timeout=group.timeout, phase="abort", version=version)
     for r, o in zip(records, outs):
         st = replicas.status(r, report)
@@ -100,7 +101,7 @@ def abort_all(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport) -> 
             continue
         replicas.mark_stale(r)
         st.ok, st.error = False, f"abort: {why}"
-        call_all([Call(r.name, r.handle, "ws_fence", (f"atomic abort: {why}",))],
+        call_all([Call(r.name, r.handle, ws.FENCE, (f"atomic abort: {why}",))],
                  timeout=min(group.timeout, 10.0), phase="abort")
 
 

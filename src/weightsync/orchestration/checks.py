@@ -37,6 +37,7 @@ from weightsync.core.errors import PlanMismatch
 from weightsync.core.digests import MAX_LISTED, combine_digests, compare_digests
 from weightsync.orchestration.report import SyncReport, VerifyReport
 from weightsync.transport.codec import Quantizer
+from weightsync.orchestration import workers as ws
 
 __all__ = ["run_validate", "check_offered", "run_verify"]
 
@@ -55,7 +56,7 @@ def run_validate(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport, 
     set as the replicas will get it: FP8 weights and their scale tensors."""
     quantizer = _quantizer(codec)
     for kind, cfg in rounds:
-        described = group.run(group.trainer_calls("ws_describe", kind, dtype),
+        described = group.run(group.trainer_calls(ws.DESCRIBE, kind, dtype),
                               "validate", report.version)
         offered, seen = [], set()
         for rank in described:
@@ -81,7 +82,7 @@ def check_offered(group: ReplicaGroup, replicas: ReplicaSet, report: SyncReport,
     report.validated = sorted(set(report.validated) | {r.name for r in targets})
     if not targets:
         return
-    answers = group.replica_step(report, "validate", "ws_check_weights",
+    answers = group.replica_step(report, "validate", ws.CHECK_WEIGHTS,
                                  (offered, kind, cfg), targets=targets, record=False)
     bad = {r.name: [list(p) for p in a] for r, a in zip(targets, answers) if a}
     for r, a in zip(targets, answers):
@@ -124,7 +125,7 @@ def run_verify(group: ReplicaGroup, replicas: ReplicaSet, version: Any, dtype: O
     for (name, kind), value in held.items():
         key = (kind, json.dumps(value["dtypes"], sort_keys=True))
         if key not in trainer:
-            parts = group.run(group.trainer_calls("ws_digest", kind, value["dtypes"], dtype,
+            parts = group.run(group.trainer_calls(ws.DIGEST, kind, value["dtypes"], dtype,
                                                   *extra),
                               "verify", version, timeout=group.call_timeout)
             merged: dict[str, str] = {}
@@ -150,7 +151,7 @@ def _replica_digests(group: ReplicaGroup, records: list[ReplicaRecord], report: 
     held: dict[tuple[str, str], dict] = {}
     for kind in ("full", "base", "adapter"):
         targets = [r for r in records if kind in _sets(r)]
-        outs = call_all([Call(r.name, r.handle, "ws_digest", (kind,)) for r in targets],
+        outs = call_all([Call(r.name, r.handle, ws.DIGEST, (kind,)) for r in targets],
                         timeout=group.call_timeout, phase="verify", version=version)
         for r, o in zip(targets, outs):
             entry = report.replicas.setdefault(r.name, {
@@ -172,7 +173,7 @@ def _fence_bad(group: ReplicaGroup, replicas: ReplicaSet, report: VerifyReport,
         why = (f"verify: {len(names)} tensor(s) differ from the trainer's: "
                f"{names[:MAX_LISTED]}")
         replicas.mark_stale(r)
-        outcome = call_all([Call(r.name, r.handle, "ws_fence", (why,))],
+        outcome = call_all([Call(r.name, r.handle, ws.FENCE, (why,))],
                            timeout=group.timeout, phase="verify")[0]
         if not outcome.ok:
             entry["error"] = describe_error(outcome.error)

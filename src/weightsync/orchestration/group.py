@@ -23,6 +23,7 @@ from weightsync.orchestration.replicas import ReplicaRecord, ReplicaSet
 from weightsync.transport.base import validate_topology, worker_kwargs
 from weightsync.core.errors import TopologyError, WeightSyncError
 from weightsync.orchestration.report import SyncReport
+from weightsync.orchestration import workers as ws
 
 __all__ = ["ReplicaGroup"]
 
@@ -93,8 +94,8 @@ class ReplicaGroup:
         members, n = list(self.members), len(self.trainers)
         for i, (kind, cfg) in enumerate(rounds):
             report.phases.append(f"sync:{kind}")
-            calls = self.trainer_calls("ws_send", version, kind=kind) + self.replica_calls(
-                "ws_receive", version, kind=kind, adapter_config=cfg, targets=members)
+            calls = self.trainer_calls(ws.SEND, version, kind=kind) + self.replica_calls(
+                ws.RECEIVE, version, kind=kind, adapter_config=cfg, targets=members)
             t0 = time.perf_counter()
             outs = call_all(calls, timeout=self.call_timeout, settle=self.settle,
                             phase=f"sync:{kind}", version=version)
@@ -155,12 +156,12 @@ class ReplicaGroup:
         logger.warning("weightsync: isolated %s (%s: %s)", name, phase, why)
         # Fenced, it may be resumed: direct callers get a clear refusal instead of waiting.
         bound = min(self.timeout, 10.0)
-        fenced = call_all([Call(name, record.handle, "ws_fence",
+        fenced = call_all([Call(name, record.handle, ws.FENCE,
                                 (f"removed by the manager: {why}",))],
                           timeout=bound, phase="isolate")
-        calls = [Call(name, record.handle, "ws_finalize")]
+        calls = [Call(name, record.handle, ws.FINALIZE)]
         if fenced[0].ok and fenced[0].value:
-            calls.append(Call(name, record.handle, "ws_resume"))
+            calls.append(Call(name, record.handle, ws.RESUME))
         for o in fenced + call_all(calls, timeout=bound, phase="isolate"):
             if not o.ok:
                 logger.info("weightsync: cleaning up isolated %s: %s", name, o.error)
@@ -201,7 +202,7 @@ class ReplicaGroup:
             return False
         if not self._init(report, members, metas, version):
             return False
-        caps = self.replica_step(report, "capabilities", "ws_capabilities", targets=members,
+        caps = self.replica_step(report, "capabilities", ws.CAPABILITIES, targets=members,
                                  record=False)
         for r, c in zip(members, caps):
             if c is not None and self.replicas.is_managed(r):
@@ -212,8 +213,8 @@ class ReplicaGroup:
                  version: Any) -> Optional[list]:
         """``ws_prepare`` on every worker: their metadata (None: someone was isolated)."""
         n = len(self.trainers)
-        outs = call_all(self.trainer_calls("ws_prepare", self.backend, self.engine_kwargs)
-                        + self.replica_calls("ws_prepare", self.backend, self.engine_kwargs,
+        outs = call_all(self.trainer_calls(ws.PREPARE, self.backend, self.engine_kwargs)
+                        + self.replica_calls(ws.PREPARE, self.backend, self.engine_kwargs,
                                              targets=members),
                         timeout=self.timeout, settle=self.settle, phase="prepare",
                         version=version)
@@ -242,9 +243,9 @@ class ReplicaGroup:
         for k in ranks:
             rollout_kw.append([self._entry(rk, j) for j in range(start, start + k)])
             start += k
-        outs = call_all(self.trainer_calls("ws_init", per_rank=[self._entry(tk, i)
+        outs = call_all(self.trainer_calls(ws.INIT, per_rank=[self._entry(tk, i)
                                                                 for i in range(n)])
-                        + self.replica_calls("ws_init", per_replica=rollout_kw, targets=members),
+                        + self.replica_calls(ws.INIT, per_replica=rollout_kw, targets=members),
                         timeout=self.call_timeout, settle=self.settle, phase="init",
                         version=version)
         return not self.judge(report, outs[:n], outs[n:], "init").failed

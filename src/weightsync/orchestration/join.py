@@ -40,6 +40,7 @@ from weightsync.orchestration.checks import check_offered, run_validate
 from weightsync.orchestration.group import ReplicaGroup
 from weightsync.orchestration.replicas import ReplicaRecord, ReplicaSet
 from weightsync.orchestration.report import SyncReport
+from weightsync.orchestration import workers as ws
 
 __all__ = ["can_join", "join_replica", "JOIN_FROM", "JOIN_WAIT_S"]
 
@@ -106,14 +107,14 @@ def join_replica(group: ReplicaGroup, replicas: ReplicaSet, record: ReplicaRecor
         def one(method: str, *args: Any, **kw: Any) -> Call:
             return Call(record.name, record.handle, method, args, kw)
 
-        metas = group.run([one("ws_prepare", group.backend, group.engine_kwargs)], "join",
+        metas = group.run([one(ws.PREPARE, group.backend, group.engine_kwargs)], "join",
                           version)[0]
         kwargs = group.engine_cls.join_topology(offers, len(metas))
-        group.run([one("ws_init", kwargs)], "join", version)
-        group.run([one("ws_begin_sync", version, ["full"])], "join", version)
-        stats = group.run([one("ws_receive", version, kind="full")], "join", version,
+        group.run([one(ws.INIT, kwargs)], "join", version)
+        group.run([one(ws.BEGIN_SYNC, version, ["full"])], "join", version)
+        stats = group.run([one(ws.RECEIVE, version, kind="full")], "join", version,
                           timeout=group.call_timeout)[0]
-        group.run([one("ws_reset_caches")], "join", version)
+        group.run([one(ws.RESET_CACHES)], "join", version)
     finally:
         outs = call_all([_end(c, o["lease"]) for c, o in zip(holders, offers)],
                         timeout=group.timeout, phase="join", version=version)

@@ -78,6 +78,7 @@ from weightsync.core.errors import PlanMismatch, WeightSyncError
 from weightsync.core.plan import dtype_name
 from weightsync.orchestration.report import ReplicaStatus, SyncReport, VerifyReport
 from weightsync.core.config import SLEEP_LEVELS
+from weightsync.orchestration import workers as ws
 
 __all__ = ["CheckpointEngineManager", "SyncReport", "ReplicaStatus", "VerifyReport"]
 
@@ -245,7 +246,7 @@ class CheckpointEngineManager:
                 raise ValueError("this replica is not managed by this manager")
             self._replicas.remove(record)
             self._invalidate()
-            outcome = call_all([Call(record.name, replica, "ws_finalize")],
+            outcome = call_all([Call(record.name, replica, ws.FINALIZE)],
                                timeout=self.timeout, phase="remove_replica")[0]
             if not outcome.ok:
                 logger.warning("weightsync: finalizing removed %s failed: %s",
@@ -270,7 +271,7 @@ class CheckpointEngineManager:
 
     def _finalize_all(self) -> None:
         g = self._group
-        outcomes = call_all(g.trainer_calls("ws_finalize") + g.replica_calls("ws_finalize"),
+        outcomes = call_all(g.trainer_calls(ws.FINALIZE) + g.replica_calls(ws.FINALIZE),
                             timeout=self.timeout, phase="finalize")
         for o in outcomes:
             if not o.ok:
@@ -291,7 +292,7 @@ class CheckpointEngineManager:
     def lora_config(self) -> Optional[dict]:
         """The trainer's PEFT config (asked once from trainer rank 0), None without LoRA."""
         if self._lora is False:
-            self._lora = self._group.run(self._group.trainer_calls("ws_lora_config")[:1],
+            self._lora = self._group.run(self._group.trainer_calls(ws.LORA_CONFIG)[:1],
                                          "lora_config")[0]
         return self._lora
 
@@ -364,9 +365,9 @@ class CheckpointEngineManager:
         if self.atomic:
             check_staging(self._replicas, report.kinds)
         run_validate(g, self._replicas, report, rounds, self._dtype, self.codec)
-        g.replica_step(report, "pause", "ws_pause", kwargs={"abort": True})
+        g.replica_step(report, "pause", ws.PAUSE, kwargs={"abort": True})
         self._replicas.mark_fenced()
-        g.replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+        g.replica_step(report, "begin_sync", ws.BEGIN_SYNC, (version, report.kinds),
                        {"staged": True} if self.atomic else None, record=False)
         if self.colocated:
             self._sleep_and_wake_weights(report, rounds)
@@ -377,20 +378,20 @@ class CheckpointEngineManager:
             members = g.build(report, todo)
             if not members:
                 break
-            g.replica_step(report, "begin_sync", "ws_begin_sync", (version, report.kinds),
+            g.replica_step(report, "begin_sync", ws.BEGIN_SYNC, (version, report.kinds),
                            targets=members, record=False)
             todo = g.transfer(report, version, rounds)
         if self.colocated:
             if self.offload_trainer:
-                self._step(report, "trainer_reload", g.trainer_calls("ws_reload"))
-            g.replica_step(report, "wake_up:kv_cache", "ws_wake_up", (["kv_cache"],))
+                self._step(report, "trainer_reload", g.trainer_calls(ws.RELOAD))
+            g.replica_step(report, "wake_up:kv_cache", ws.WAKE_UP, (["kv_cache"],))
         if not self.keep_group:
-            self._step(report, "finalize", g.trainer_calls("ws_finalize")
-                       + g.replica_calls("ws_finalize"))
+            self._step(report, "finalize", g.trainer_calls(ws.FINALIZE)
+                       + g.replica_calls(ws.FINALIZE))
             g.invalidate()
         if self.atomic:
             commit_all(g, self._replicas, report, version)
-        g.replica_step(report, "reset_caches", "ws_reset_caches")
+        g.replica_step(report, "reset_caches", ws.RESET_CACHES)
         if self.atomic:        # decided: every replica committed and reset its caches
             release_all(g, report, version)
         self._replicas.synced(version, "full" if "full" in report.kinds else "base", report)
@@ -403,10 +404,10 @@ class CheckpointEngineManager:
     def _sleep_and_wake_weights(self, report: SyncReport, rounds: list) -> None:
         level = self._level(rounds)
         report.sleep_level = level
-        self._group.replica_step(report, f"sleep:{level}", "ws_sleep", (level,))
+        self._group.replica_step(report, f"sleep:{level}", ws.SLEEP, (level,))
         if self.offload_trainer:
-            self._step(report, "trainer_offload", self._group.trainer_calls("ws_offload"))
-        self._group.replica_step(report, "wake_up:weights", "ws_wake_up", (["weights"],))
+            self._step(report, "trainer_offload", self._group.trainer_calls(ws.OFFLOAD))
+        self._group.replica_step(report, "wake_up:weights", ws.WAKE_UP, (["weights"],))
 
     def _after_failure(self, report: SyncReport, exc: BaseException) -> None:
         self._invalidate()       # the next sync rebuilds the group and resends everything
@@ -418,7 +419,7 @@ class CheckpointEngineManager:
         if isinstance(exc, WeightSyncError):
             exc.report = report  # type: ignore[attr-defined]
         if self.colocated:
-            outcomes = call_all(self._group.replica_calls("ws_wake_up", None),
+            outcomes = call_all(self._group.replica_calls(ws.WAKE_UP, None),
                                 timeout=self.timeout, phase="wake_up", version=report.version)
             for o in outcomes:
                 if not o.ok:
@@ -428,7 +429,7 @@ class CheckpointEngineManager:
 
     def _resume(self, report: SyncReport) -> None:
         report.phases.append("resume")
-        for o in call_all(self._group.replica_calls("ws_resume"), timeout=self.timeout,
+        for o in call_all(self._group.replica_calls(ws.RESUME), timeout=self.timeout,
                           phase="resume", version=report.version):
             if not o.ok:
                 logger.warning("weightsync: resume on %s failed: %s", o.label, o.error)

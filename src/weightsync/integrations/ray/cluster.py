@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from weightsync.orchestration.calls import Call, call_all, values_or_raise
+from weightsync.orchestration import workers as ws
 
 __all__ = ["start_local_ray", "stop_local_ray", "trainer_group", "hf_replicas", "kill_actors"]
 
@@ -86,7 +87,7 @@ def hf_replicas(n: int, config: dict, *, dtype: Any = None, seed: int = 1234,
     cls = ray.remote(num_cpus=0, max_concurrency=4)(HFRolloutWorker)
     actors = [cls.remote(config, dtype=dtype, seed=seed + i, name=f"hf-{i}",
                          share_memory=share_memory) for i in range(n)]
-    values_or_raise(call_all([Call(f"replica {i}", a, "ws_version") for i, a in enumerate(actors)],
+    values_or_raise(call_all([Call(f"replica {i}", a, ws.VERSION) for i, a in enumerate(actors)],
                              timeout=timeout, phase="setup"))
     return actors
 

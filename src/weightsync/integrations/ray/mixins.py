@@ -15,7 +15,9 @@ engine directly (:func:`weightsync.rollout.protocol.execute_on_engine`, as the r
 adapters do). Every call is synchronous and bounded by the engine's timeout.
 
 Mixed into the workers of :mod:`weightsync.integrations.ray` (``workers``,
-``vllm_workers``) and users' own classes; the manager calls their ``ws_*`` methods.
+``vllm_workers``) and users' own classes. The calls themselves (their names, arguments and
+what each does) are the protocols :class:`~weightsync.orchestration.workers.TrainerWorker`
+and :class:`~weightsync.orchestration.workers.RolloutWorker`, which these mixins implement.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from weightsync.core.plan import dtype_from_name
 from weightsync.trainer.export import KINDS, export_weights
 from weightsync.trainer.lora import is_peft_model, lora_config_dict
 from weightsync.rollout.protocol import execute_on_engine
+from weightsync.orchestration import workers as ws
 
 __all__ = ["TrainerWorkerMixin", "RolloutWorkerMixin"]
 
@@ -46,7 +49,8 @@ class _TrainerSide:
 
 
 class TrainerWorkerMixin:
-    """Sending side of weightsync for one trainer rank."""
+    """Sending side of weightsync for one trainer rank: implements
+    :class:`~weightsync.orchestration.workers.TrainerWorker`."""
 
     # -- hooks for the user's class ------------------------------------------------------
     def weightsync_model(self) -> Any:
@@ -151,7 +155,7 @@ class TrainerWorkerMixin:
     def _engine_or_raise(self) -> Any:
         engine = self._ws().engine
         if engine is None:
-            raise RuntimeError("no checkpoint engine on this trainer worker; ws_prepare first")
+            raise RuntimeError(f"no checkpoint engine on this trainer worker; {ws.PREPARE} first")
         return engine
 
 
@@ -182,7 +186,8 @@ def _drain(items: Any, timeout: float = 600.0) -> None:
 
 
 class RolloutWorkerMixin:
-    """Receiving side of weightsync for one rollout replica (delegates to its adapter)."""
+    """Receiving side of weightsync for one rollout replica (delegates to its adapter):
+    implements :class:`~weightsync.orchestration.workers.RolloutWorker`."""
 
     def weightsync_rollout(self) -> Any:
         rollout = getattr(self, "rollout", None)

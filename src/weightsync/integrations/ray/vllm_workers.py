@@ -22,6 +22,7 @@ import torch
 
 from weightsync.orchestration.calls import Call, call_all, values_or_raise
 from weightsync.integrations.ray.mixins import RolloutWorkerMixin
+from weightsync.orchestration import workers as ws
 
 __all__ = ["VLLMRolloutWorker", "vllm_replicas", "VLLMServerWorker", "vllm_server_replicas"]
 
@@ -69,7 +70,7 @@ def vllm_replicas(n: int, config: dict, *, dtype: Any = None, seed: int = 1234,
     cls = ray.remote(num_cpus=0, max_concurrency=4)(VLLMRolloutWorker)
     actors = [cls.remote(config, dtype=dtype, seed=seed + i, name=f"vllm-{i}", options=options,
                          **llm_kwargs) for i in range(n)]
-    values_or_raise(call_all([Call(f"replica {i}", a, "ws_version") for i, a in enumerate(actors)],
+    values_or_raise(call_all([Call(f"replica {i}", a, ws.VERSION) for i, a in enumerate(actors)],
                              timeout=timeout, phase="setup"))
     return actors
 
