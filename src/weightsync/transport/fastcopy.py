@@ -2,8 +2,8 @@
 
 ``Tensor.copy_`` splits a copy over torch's OpenMP threads. When the cores are shared by
 more processes than cores (a trainer and several rollout workers on one host), each
-parallel region waits for a descheduled thread: copies of 1 MiB were measured at
-0.1 GB/s that way instead of 15 GB/s. The data path therefore copies contiguous bytes
+parallel region waits for a descheduled thread, and a small copy then runs many times
+slower than one thread alone would. The data path therefore copies contiguous bytes
 with ``memmove`` (one thread, the GIL released), and reads another process's memory with
 ``process_vm_readv`` (cross-memory attach) where the kernel allows it. Anything else
 (casts, strided tensors, devices) falls back to ``copy_``.

@@ -5,8 +5,8 @@ Every function takes contiguous tensors viewed as same-width integers
 (:func:`int_view`): an element "changed" when its bits changed. Positions are int64
 tensors, sorted. The heavy passes run through numpy on zero-copy views: the word
 comparison in cache-sized chunks into one reused mask (no fresh pages per tensor), fancy
-indexing; measured 2-10 x faster than torch's CPU kernels for these on one thread, and they
-do not contend for torch's thread pool with a training step. The same work on a GPU is
+indexing: faster than torch's CPU kernels for these on one thread, and they do not
+contend for torch's thread pool with a training step. The same work on a GPU is
 :mod:`.gpu` (device kernels, no host work per change).
 
 The change digest (:func:`change_digest`) is the sum over a record's entries of

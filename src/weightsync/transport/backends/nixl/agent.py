@@ -40,8 +40,8 @@ def require_nixl() -> None:
 
 
 #: UCX's own pick on a host without RDMA devices is TCP even between two processes of one
-#: host (0.5 GB/s measured here, against 1.6 GB/s with shared memory and cross-memory
-#: attach; BENCHMARKS.md). Used when UCX_TLS is unset, no RDMA device exists and
+#: host, about a third of the rate of shared memory and cross-memory attach. Used when
+#: UCX_TLS is unset, no RDMA device exists and
 #: WEIGHTSYNC_NIXL_UCX_TLS is ``auto``.
 HOST_TLS = "tcp,cma,sm,self"
 
@@ -89,8 +89,7 @@ class NixlAgent:
     """One NIXL agent (UCX backend) of one engine.
 
     ``progress_thread``: NIXL's own progress thread, which polls UCX without pause (NIXL's
-    Python config sets its delay to 0: one core busy for each agent, idle or not; measured
-    here, BENCHMARKS.md). Without it, UCX moves only when this agent is called: an agent
+    Python config sets its delay to 0: one core busy for each agent, idle or not). Without it, UCX moves only when this agent is called: an agent
     that only reads (a receiver) does so as it polls its reads; one that is read from
     must call :meth:`progress` while it may be (at least until the reader's first read
     has connected).

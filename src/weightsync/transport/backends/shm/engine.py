@@ -8,7 +8,7 @@ while someone reads it. Rollout ranks get views straight into the shared buckets
 consumer's copy into its model is the only copy on their side). Waiting is blocking on a
 socket, never spinning. Segments are unlinked as soon as all readers mapped them.
 
-Speed (see BENCHMARKS.md): per-bucket headers and acks travel on one Unix socket per
+Speed: per-bucket headers and acks travel on one Unix socket per
 receiver (:mod:`weightsync.transport.control.links`), not through the control store.
 Where the kernel lets rollout ranks read the trainer's memory (``process_vm_readv``,
 probed in ``init_process_group``), every contiguous tensor of at least
@@ -220,7 +220,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
     def _direct_pays(self) -> bool:
         """``auto``: direct reads win while every receiver has cores to read with; with
         more receivers than that, their concurrent reads and the per-tensor wait for the
-        slowest one cost more than the ring's extra copy (measured: BENCHMARKS.md)."""
+        slowest one cost more than the ring's extra copy."""
         return self._num_receivers == 1 or 2 * self._num_receivers <= (os.cpu_count() or 1)
 
     def _init_receiver(self) -> None:
