@@ -158,10 +158,17 @@ def _interpreting() -> bool:
 @pytest.mark.skipif("not _interpreting()", reason="the device kernels run on the host only "
                     "under TRITON_INTERPRET=1 (test_device_kernels_through_the_interpreter)")
 def test_interp_device_kernels_make_and_check_the_hosts_records(codec):
-    """The device kernels (run by Triton's interpreter on host tensors): one diff launch over
-    tensors of several dtypes and change rates makes the records the host makes (same
-    header, digest, positions and values), leaves each base equal to its new tensor, and
-    the receiver's verify-then-commit takes good records and refuses bad ones untouched."""
+    """The device kernels, run by Triton's interpreter on host tensors (on a GPU:
+    test_gpu_codec.py)."""
+    device_kernel_checks(codec, torch.device("cpu"))
+
+
+def device_kernel_checks(codec, device):
+    """One diff launch over tensors of several dtypes and change rates makes the records the
+    host makes (same header, digest, positions and values), leaves each base equal to its
+    new tensor, and the receiver's verify-then-commit takes good records and refuses bad
+    ones (a value, a position, the count changed; a base that differs where the record
+    writes; a truncated record) with their tensors untouched."""
     from weightsync.transport.codec import gpu
     delta, int_view = codec.delta, codec.kernels.int_view
     g = torch.Generator().manual_seed(11)
@@ -171,41 +178,47 @@ def test_interp_device_kernels_make_and_check_the_hosts_records(codec):
     items, olds = [], []
     for shape, dtype, frac in cases:
         base = _rand(g, shape, dtype)
-        items.append((len(items), _flip(base.clone(), frac, g), base.clone()))
+        new = _flip(base.clone(), frac, g)
+        items.append((len(items), new.clone().to(device), base.clone().to(device)))
         olds.append(base)
     enc = gpu.Encoder()
     got = enc.finish(enc.launch(items))
     for (_, new, base), old, r in zip(items, olds, got):
-        assert same_bytes(base, new)                       # the base moved along
+        assert same_bytes(base.cpu(), new.cpu())           # the base moved along
+        new = new.cpu()
         want, idx = delta.encode_host(new, old)
         assert r.changed == idx.numel()
         if want is None:
             assert r.record is None
             continue
-        head = delta.parse(r.record)
+        rec = r.record.cpu()
+        head = delta.parse(rec)
         assert head == delta.parse(want)                   # digest, count, entries
-        pos = r.record[delta.HEAD: delta.HEAD + head.count * 4].view(torch.int32).long()
+        pos = rec[delta.HEAD: delta.HEAD + head.count * 4].view(torch.int32).long()
         order = pos.argsort()
         assert torch.equal(pos[order], idx)
-        vals = r.record[head.values_at: head.size].view(int_view(new).dtype)[: head.count]
+        vals = rec[head.values_at: head.size].view(int_view(new).dtype)[: head.count]
         assert torch.equal(vals[order], int_view(new)[idx])
-        dec = gpu.Decoder(torch.device("cpu"))
-        target = old.clone()
+        dec = gpu.Decoder(torch.device(device))
+        target = old.to(device)
         assert dec.add("good", r.record, target)
+        kept = {}
         if head.count:
             for at in (head.values_at, delta.HEAD, 24):     # a value, a position, the count
-                bad = r.record.clone()
+                bad = rec.clone()
                 bad[at] ^= 1
-                untouched = old.clone()
-                assert dec.add(f"bad{at}", bad, untouched)
-                assert same_bytes(untouched, old)
+                kept[at] = old.to(device)
+                assert dec.add(f"bad{at}", bad.to(device), kept[at])
             drifted = old.clone()
             int_view(drifted)[int(pos[0])] ^= 2             # a base that differs there
-            assert dec.add("drifted", r.record, drifted)
-        assert not dec.add("short", r.record[:-8], old.clone())
+            kept["drifted"] = drifted.to(device)
+            assert dec.add("drifted", r.record, kept["drifted"])
+        assert not dec.add("short", r.record[:-8], old.to(device))
         results = dict(dec.results())
         assert results.pop("good") and not any(results.values()), results
-        assert same_bytes(target, new)
+        assert same_bytes(target.cpu(), new)
+        for key, t in kept.items():
+            assert same_bytes(t.cpu(), drifted if key == "drifted" else old), key
 
 
 @pytest.mark.timeout(600)

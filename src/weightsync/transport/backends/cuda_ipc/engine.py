@@ -34,8 +34,17 @@ returns (so the message's trip overlaps the last copies). Bucket headers and
 acknowledgements travel on one Unix socket per receiver, not through the control store.
 Every wait on a peer is bounded on the host (``SyncTimeout``).
 
-Zero-copy option (``zero_copy=True``, see :mod:`.refs`): eligible tensors are
-read straight from the trainer's memory, one copy per sync instead of two.
+Zero-copy (``zero_copy``, the default; :mod:`.refs`): tensors whose storage outlives their
+item (parameters from the second sync on, tensors the export marked with ``mark_stable``)
+are read by receivers straight from the trainer's memory, one copy per sync instead of
+two; the ring carries the rest (temporaries, buffers the export refills), and the whole
+first sync.
+
+GPU memory a sync adds: the ring, ``num_slots x bucket_size`` on each trainer rank (2 x 256
+MiB by default), allocated once by ``init_process_group`` and mapped, not copied, by the
+receivers. Zero-copy adds none; a storage the trainer frees while receivers still map it
+stays allocated until the end of the next sync that does not send it. A receiver adds
+``receive_into``'s copy programs (CUDA graphs, a few KiB) and nothing else.
 
 Streams: the trainer's tensors must be ready on the stream that is current when
 ``send_weights`` is called; a consumer must read yielded views on the stream that is
@@ -83,9 +92,9 @@ class CudaIpcOptions:
     """
 
     zero_copy: bool = option(
-        "CUDA_IPC_ZERO_COPY", parse_bool, False,
-        "Receivers read eligible tensors straight from the trainer's memory: one copy per "
-        "sync instead of two.")
+        "CUDA_IPC_ZERO_COPY", parse_bool, True,
+        "Receivers read tensors whose storage outlives the sync (parameters) straight from "
+        "the trainer's memory; False: every tensor goes through the ring.")
 
     def __post_init__(self) -> None:
         if not isinstance(self.zero_copy, bool):
@@ -317,9 +326,9 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
         """The protocol's per-tensor hook (for a tensor that goes into the buckets): no
         tensor skips them here; decide whether this one is held for the bucket's fill
         program (see the module doc)."""
-        self._on_graph = self._tracking and tensor.device == self._ops.device \
-            and tensor.is_contiguous() and dtype == tensor.dtype \
-            and self._lasting.lasting(name, tensor, version=state.version)
+        asked, self._asked = self._asked, None     # :meth:`_pack` asked the tracker
+        self._on_graph = asked is not None and asked[0] is tensor and asked[1] \
+            and dtype == tensor.dtype
         self._graph_count += self._on_graph
         return False
 

@@ -1,13 +1,18 @@
 """Zero-copy half of ``cuda_ipc``: receivers read tensors straight from the trainer's memory.
 
-With ``zero_copy=True`` a trainer does not pack contiguous CUDA tensors (on its device, no
-cast): it exports each tensor's *storage* once (a *region*,
-descriptors in the trainer's control store, one reference per receiver) and announces
-batches of ``(name, shape, dtype, region << 40 | byte offset)`` entries as buckets of their
-own (indices from ``REF_INDEX_BASE``, slot ``num_slots``; their layouts are replayed like
-ring buckets). Receivers map each region once and hand out views into it. Regions not
-used in a sync are released by both sides at its end. The tensors must stay alive and
-unchanged until ``send_weights`` returns; the engine keeps them referenced until then.
+With ``zero_copy`` (the default), a contiguous CUDA tensor on the trainer's device (no
+cast) whose bytes outlive its item (:class:`~weightsync.transport.tensors.ReplayedLasting`:
+a parameter, or a view of storage the export reuses for the same name, from the second
+sync on; a tensor the export marked with ``mark_stable`` from the first) is not packed
+into a bucket: the trainer exports its *storage* once (a *region*, descriptors in the
+trainer's control store, one reference per receiver) and announces batches of ``(name,
+shape, dtype, region << 40 | byte offset)`` entries as buckets of their own (indices from
+``REF_INDEX_BASE``, slot ``num_slots``; their layouts are replayed like ring buckets).
+Receivers map each region once and hand out views into it. Any other tensor (a temporary,
+a buffer the export refills for several names) goes through the ring, so the export may
+free or rewrite it once the iterator moves on. Regions not used in a sync are released by
+both sides at its end. The tensors must stay unchanged until ``send_weights`` returns;
+the engine keeps them referenced until then.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class ZeroCopyMixin:
         self._rx_used: dict[int, set[int]] = {}
         self._rx_region_store: dict[int, Any] = {}
         self._ref_prev: list = []  # per tensor of the last sync: its cached entry, or None
+        self._asked: Optional[tuple] = None   # (tensor, whether it outlives its item)
         self._clear_refs()
 
     def _layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
@@ -115,12 +121,22 @@ class ZeroCopyMixin:
             return prev
         return None
 
+    def _ask_lasting(self, state: Any, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes outlive its item (asked once per tensor and sync, in
+        order; the answer is kept for the ring's own hook, :meth:`_tx_direct_ok`)."""
+        ok = self._tracking and tensor.device == self._ops.device and tensor.is_contiguous() \
+            and wire_dtype(tensor, self.config.dtype) == tensor.dtype \
+            and self._lasting.lasting(name, tensor, version=state.version)
+        self._asked = (tensor, ok)
+        return ok
+
     async def _pack(self, state: Any, name: str, tensor: torch.Tensor) -> None:
         prev = self._replayed(name, tensor) if self.options.zero_copy else None
-        if prev is not None:
+        lasting = self._ask_lasting(state, name, tensor)
+        if prev is not None and lasting:
             meta = prev[1]
             self._ref_used.add(meta.offset >> REGION_SHIFT)
-        elif not self._can_ref(tensor):
+        elif not (lasting and self._can_ref(tensor)):
             self._ref_seen.append(None)
             await super()._pack(state, name, tensor)
             return
