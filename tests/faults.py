@@ -272,3 +272,30 @@ def collective_reads_unordered(engine, role, rank):
     if role == "rollout":
         from weightsync.transport.backends.collective import CollectiveEngine
         engine._layout = lambda stream, msg: super(CollectiveEngine, engine)._layout(stream, msg)
+
+
+REFUSAL = "injected: the loader refuses this version"
+
+
+def refuse_rollout_1(engine, role, rank):
+    """Rollout rank 1's second sync fails before it reads a byte (its loader refuses): it
+    tells the group with ``abort_receive`` and raises, as a replica's failed load does."""
+    if role != "rollout" or rank != 1:
+        return
+    orig = engine.receive_weights
+    syncs = {"n": 0}
+
+    def wrapped(version=None):
+        syncs["n"] += 1
+        if syncs["n"] != 2:
+            return orig(version)
+
+        async def refused():
+            error = RuntimeError(REFUSAL)
+            engine.abort_receive(error, version)
+            raise error
+            yield  # noqa: unreachable - makes this an async generator
+
+        return refused()
+
+    engine.receive_weights = wrapped

@@ -15,12 +15,14 @@ from weightsync.orchestration.calls import Call, call_all, values_or_raise
 from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker
 
 EXIT_CODE = 17
+REFUSAL = "injected: the loader refuses this version"
 
 
 class FaultyRollout(HFRolloutWorker):
     """``arm(mode, version, after)``: while receiving ``version`` (any version if None),
     after ``after`` tensors: ``"raise"`` an error, ``"hang"`` until ``release()``, or
-    ``"exit"`` the process; ``"raise-named"``: once every tensor is loaded, an error that
+    ``"exit"`` the process; ``"refuse"``: an error before it reads a byte (a loader that
+    refuses the version); ``"raise-named"``: once every tensor is loaded, an error that
     names the replica by its own name (as a vLLM replica's post-load step would). ``arm_init("hang")`` makes ``ws_init`` never return."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -34,6 +36,8 @@ class FaultyRollout(HFRolloutWorker):
 
         async def load(weights, *, version, **kw):
             armed = self._mode is not None and self._at in (None, version)
+            if armed and self._mode == "refuse":
+                raise RuntimeError(REFUSAL)
             if armed and self._mode != "raise-named":
                 weights = self._faulty(weights, self._mode)
             out = await original(weights, version=version, **kw)
@@ -57,7 +61,7 @@ class FaultyRollout(HFRolloutWorker):
             yield item
 
     def arm(self, mode: Optional[str], version: Any = None, after: int = 3) -> None:
-        if mode not in (None, "raise", "hang", "exit", "raise-named"):
+        if mode not in (None, "raise", "hang", "exit", "raise-named", "refuse"):
             raise ValueError(f"unknown fault {mode!r}")
         self._mode, self._at, self._after = mode, version, after
 

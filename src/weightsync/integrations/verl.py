@@ -68,10 +68,10 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
 from weightsync.core.config import env_value, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry as _WsRegistry
 from weightsync.transport.codec import split_backend_name
-from weightsync.core.errors import TopologyError
+from weightsync.core.errors import TopologyError, WeightSyncError
 
-__all__ = ["WeightsyncVerlEngine", "VerlOptions", "register_backend", "registered_backends",
-           "group_token", "PREFIX"]
+__all__ = ["WeightsyncVerlEngine", "VerlOptions", "WeightStream", "register_backend",
+           "registered_backends", "group_token", "PREFIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +240,27 @@ class WeightsyncVerlEngine(_VerlEngine):
             self._in_flight -= 1
         return self._metrics(metrics)
 
-    async def receive_weights(
-            self, global_steps: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    def receive_weights(self, global_steps: Any = None) -> "WeightStream":
+        """This update's ``(name, tensor)`` stream (an async iterator), for verl's server
+        adapter. One dropped or closed before it was read tells the group (see
+        :class:`WeightStream`)."""
         self._check_active("receive_weights")
+        return WeightStream(self, global_steps)
+
+    def _abandoned(self, global_steps: Any) -> None:
+        """The stream of this update was dropped before it was read: tell the trainer ranks
+        (best effort; this update failed, the next one re-joins)."""
+        self._dirty = True
+        try:
+            self.engine.abort_receive(WeightSyncError(
+                "verl's rollout dropped the weight stream before reading it (its "
+                "update_weights failed before it began)", phase="receive",
+                version=global_steps), global_steps)
+        except Exception:  # the engine or its peers may be gone already
+            logger.debug("%s%s: could not tell the trainer ranks", PREFIX,
+                         self.weightsync_backend, exc_info=True)
+
+    async def _receive(self, global_steps: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
         inner = self.engine.receive_weights(version=global_steps)
         self._in_flight += 1
         try:
@@ -306,6 +324,49 @@ class WeightsyncVerlEngine(_VerlEngine):
                     "weightsync/group_reused": float(s["reused"]),
                     "weightsync/group_joins": float(s["joins"])})
         return out
+
+
+class WeightStream:
+    """What :meth:`WeightsyncVerlEngine.receive_weights` returns: the engine's receive of
+    one update, begun at the first item (an async iterator with ``aclose``). verl hands it
+    to its server adapter, whose ``update_weights`` may fail before it reads a byte (the
+    server is gone, its own sender cannot start): the stream is then dropped unread, and
+    when it is collected (or closed) it makes the engine tell the trainer ranks at once
+    (``abort_receive``), so that they and every other peer of the update end now instead of
+    at their timeout."""
+
+    def __init__(self, owner: WeightsyncVerlEngine, global_steps: Any) -> None:
+        self._owner, self._steps = owner, global_steps
+        self._gen: Any = None
+        self._done = False          # begun, or told the group it never will be
+
+    def __aiter__(self) -> "WeightStream":
+        return self
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        if self._gen is None:
+            if self._done:
+                raise StopAsyncIteration
+            self._done = True
+            self._gen = self._owner._receive(self._steps)
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        if self._gen is not None:
+            await self._gen.aclose()
+        else:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner._abandoned(self._steps)
+
+    def __del__(self) -> None:
+        try:
+            self._abandon()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
 
 
 def _skipped(name: str) -> bool:

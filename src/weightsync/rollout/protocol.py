@@ -316,15 +316,31 @@ class ReceiveStream:
     It is the engine's ``receive_weights(version)``, unless the consumer says where the
     tensors go (``land_in(targets)``, before it iterates): then ``receive_into(targets,
     version)``, which lands the bytes in those tensors (no copy left to the consumer; a
-    tensor that does not fit them comes as ``receive_weights`` would give it)."""
+    tensor that does not fit them comes as ``receive_weights`` would give it).
+
+    Whoever hands it out closes it with the consumer's failure (``aclose(error)``): a
+    stream the consumer never began makes the engine tell the group at once
+    (``abort_receive``: the trainer ranks and every other peer end that sync instead of
+    waiting out the timeout for this receiver), and one it left midway gets that failure
+    thrown in, so the peers learn its text."""
 
     def __init__(self, engine: Any, version: Any, *,
-                 open_: Optional[Callable[[Optional[dict]], Any]] = None) -> None:
-        """``open_(targets or None)``: the iterator to run, if not ``engine``'s own."""
+                 open_: Optional[Callable[[Optional[dict]], Any]] = None,
+                 abort_: Optional[Callable[[BaseException], None]] = None) -> None:
+        """``open_(targets or None)``: the iterator to run, if not ``engine``'s own;
+        ``abort_(error)``: how a stream never begun tells the group (default: the engine's
+        ``abort_receive(error, version)``)."""
         self._open = open_ or (lambda into: engine.receive_weights(version) if into is None
                                else engine.receive_into(into, version))
+        self._abort = abort_ or (lambda error: engine.abort_receive(error, version))
         self._into: Optional[dict] = None
         self._it: Any = None
+        self._ended = False       # the iterator ran to its end, or the stream was closed
+
+    @property
+    def started(self) -> bool:
+        """Whether the consumer began reading (the engine's receive runs or ran)."""
+        return self._it is not None
 
     def land_in(self, targets: dict) -> None:
         if self._it is not None:
@@ -335,13 +351,31 @@ class ReceiveStream:
         return self
 
     async def __anext__(self) -> tuple:
+        if self._ended:
+            raise StopAsyncIteration
         if self._it is None:
             self._it = self._open(self._into)
-        return await self._it.__anext__()
+        try:
+            return await self._it.__anext__()
+        except BaseException:
+            self._ended = True    # ended (or failed) inside the engine: nothing to tell
+            raise
 
-    async def aclose(self) -> None:
-        if self._it is not None:
-            await self._it.aclose()
+    async def aclose(self, error: Optional[BaseException] = None) -> None:
+        """End the stream; ``error``: why the consumer stopped (see the class doc). A
+        stream never begun tells the group even without one: its sync cannot complete."""
+        ended, self._ended = self._ended, True
+        if self._it is None:
+            if not ended:
+                self._abort(error if error is not None else WeightSyncError(
+                    "the consumer ended before it read the weights", phase="receive"))
+            return
+        if error is not None and not ended and isinstance(error, Exception):
+            try:
+                await self._it.athrow(error)   # the engine reports it to its peers
+            except BaseException:  # noqa: BLE001 - that very error, raised by the caller
+                pass
+        await self._it.aclose()
 
 
 class LocalEngineRollout(ReplicaControls, abc.ABC):
@@ -408,14 +442,24 @@ class LocalEngineRollout(ReplicaControls, abc.ABC):
     async def _receive(self, version: Any, kind: str, adapter_config: Optional[dict]) -> dict:
         stream = ReceiveStream(self._engine, version)
         self._in_flight += 1
+        failed: Optional[BaseException] = None
         try:
-            return await self.load_weights(stream, version=version, kind=kind,
-                                           adapter_config=adapter_config)
+            out = await self.load_weights(stream, version=version, kind=kind,
+                                          adapter_config=adapter_config)
+            if not stream.started:
+                raise WeightSyncError(f"{self.name}: load_weights returned without reading "
+                                      "the weights", peer=self.name, phase="receive",
+                                      version=version)
+            return out
+        except BaseException as exc:
+            failed = exc
+            raise
         finally:
-            # If loading stopped early, closing the stream now makes the engine tell its
-            # peers at once (instead of whenever the generator is collected).
+            # If loading failed or stopped early, closing the stream now makes the engine
+            # tell its peers at once, with the failure (not whenever it is collected, nor
+            # at their timeout when it never began).
             try:
-                await stream.aclose()
+                await stream.aclose(failed)
             finally:
                 self._in_flight -= 1
 

@@ -57,7 +57,7 @@ from typing import (Any, AsyncIterator, Awaitable, ClassVar, Iterable, Mapping, 
 import torch
 
 from weightsync.core.config import EngineConfig, build_options, option_names
-from weightsync.core.errors import PlanMismatch, SyncTimeout, TopologyError
+from weightsync.core.errors import PlanMismatch, SyncTimeout, TopologyError, WeightSyncError
 from weightsync.core.remote import normalize_version
 
 __all__ = ["CheckpointEngine", "CONFIG_KEYS", "NamedTensors", "SyncStats", "check_topology",
@@ -280,6 +280,25 @@ class CheckpointEngine(abc.ABC):
         return float(timeout)
 
     # -- helpers -------------------------------------------------------------------------
+
+    def abort_receive(self, error: Any, version: Any = None) -> None:
+        """Rollout: fail the sync this engine would receive next, without reading it (its
+        consumer failed before it began: a loader that refuses, a check that raises).
+
+        The trainer ranks end that sync at once with ``error``'s text (an exception or a
+        message) and tell every other peer of it, instead of waiting out the timeout for
+        a receiver that never comes; each raises a
+        :class:`~weightsync.core.errors.PeerFailed` naming this rollout rank. The sync counts
+        as done (failed) here, so this engine stays in step with the trainer ranks; as after
+        any failed sync, re-initialize the group before the next one (the managers do).
+        Best effort: a peer already gone is not an error. A backend that cannot tell its
+        peers (the default hook) leaves them to their timeout."""
+        if not isinstance(error, BaseException):
+            error = WeightSyncError(str(error))
+        self._abort_unread(error, normalize_version(version))
+
+    def _abort_unread(self, error: BaseException, version: Any) -> None:
+        """Hook of :meth:`abort_receive`: tell the trainer ranks (see there)."""
 
     def reset_plan(self) -> None:
         """Forget cached plans: the next sync re-sends its layout (weight set changed)."""

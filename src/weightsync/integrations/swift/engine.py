@@ -345,8 +345,10 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
     def receive_weights(self) -> ReceiveStream:
         """This sync's ``(name, tensor)`` stream (ms-swift's call). A consumer that says
         where the tensors go before it iterates (``land_in(targets)``, as weightsync's
-        replicas do) has them landed there by the backend (``receive_into``)."""
-        return ReceiveStream(self, self.version, open_=self._receive)
+        replicas do) has them landed there by the backend (``receive_into``). A call that
+        fails before it reads the stream tells the group as it ends (:meth:`end_receive`,
+        from the mixin's wrapper), not the stream."""
+        return ReceiveStream(self, self.version, open_=self._receive, abort_=lambda _: None)
 
     # -- a rollout's receive call, reported early ----------------------------------------
     def begin_receive(self) -> Optional[_Call]:
@@ -387,16 +389,27 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
                                   phase="validate", version=call.round)
         return check(offered)
 
-    def end_receive(self, call: Optional[_Call]) -> None:
-        """The wrapper, as the call ends (either way): a report that no receive took ends
-        here (its connection dropped if it still waits), and the engine re-joins next
-        time."""
+    def end_receive(self, call: Optional[_Call], error: Optional[BaseException] = None
+                    ) -> None:
+        """The wrapper, as the call ends (``error``: why it failed, if it did). A call whose
+        receive never began (it failed before it read: its loader refused, or it returned
+        without reading) tells the group first (:meth:`_tell_unread`); then a report that
+        no receive took ends here (its connection dropped if it still waits), and the
+        engine re-joins next time."""
         if call is None:
             return
         with self._calls:
             untaken, call.taken = not call.taken, True
             self._calls.notify_all()
         if untaken:
+            if error is None:
+                error = WeightSyncError("receive_checkpoint_weights ended without reading "
+                                        "the weights", peer=self.who, phase="receive",
+                                        version=call.round)
+            refused = call.report.done() and not call.report.exception() \
+                and call.report.result() is not None
+            if not refused:
+                self._tell_unread(call, error)
             if self._end_report(call) is not None:
                 self._refused()       # refused for everybody: nothing moved, group kept
             else:
@@ -404,6 +417,33 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         with self._calls:
             call.ended = True
             self._calls.notify_all()
+
+    def _tell_unread(self, call: _Call, error: BaseException) -> None:
+        """This rollout's call of ``call.round`` failed before its receive began: tell
+        trainer rank 0 in every box it may be waiting on this round (``hello``, ``ready``,
+        ``checked``; on a connection of its own, the report's may be blocked), so that it
+        ends the round for everybody now, and the inner engine's trainer ranks, in case
+        rank 0 already said go and is sending (the group is re-joined next time anyway).
+        Best effort: a peer already gone is not an error."""
+        text = f"{type(error).__name__}: {error}"[:2000]
+        chan, client = self.chan, self._client
+        if chan is not None and client is not None and chan.round == call.round:
+            try:
+                conn = client[1].clone()
+            except Exception:  # rank 0's store is gone: nobody to tell there
+                logger.debug("weightsync-swift: no connection to tell rank 0", exc_info=True)
+            else:
+                try:
+                    Channel(conn, chan.prefix, call.round).tell_all(
+                        ["hello", "ready", "checked"], {"rank": self.rank, "failed": text})
+                finally:
+                    close_store(conn)
+        if self.inner is not None and self.group is not None:
+            try:
+                self.inner.abort_receive(error, call.round)
+            except Exception:  # the inner group may be half-built or gone
+                logger.debug("weightsync-swift: could not tell the trainer ranks",
+                             exc_info=True)
 
     def _end_report(self, call: _Call) -> Any:
         """End a report no receive took: its refusal, or None (it said go, or broke)."""

@@ -123,13 +123,15 @@ def _receive_call(actor: Any, orig: Any, base_sync_done: bool, peft_config: Any)
     travels while ``orig`` gets the server ready to load), then ``orig``."""
     engine = _before_receive(actor, base_sync_done, peft_config)
     call = engine.begin_receive()
+    failed: Optional[BaseException] = None
     try:
         return orig(base_sync_done=base_sync_done, peft_config=peft_config)
-    except BaseException:
+    except BaseException as exc:
+        failed = exc
         engine.note_failed()
         raise
     finally:
-        engine.end_receive(call)
+        engine.end_receive(call, failed)   # a call that failed before it read tells the group
 
 
 class WeightsyncCheckpointMixin(SwiftMixin):

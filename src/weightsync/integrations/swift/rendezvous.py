@@ -113,6 +113,13 @@ def _gather(engine: Any, box: str, what: str, ranks: Optional[list[int]] = None,
             raise SyncTimeout(f"{exc.detail}: nothing from {names}", peer=exc.peer,
                               phase=exc.phase, version=engine.version) from None
         rank = msg.get("rank")
+        if "failed" in msg and not trainers and isinstance(rank, int) \
+                and not isinstance(rank, bool):
+            # a rollout whose call failed before its receive began: the round ends now
+            raise PeerFailed(f"{engine.name_of(rank)} failed before it received: "
+                             f"{msg['failed']}", peer=f"rollout rank {rank - 1}",
+                             phase="rendezvous", version=engine.version,
+                             origin=f"rollout rank {rank - 1}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank not in ranks \
                 or rank in got:
             raise TopologyError(f"rank {rank!r} reported twice or outside {ranks}",

@@ -369,6 +369,10 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._abort_groups()
         self._rx_ready, self._rx_inflight = {}, {}
 
+    def _abort_unread(self, error: BaseException, version: Any) -> None:
+        super()._abort_unread(error, version)
+        self._abort_groups()
+
     def _check_usable(self, version: Any) -> None:
         if self._aborted:   # its broadcasts would wait out the timeout: fail now
             side = "trainer" if self.config.role == "trainer" else "rollout"

@@ -39,6 +39,7 @@ class _Mailbox:
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.queue: Optional[asyncio.Queue] = None
         self.seq = 0
+        self.failed: Optional[tuple[int, BaseException]] = None   # (seq, why) of a skipped sync
 
     def put(self, item: tuple) -> None:
         try:
@@ -134,6 +135,12 @@ class InprocEngine(CheckpointEngine):
         deadline = time.monotonic() + self.config.timeout
         boxes = list(self._hub.boxes.values())
         while any(b.seq != seq for b in boxes):
+            failed = [b.failed[1] for b in boxes if b.failed is not None and b.failed[0] == seq]
+            if failed:        # a receiver skipped this sync (abort_receive): end it for all
+                for b in boxes:
+                    if b.seq == seq:
+                        b.put(("error", version, f"trainer rank {self._rank}", failed[0], None))
+                raise failed[0]
             if time.monotonic() > deadline:
                 late = [r for r, b in self._hub.boxes.items() if b.seq != seq]
                 raise SyncTimeout(f"rollout ranks {late} never started receiving",
@@ -176,6 +183,19 @@ class InprocEngine(CheckpointEngine):
                 "gbps": nbytes / secs / 1e9 if secs else 0.0, "backend": "inproc"}
 
     # -- receiver -----------------------------------------------------------------------
+    def _abort_unread(self, error: BaseException, version: Any) -> None:
+        """:meth:`abort_receive`: the trainer ranks waiting for this receiver fail now."""
+        if self._hub is None or self.config.role != "rollout":
+            raise RuntimeError("inproc: abort_receive needs a rollout engine after "
+                               "init_process_group")
+        self._seq += 1
+        me = f"rollout rank {self._rank}"
+        box = self._hub.boxes[self._rank]
+        box.failed = (self._seq, PeerFailed(f"{me} failed in receive: {type(error).__name__}: "
+                                            f"{error}", peer=me, phase="send", version=version,
+                                            origin=me))
+        box.seq = -self._seq
+
     async def receive_weights(self, version: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         version = normalize_version(version)
         if self._hub is None or self.config.role != "rollout":

@@ -31,6 +31,7 @@ import threading
 from typing import Any, Optional
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WireError
+from weightsync.core.remote import failure_origin
 from weightsync.transport.control.server import ControlClient, StoreTimeout
 
 __all__ = ["CodecLink"]
@@ -84,10 +85,11 @@ class CodecLink:
             return
 
     def post_error(self, seq: int, what: str, exc: BaseException) -> None:
-        """Best effort: tell whoever waits for this side's ``what`` that it failed."""
+        """Best effort: tell whoever waits for this side's ``what`` that it failed (and
+        where the failure started: a relayed one keeps its origin)."""
         try:
             self.post(seq, what, {"error": f"{type(exc).__name__}: {exc}",
-                                  "origin": f"{self.role} rank {self.rank}"})
+                                  "origin": failure_origin(exc) or f"{self.role} rank {self.rank}"})
         except Exception:  # the store itself may be gone
             pass
 

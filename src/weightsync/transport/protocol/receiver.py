@@ -651,6 +651,22 @@ class ReceiverMixin:
         self._rx_control(stream).push("t", AckMsg(seq=state.seq, stream=stream,
                                                   rank=self._rank, index=0, final=True))
 
+    def _abort_unread(self, error: BaseException, version: Any) -> None:
+        """:meth:`abort_receive`: the error of the sync this receiver skips, pushed to every
+        trainer rank on the channel that carries its acks (each fails at its next look at
+        it, as on a failure mid-receive)."""
+        if self.config.role != "rollout" or self._rank < 0:
+            raise RuntimeError(f"{self.backend_name}: abort_receive needs a rollout engine "
+                               "after init_process_group")
+        self._seq += 1
+        msg = error_msg(error, seq=self._seq, version=version,
+                        peer=f"rollout rank {self._rank}", phase="receive")
+        for stream in range(self._world):
+            try:
+                self._rx_control(stream).push("t", msg)
+            except Exception:  # that trainer rank is gone; tell the others
+                logger.debug("could not report the failure to stream %d", stream, exc_info=True)
+
     def _abort_receive(self, state: _RecvState, exc: BaseException) -> None:
         """Tell every sender (which relays to the other receivers) that this sync failed."""
         if isinstance(exc, GeneratorExit):

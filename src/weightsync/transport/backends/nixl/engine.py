@@ -391,6 +391,15 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         for name, tensor in views:
             yield name, tensor
 
+    def _abort_unread(self, error: BaseException, version: Any) -> None:
+        """:meth:`abort_receive`: the error of the sync this receiver skips, to every
+        trainer rank (each fails at its next look at its links)."""
+        if self.config.role != "rollout" or self._rank < 0:
+            raise RuntimeError("nixl: abort_receive needs a rollout engine after "
+                               "init_process_group")
+        self._seq += 1
+        self._abort(self._seq, version, error, "receive", self._links_push)
+
     def _links_push(self, msg: Any) -> None:
         for link in self._links.values():
             try:

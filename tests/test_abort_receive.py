@@ -1,0 +1,73 @@
+"""A rollout that fails before it reads (its loader refuses, its check raises) tells the
+group at once (``abort_receive``): every peer of that sync ends within a fraction of the
+timeout, with an error that names the rollout and carries its text, and the next sync of
+a rebuilt group is exact. The managers' paths are in test_abort_paths.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+import faults
+from weightsync.testing import GroupSpec, run_group
+from weightsync.transport import CheckpointEngineRegistry
+from weightsync.transport.base import worker_kwargs
+
+TIMEOUT = 40.0        # long: a peer left to its timeout fails the bounds below
+BACKENDS = [b for b in ("shm", "collective", "nixl", "delta+shm")
+            if b in CheckpointEngineRegistry.names()]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rollout_that_fails_before_reading_ends_the_sync_for_everyone(backend):
+    spec = GroupSpec(backend=backend, hook="faults:refuse_rollout_1", tiny=50, steps=3,
+                     receivers=2, timeout=150,
+                     engine_kwargs={"bucket_size": 64 * 1024, "timeout": TIMEOUT})
+    trainer, r0, r1 = run_group(spec)
+    assert len(r1["steps"]) == 1 and faults.REFUSAL in r1["errors"][0], r1
+    assert len(trainer["steps"]) == 1 and trainer["errors"], trainer
+    err = trainer["errors"][0]
+    assert err.startswith("PeerFailed") and "rollout rank 1" in err and faults.REFUSAL in err, err
+    assert trainer["origins"] == ["rollout rank 1"], trainer
+    assert trainer["failed_after_s"] < TIMEOUT / 8, trainer
+    if len(r0["steps"]) > 1:    # nixl: each receiver pulls on its own; it got all of it
+        assert backend == "nixl" and not any(r0["steps"][1][k] for k in ("missing", "bad"))
+    else:                       # told, not left waiting
+        assert r0["errors"] and r0["failed_after_s"] < TIMEOUT / 8, r0
+        assert r0["origins"][0] == "rollout rank 1", r0
+
+
+@pytest.mark.timeout(60)
+def test_inproc_rollout_that_fails_before_reading_ends_the_sync_for_everyone():
+    kw = {"bucket_size": 1 << 16, "timeout": TIMEOUT}
+    cls = CheckpointEngineRegistry.get("inproc")
+    tr, r0, r1 = cls(role="trainer", **kw), cls(role="rollout", **kw), cls(role="rollout", **kw)
+    tk, rk = cls.build_topology(1, 2, [e.prepare() for e in (tr, r0, r1)])
+    tr.init_process_group(**worker_kwargs(tk, 0))
+    for j, e in enumerate((r0, r1)):
+        e.init_process_group(**worker_kwargs(rk, j))
+
+    async def receive(e):
+        return [n async for n, _ in e.receive_weights(version=1)]
+
+    async def refuse():
+        await asyncio.sleep(0.2)
+        r1.abort_receive(RuntimeError(faults.REFUSAL), version=1)
+
+    async def main():
+        items = [(f"t{i}", torch.ones(3)) for i in range(4)]
+        return await asyncio.gather(tr.send_weights(items, version=1), receive(r0), refuse(),
+                                    return_exceptions=True)
+
+    start = time.monotonic()
+    sent, got, _ = asyncio.run(main())
+    assert time.monotonic() - start < TIMEOUT / 8
+    for err in (sent, got):
+        assert isinstance(err, Exception) and faults.REFUSAL in str(err), err
+    assert sent.origin == "rollout rank 1"
+    for e in (tr, r0, r1):
+        e.finalize()
