@@ -149,12 +149,6 @@ def test_multi_gpu_script_dry_run_on_cpu(tmp_path):
     assert scaling["scaling_2_over_1"] > 0
 
 
-#: gpu_bench.py's row options the CPU smoke tests turn off (each test asks for its own rows)
-_GPU_BENCH_OFF = ("host", "zero-copy", "zero-copy-host", "baseline", "stream-waits", "no-links",
-                  "into", "into-zero-copy", "zero-copy-first-bucket", "rx-waits",
-                  "rx-waits-zero-copy", "views")
-
-
 @pytest.mark.timeout(180)
 def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     """benchmarks/gpu_bench.py's plumbing check (--cpu-smoke) with --timeline: every warm
@@ -163,10 +157,9 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    off = _GPU_BENCH_OFF
     cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "2",
-           "--scale", "16", "--warm", "3", "--timeline", "--buckets", "1,2",
-           "--out", str(tmp_path)] + [f"--{o}-buckets=" for o in off]
+           "--scale", "16", "--warm", "3", "--timeline", "--rows", "ring",
+           "--ring-buckets", "1,2", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "gpu_bench.txt").write_text(done.stdout)
@@ -179,29 +172,27 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
                for e in doc["engine"])
     # --ring-probe (README, "Plan a sync"): the rows timeline_costs.py reads and no other
     probe = tmp_path / "probe"
-    done = subprocess.run([*cmd[:7], "--warm", "1", "--ring-probe", "--buckets", "1",
+    done = subprocess.run([*cmd[:7], "--warm", "1", "--ring-probe", "--rows", "into",
                            "--out", str(probe)], capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     cfgs = [e["cfg"] for e in json.loads((probe / "gpu_bench.json").read_text())["engine"]]
-    assert [(c["bucket_size"] >> 20, c["sync"], c["consume"]) for c in cfgs] == [
-        (256, "event", "into"), (512, "event", "into"), (1024, "event", "into"),
-        (4096, "event", "into"), (1024, "host", "into"), (4096, "host", "into")]
-    assert done.stdout.count("timeline: warm sync 1 of 1") == 6
+    assert [(c["bucket_size"] >> 20, c["sync"], c["consume"], c["zero_copy"]) for c in cfgs] \
+        == [(b, "event", "into", False) for b in (256, 512, 1024, 4096)]
+    assert done.stdout.count("timeline: warm sync 1 of 1") == 4
 
 
 @pytest.mark.timeout(180)
 def test_gpu_bench_delta_rows_send_records_and_the_plan_predicts_their_bytes(tmp_path):
-    """gpu_bench.py's delta rows (--into-delta-buckets, plumbing checked with --cpu-smoke:
-    delta+shm): the trainer changes --changed of its elements between syncs, every sync's
-    checksums match, warm syncs send the codec's records, and the planner's records of the
-    bench's model at the fraction the codec measured are those bytes."""
+    """gpu_bench.py's delta rows (plumbing checked with --cpu-smoke: delta+shm): the trainer
+    changes --changed of its elements between syncs, every sync is bit-exact, warm syncs
+    send the codec's records, and the planner's records of the bench's model at the
+    fraction the codec measured are those bytes."""
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    off = _GPU_BENCH_OFF
     cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "2",
-           "--scale", "8", "--warm", "3", "--buckets=", "--into-delta-buckets", "8",
-           "--changed", "0.01", "--out", str(tmp_path)] + [f"--{o}-buckets=" for o in off]
+           "--scale", "8", "--warm", "3", "--rows", "delta", "--bucket-mib", "8",
+           "--changed", "0.01", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads((tmp_path / "gpu_bench.json").read_text())["engine"]

@@ -296,14 +296,12 @@ def spread(sizes: list[int], lanes: int) -> list[int]:
 class GraphedCopies:
     """A receiver's replayed copies on the current stream. The first call queues them one
     by one; the second captures them once as a CUDA graph, and every call from then on
-    replays it: one launch, no per-tensor host work (``benchmarks/gpu_copies.py`` times it
-    against one flat copy; docs/benchmarks.md). With ``branches`` > 1 the graph forks into
-    that many
-    independent chains of copies (balanced by bytes) that join at its end, so one copy's
-    last, partly idle wave overlaps the next copy's start; the graph as a whole is still
-    one unit of the current stream, before and after which everything stays ordered. The
-    caller guarantees the pairs cover the same memory on every call, and no two write the
-    same bytes. If capture fails, copies go one by one."""
+    replays it: one launch, no per-tensor host work. With ``branches`` > 1 the graph forks
+    into that many independent chains of copies (balanced by bytes) that join at its end,
+    so one copy's last, partly idle wave overlaps the next copy's start; the graph as a
+    whole is still one unit of the current stream, before and after which everything stays
+    ordered. The caller guarantees the pairs cover the same memory on every call, and no
+    two write the same bytes. If capture fails, copies go one by one."""
 
     def __init__(self, device: torch.device, branches: int = 1) -> None:
         if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
