@@ -6,6 +6,7 @@ faults run inside real actor processes: ``os._exit`` kills the process mid-sync.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from typing import Any, Optional
@@ -22,7 +23,9 @@ class FaultyRollout(HFRolloutWorker):
     """``arm(mode, version, after)``: while receiving ``version`` (any version if None),
     after ``after`` tensors: ``"raise"`` an error, ``"hang"`` until ``release()``, or
     ``"exit"`` the process; ``"refuse"``: an error before it reads a byte (a loader that
-    refuses the version); ``"raise-named"``: once every tensor is loaded, an error that
+    refuses the version); ``"stall"``: once it took ``after`` tensors, ``stall_s`` seconds
+    before it asks for more (with ``after`` = all of them: every byte in, its confirmation
+    late), then on; ``"raise-named"``: once every tensor is loaded, an error that
     names the replica by its own name (as a vLLM replica's post-load step would). ``arm_init("hang")`` makes ``ws_init`` never return."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -30,6 +33,7 @@ class FaultyRollout(HFRolloutWorker):
         self._mode: Optional[str] = None
         self._at: Any = None
         self._after = 3
+        self._stall_s = 0.0
         self._init_mode: Optional[str] = None
         self._released = threading.Event()
         rollout, original = self.rollout, self.rollout.load_weights
@@ -57,13 +61,17 @@ class FaultyRollout(HFRolloutWorker):
                     raise RuntimeError("injected failure while loading")
                 if mode == "exit":
                     os._exit(EXIT_CODE)
-                self._released.wait(300)          # "hang": blocks this replica's loop
+                if mode == "hang":
+                    self._released.wait(300)      # blocks this replica's loop
             yield item
+            if count == self._after and mode == "stall":
+                await asyncio.sleep(self._stall_s)
 
-    def arm(self, mode: Optional[str], version: Any = None, after: int = 3) -> None:
-        if mode not in (None, "raise", "hang", "exit", "raise-named", "refuse"):
+    def arm(self, mode: Optional[str], version: Any = None, after: int = 3,
+            stall_s: float = 0.0) -> None:
+        if mode not in (None, "raise", "hang", "exit", "raise-named", "refuse", "stall"):
             raise ValueError(f"unknown fault {mode!r}")
-        self._mode, self._at, self._after = mode, version, after
+        self._mode, self._at, self._after, self._stall_s = mode, version, after, stall_s
 
     def arm_init(self, mode: Optional[str]) -> None:
         self._init_mode = mode

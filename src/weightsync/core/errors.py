@@ -27,6 +27,10 @@ class WeightSyncError(RuntimeError):
     lifecycle (``"init"``, ``"send"``, ``"receive"``...), ``version`` the weight version.
     ``origin`` is set on an error that relays another peer's failure: the peer where that
     failure started (``peer`` is then only the messenger); ``None`` when not relayed.
+    ``confirmed``, on a sender's error that came once every byte was out (the wait for the
+    receivers' confirmations): the rollout ranks that confirmed the whole version before it
+    (they hold it); the others may still complete it on their side (a receiver that resumes
+    after a stall) or not. ``None``: not known.
     """
 
     def __init__(
@@ -37,9 +41,11 @@ class WeightSyncError(RuntimeError):
         phase: str | None = None,
         version: object = None,
         origin: str | None = None,
+        confirmed: tuple[int, ...] | None = None,
     ) -> None:
         self.peer = peer
         self.origin = origin
+        self.confirmed = None if confirmed is None else tuple(sorted(int(r) for r in confirmed))
         self.phase = phase
         self.version = version
         self.detail = message
@@ -57,15 +63,23 @@ class WeightSyncError(RuntimeError):
             parts.append("(" + ", ".join(ctx) + ")")
         super().__init__(" ".join(parts))
 
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.confirmed is not None:   # may be set after construction (the sender's wait)
+            text += f" (rollout ranks {list(self.confirmed)} confirmed the version)"
+        return text
+
     def __reduce__(self):  # keep context across pickling (Ray actors re-raise these)
         return (
             _rebuild,
-            (type(self), self.detail, self.peer, self.phase, self.version, self.origin),
+            (type(self), self.detail, self.peer, self.phase, self.version, self.origin,
+             self.confirmed),
         )
 
 
-def _rebuild(cls, detail, peer, phase, version, origin=None):
-    return cls(detail, peer=peer, phase=phase, version=version, origin=origin)
+def _rebuild(cls, detail, peer, phase, version, origin=None, confirmed=None):
+    extra = {} if confirmed is None else {"confirmed": confirmed}
+    return cls(detail, peer=peer, phase=phase, version=version, origin=origin, **extra)
 
 
 class SyncTimeout(WeightSyncError):

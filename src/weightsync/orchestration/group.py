@@ -111,7 +111,10 @@ class ReplicaGroup:
                     st.seconds += float(o.value.get("seconds", 0.0))
                     st.bytes += int(o.value.get("bytes", 0))
                     st.staged_bytes = max(st.staged_bytes, int(o.value.get("staged_bytes", 0)))
-            if self.judge(report, outs[:n], outs[n:], f"sync:{kind}").failed:
+            verdict = self.judge(report, outs[:n], outs[n:], f"sync:{kind}")
+            if verdict.failed or (verdict.late and i < len(rounds) - 1):
+                # (a late confirmation left the trainer's group unusable: the rounds still
+                # to come run again on a rebuilt one)
                 alive = [m for m in members if self.replicas.is_managed(m)]
                 if i < len(rounds) - 1:
                     return alive
@@ -126,6 +129,16 @@ class ReplicaGroup:
         nothing can be isolated (a trainer's fault, no culprit, no replica left)."""
         verdict = blame(trainers, replicas, self._rank_owner if phase != "prepare" else {},
                         self.replicas.aliases())
+        if verdict.late:
+            # replicas that hold the version although a trainer rank gave up on their
+            # confirmation: reported, not fenced; the trainer's group is built again
+            self.ready = False
+            if report is not None:
+                report.late.extend(n for n in verdict.late if n not in report.late)
+            for name, why in verdict.late.items():
+                logger.warning("weightsync: %s completed version %s after the trainer gave "
+                               "up on it (%s); it holds the version",
+                               name, None if report is None else report.version, why)
         if not verdict.failed:
             return verdict
         isolating = self.isolate_failures and not self.abort_on_failure

@@ -54,6 +54,9 @@ class SyncReport:
     atomic: bool = False                            # two-phase: stage on all, then commit
     validated: list = field(default_factory=list)   # replicas whose check_weights ran (the
                                                     # others had accepted this weight set)
+    late: list = field(default_factory=list)        # replicas that completed the version
+                                                    # after a trainer rank gave up waiting
+                                                    # for their confirmation (they hold it)
 
     @property
     def gbps(self) -> float:
@@ -93,6 +96,8 @@ class SyncReport:
         status = "ok" if self.ok else f"FAILED: {[r.name for r in self.failed]}"
         if self.isolated:
             status += f" (isolated {self.isolated}, {self.retries} re-run(s))"
+        if self.late:
+            status += f" (confirmed late: {self.late})"
         if self.atomic:
             status += f" (atomic, staging {self.staged_bytes / 1e6:.2f} MB)"
         return (f"version {self.version} [{'+'.join(self.kinds)}]: {self.bytes / 1e6:.2f} MB in "

@@ -146,6 +146,7 @@ def with_names(exc: BaseException, names: dict[str, str]) -> BaseException:
                         version=exc.version, origin=exc.origin)
     except Exception:  # a subclass with another signature: keep the original
         return exc
+    new.confirmed = exc.confirmed
     for key, value in exc.__dict__.items():
         new.__dict__.setdefault(key, value)
     return new

@@ -494,7 +494,20 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         self._slot_bucket.clear()
 
     def _await_acks(self, state: _SendState, *, final: bool, index: int = -1) -> None:
-        """Pop the sender inbox until every receiver acked bucket ``index`` (or the end)."""
+        """Pop the sender inbox until every receiver acked bucket ``index`` (or the end).
+        A failure of the final wait says which receivers confirmed the whole version
+        (``confirmed`` of the error: they hold it; the others may still complete it)."""
+        if not final:
+            return self._pop_acks(state, final=False, index=index)
+        try:
+            return self._pop_acks(state, final=True, index=index)
+        except WeightSyncError as exc:
+            if exc.confirmed is None:
+                exc.confirmed = tuple(r for r in range(self._num_receivers)
+                                      if (state.seq, -1, r) in self._acks)
+            raise
+
+    def _pop_acks(self, state: _SendState, *, final: bool, index: int = -1) -> None:
         inbox = self._tx_control()
         pending = set(range(self._num_receivers))
         acks = self._acks

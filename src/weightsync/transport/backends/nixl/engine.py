@@ -344,14 +344,20 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         while len(served) < self._num_receivers:
             left = deadline - time.monotonic()
             missing = sorted(set(range(self._num_receivers)) - set(served))
-            if left <= 0:
+            if left <= 0:     # those that pulled hold the version (``confirmed``)
                 raise SyncTimeout(f"rollout ranks {missing} did not finish pulling",
-                                  peer=f"rollout rank {missing[0]}", phase="send", version=version)
+                                  peer=f"rollout rank {missing[0]}", phase="send",
+                                  version=version, confirmed=tuple(served))
             self._hub.expect(set(missing))
-            msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing[0]}", phase="send",
-                                version=version)
-            if isinstance(msg, ErrorMsg) and msg.seq >= seq:
-                raise_remote(msg, phase="send")
+            try:
+                msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing[0]}",
+                                    phase="send", version=version)
+                if isinstance(msg, ErrorMsg) and msg.seq >= seq:
+                    raise_remote(msg, phase="send")
+            except WeightSyncError as exc:
+                if exc.confirmed is None:
+                    exc.confirmed = tuple(served)
+                raise
             if isinstance(msg, WantsMsg) and 0 <= msg.rank < self._num_receivers:
                 self._wants[msg.rank] = dict(msg.wants)     # staged so from the next sync
                 self._wants_new = True
