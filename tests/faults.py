@@ -266,12 +266,11 @@ def slow_trainer_gpu(engine, role, rank):
 
 
 def collective_reads_unordered(engine, role, rank):
-    """Mutant of ``collective``'s stream-ordered receive: the consumer's stream does not
-    wait for the broadcast before reading the slot (with ``slow_trainer_gpu``)."""
+    """Mutant of ``collective``'s receive: the consumer reads a slot without waiting for the
+    broadcast into it to complete (with ``slow_trainer_gpu``)."""
     slow_trainer_gpu(engine, role, rank)
     if role == "rollout":
-        from weightsync.transport.backends.collective import CollectiveEngine
-        engine._layout = lambda stream, msg: super(CollectiveEngine, engine)._layout(stream, msg)
+        engine._wait_work = lambda work, version, **kw: None
 
 
 REFUSAL = "injected: the loader refuses this version"

@@ -86,13 +86,3 @@ def test_a_broken_group_raises_the_report_that_names_who_failed(engine):
     with pytest.raises(PeerFailed) as info:
         engine._wait_work(FakeWork(0, RuntimeError("gloo: connection reset")), 1)
     assert info.value.peer == "rollout rank 2"
-
-
-def test_rx_stream_waits_setting_is_read_at_construction(monkeypatch):
-    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS", "sometimes")
-    with pytest.raises(ValueError, match="WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS"):
-        CheckpointEngineRegistry.new("collective", role="rollout")
-    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS", "1")
-    assert CheckpointEngineRegistry.new("collective", role="rollout")._rx_stream_waits is True
-    monkeypatch.delenv("WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS")
-    assert CheckpointEngineRegistry.new("collective", role="rollout")._rx_stream_waits is False

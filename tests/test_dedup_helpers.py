@@ -10,7 +10,7 @@ import torch
 
 from weightsync.core.aio import AsyncRunner
 from weightsync.rollout.protocol import SyncFence, execute_on_engine
-from weightsync.transport.protocol.sender import DirectTensors, direct_min_bytes
+from weightsync.transport.protocol.sender import DirectTensors
 
 
 class _Engine:
@@ -87,7 +87,7 @@ class _Direct(DirectTensors):
         self.sent.append((msg.entries[0].name, msg.index, msg.nbytes))
 
 
-def test_direct_tensors_predicate_and_bookkeeping(monkeypatch):
+def test_direct_tensors_predicate_and_bookkeeping():
     big = torch.zeros(256)                     # 1 KiB of float32
     eng = _Direct(True, 1024)
     state = types.SimpleNamespace(seq=7, version="v", tensors=0, nbytes=0)
@@ -103,9 +103,3 @@ def test_direct_tensors_predicate_and_bookkeeping(monkeypatch):
     eng._tx_direct(state, "b", big, torch.float32)
     (_, i1, n1), (_, i2, _) = eng.sent
     assert i2 == i1 + 1 and n1 == 1024 and (state.tensors, state.nbytes) == (2, 2048)
-    monkeypatch.setenv("WS_TEST_DIRECT_MIN", "12")
-    assert direct_min_bytes("WS_TEST_DIRECT_MIN", 5) == 12
-    assert direct_min_bytes("WS_TEST_DIRECT_MIN_UNSET", 5) == 5
-    monkeypatch.setenv("WS_TEST_DIRECT_MIN", "lots")
-    with pytest.raises(ValueError, match="WS_TEST_DIRECT_MIN must be a number of bytes"):
-        direct_min_bytes("WS_TEST_DIRECT_MIN", 5)

@@ -19,8 +19,14 @@ from weightsync.transport.base import worker_kwargs
 
 BUCKET = 64 * 1024
 TIMEOUT = 6.0
-ENV = {"shm": "WEIGHTSYNC_SHM_DIRECT_MIN", "collective": "WEIGHTSYNC_COLLECTIVE_DIRECT_MIN",
-       "delta+shm": "WEIGHTSYNC_SHM_DIRECT_MIN", "delta+collective": "WEIGHTSYNC_COLLECTIVE_DIRECT_MIN"}
+NEVER = 1 << 40      # a direct size no tensor reaches: bucketed only
+
+
+def _direct(backend, min_bytes):
+    """Engine keywords: tensors of ``min_bytes`` or more go direct (shm: whatever the
+    receiver count, unless ``min_bytes`` is ``NEVER``)."""
+    shm = backend.endswith("shm") and min_bytes < NEVER
+    return {"direct_min_bytes": min_bytes, **({"direct": True} if shm else {})}
 
 
 def _pair(backend, **kw):
@@ -97,10 +103,8 @@ def _exact(got, version, n=8):
 # -- item 1: the pump waits for the consumer (direct tensors are not staged ahead) ------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "collective"])
-def test_slow_consumer_stages_at_most_one_direct_tensor(monkeypatch, backend):
-    monkeypatch.setenv(ENV[backend], "1024")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
-    tr, rx = _pair(backend)
+def test_slow_consumer_stages_at_most_one_direct_tensor(backend):
+    tr, rx = _pair(backend, **_direct(backend, 1024))
     try:
         reads = []
         orig = rx._rx_direct
@@ -126,10 +130,9 @@ def test_slow_consumer_stages_at_most_one_direct_tensor(monkeypatch, backend):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["shm", "collective"])
 @pytest.mark.parametrize("how", ["break", "raise", "cancel"])
-def test_next_sync_after_abandoned_receive_is_exact_or_fails_fast(monkeypatch, backend, how):
-    monkeypatch.setenv(ENV[backend], str(1 << 40))     # bucketed only
+def test_next_sync_after_abandoned_receive_is_exact_or_fails_fast(backend, how):
     # slot 0 of 2 is never released by a consumer that left: the pump blocks on it
-    tr, rx = _pair(backend, num_slots=2)
+    tr, rx = _pair(backend, num_slots=2, **_direct(backend, NEVER))     # bucketed only
     try:
         small = [(f"s{i}", torch.full((4096,), float(i))) for i in range(40)]  # many buckets
         t, out = _in_thread(lambda: _send(tr, 1, small))
@@ -173,10 +176,8 @@ class _nothing:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["shm", "collective"])
-def test_next_sync_on_same_engines_after_break(monkeypatch, backend):
-    monkeypatch.setenv(ENV[backend], "1024")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
-    tr, rx = _pair(backend)
+def test_next_sync_on_same_engines_after_break(backend):
+    tr, rx = _pair(backend, **_direct(backend, 1024))
     try:
         t, out = _in_thread(lambda: _send(tr, 1))
         asyncio.run(_collect(rx, 1, stop_after=2))
@@ -195,11 +196,10 @@ def test_next_sync_on_same_engines_after_break(monkeypatch, backend):
 
 
 @pytest.mark.timeout(120)
-def test_receive_refuses_to_share_a_link_with_a_live_pump(monkeypatch):
+def test_receive_refuses_to_share_a_link_with_a_live_pump():
     """A pump of the previous receive still reading (its wait did not end): the next
     receive fails at once with a WeightSyncError, and starts no second reader."""
-    monkeypatch.setenv(ENV["shm"], str(1 << 40))
-    tr, rx = _pair("shm")
+    tr, rx = _pair("shm", **_direct("shm", NEVER))
     hold = threading.Event()
     stuck = threading.Thread(target=hold.wait, name="weightsync-rx0-s0", daemon=True)
     stuck.start()
@@ -221,11 +221,10 @@ def test_receive_refuses_to_share_a_link_with_a_live_pump(monkeypatch):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "collective"])
-def test_a_complete_receive_leaves_no_pump_behind(monkeypatch, backend):
+def test_a_complete_receive_leaves_no_pump_behind(backend):
     """A pump that delivered its Done may still be returning when the consumer sees the
     last tensor; the receive ends only once it has (CI caught a pump alive at finalize)."""
-    monkeypatch.setenv(ENV[backend], str(1 << 40))
-    tr, rx = _pair(backend)
+    tr, rx = _pair(backend, **_direct(backend, NEVER))
     orig = rx._pump
 
     def slow_exit(stream, state):
@@ -247,9 +246,8 @@ def test_a_complete_receive_leaves_no_pump_behind(monkeypatch, backend):
 # -- items 3 and 4: no default-executor threads, nothing blocking on the caller's loop ----
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "collective", "delta+shm", "delta+collective"])
-def test_send_and_receive_on_one_loop_with_one_default_thread(monkeypatch, backend):
-    monkeypatch.setenv(ENV[backend], str(1 << 40))   # bucketed only
-    tr, rx = _pair(backend)
+def test_send_and_receive_on_one_loop_with_one_default_thread(backend):
+    tr, rx = _pair(backend, **_direct(backend, NEVER))   # bucketed only
     try:
         async def both(v):
             asyncio.get_running_loop().set_default_executor(
@@ -268,10 +266,8 @@ def test_send_and_receive_on_one_loop_with_one_default_thread(monkeypatch, backe
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "collective"])
-def test_direct_send_leaves_the_callers_loop_free(monkeypatch, backend):
-    monkeypatch.setenv(ENV[backend], "1024")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
-    tr, rx = _pair(backend)
+def test_direct_send_leaves_the_callers_loop_free(backend):
+    tr, rx = _pair(backend, **_direct(backend, 1024))
     try:
         t, out = _in_thread(lambda: asyncio.run(_collect(rx, 1, sleep=1.0)))
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from weightsync import CheckpointEngineRegistry
+from weightsync.transport.backends.collective import RX_AHEAD
 from weightsync.transport.base import worker_kwargs
 from weightsync.testing import GroupSpec, expected_tensors, make_tensors, run_group, same_bytes
 
@@ -25,24 +26,27 @@ def _clean(results):
                 assert not step["missing"] and not step["dupes"] and not step["bad"], step
 
 
-ENV = {"shm": "WEIGHTSYNC_SHM_DIRECT_MIN", "collective": "WEIGHTSYNC_COLLECTIVE_DIRECT_MIN"}
+def direct_kwargs(backend, min_bytes=1024):
+    """Engine keywords that send every tensor of ``min_bytes`` or more direct (shm: also
+    with more receivers than cores)."""
+    return {"direct_min_bytes": min_bytes, **({"direct": True} if backend == "shm" else {})}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["shm", "collective"])
 @pytest.mark.parametrize("trainers,receivers", [(1, 3), (2, 2)])
-def test_direct_tensors_arrive_bit_exact(monkeypatch, backend, trainers, receivers):
+def test_direct_tensors_arrive_bit_exact(backend, trainers, receivers):
     # every tensor of 1 KiB or more skips the buckets (shm: where the kernel allows)
-    monkeypatch.setenv(ENV[backend], "1024")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")  # also with more receivers than cores
     spec = GroupSpec(backend=backend, trainers=trainers, receivers=receivers, steps=3,
-                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60,
+                                    **direct_kwargs(backend)})
     _clean(run_group(spec))
 
 
-def _into_worker(backend, role, conn, steps):
+def _into_worker(backend, role, conn, steps, direct_min):
     try:
-        eng = CheckpointEngineRegistry.new(backend, role=role, bucket_size=BUCKET, timeout=60)
+        eng = CheckpointEngineRegistry.new(backend, role=role, bucket_size=BUCKET, timeout=60,
+                                           direct_min_bytes=direct_min)
         conn.send(eng.prepare())
         eng.init_process_group(**conn.recv())
         loop = asyncio.new_event_loop()
@@ -76,14 +80,14 @@ async def _receive_into(eng, step):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["shm", "collective"])
-@pytest.mark.parametrize("direct_min", ["1024", str(1 << 40)])
-def test_receive_into_writes_the_callers_tensors(monkeypatch, backend, direct_min):
-    monkeypatch.setenv(ENV[backend], direct_min)
+@pytest.mark.parametrize("direct_min", [1024, 1 << 40])
+def test_receive_into_writes_the_callers_tensors(backend, direct_min):
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for role in ("trainer", "rollout"):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_into_worker, args=(backend, role, b, 2), daemon=True)
+        p = ctx.Process(target=_into_worker, args=(backend, role, b, 2, direct_min),
+                        daemon=True)
         p.start()
         pipes.append(a)
         procs.append(p)
@@ -176,17 +180,15 @@ def refilled_buffer_hook(engine, role, rank):
 @pytest.mark.parametrize("backend", ["shm", "collective"])
 @pytest.mark.parametrize("hook,moves_on", [("kept_params_hook", True),
                                            ("refilled_buffer_hook", False)])
-def test_the_trainer_moves_on_from_lasting_direct_tensors_only(monkeypatch, backend, hook,
-                                                               moves_on):
+def test_the_trainer_moves_on_from_lasting_direct_tensors_only(backend, hook, moves_on):
     """Parameters (the same storage every sync) are read (shm) or broadcast (collective)
     while the trainer asks for the next item, from the second sync; a buffer refilled per name is waited for each time.
     Both land bit-exact with slow receivers (with the wait gone for the refilled buffer,
     every twin would carry the last twin's bytes)."""
-    monkeypatch.setenv(ENV[backend], "1024")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
     spec = GroupSpec(backend=backend, receivers=2, steps=3, tiny=5,
                      hook=f"test_direct_tensors:{hook}",
-                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60,
+                                    **direct_kwargs(backend)})
     results = run_group(spec)
     _clean(results)
     unwaited = [s["direct_unwaited"] for s in results[0]["steps"]]
@@ -194,15 +196,6 @@ def test_the_trainer_moves_on_from_lasting_direct_tensors_only(monkeypatch, back
         assert unwaited[0] == 0 and unwaited[1] > 0 and unwaited[2] == unwaited[1], unwaited
     else:
         assert unwaited == [0, 0, 0], unwaited
-
-
-@pytest.mark.parametrize("backend,env", [("shm", "WEIGHTSYNC_SHM_DIRECT_WINDOW"),
-                                         ("collective", "WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")])
-@pytest.mark.parametrize("value", ["0", "-1", "two"])
-def test_a_bad_direct_window_is_a_clear_error(monkeypatch, backend, env, value):
-    monkeypatch.setenv(env, value)
-    with pytest.raises(ValueError, match=env):
-        CheckpointEngineRegistry.new(backend, role="trainer", bucket_size=BUCKET)
 
 
 def ahead_hook(engine, role, rank):
@@ -261,24 +254,22 @@ def ahead_hook(engine, role, rank):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("trainers,receivers", [(1, 1), (2, 2)])
-@pytest.mark.parametrize("ahead", ["", "1"])
 def test_collective_receivers_post_the_next_broadcast_ahead(monkeypatch, tmp_path, trainers,
-                                                           receivers, ahead):
+                                                           receivers):
     """CPU ``collective`` receivers keep two broadcasts in flight (the next one waits in
     gloo when the last one's bytes end); with slow completions mixed in, every item still
-    reaches the consumer in the order sent and lands bit-exact. ``RX_AHEAD=1``: one."""
-    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN", "1024")
-    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_AHEAD", ahead)
+    reaches the consumer in the order sent and lands bit-exact."""
     monkeypatch.setenv("WS_AHEAD_OUT", str(tmp_path / "ahead"))
     spec = GroupSpec(backend="collective", trainers=trainers, receivers=receivers, steps=3,
                      tiny=30, consume="into", hook="test_direct_tensors:ahead_hook",
-                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60,
+                                    "direct_min_bytes": 1024})
     _clean(run_group(spec))
     import json
     for r in range(receivers):
         stats = json.loads((tmp_path / f"ahead.{r}").read_text())
         assert set(stats["now"].values()) == {0}, stats["now"]
-        assert stats["max"] == (1 if ahead == "1" else 2), stats["max"]
+        assert stats["max"] == RX_AHEAD, stats["max"]
         last: dict = {}
         kinds = set()
         for kind, stream, seq, index in stats["order"]:
@@ -287,13 +278,6 @@ def test_collective_receivers_post_the_next_broadcast_ahead(monkeypatch, tmp_pat
             last[key] = index
             kinds.add(kind)
         assert kinds == {"bucket", "direct"}
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "many"])
-def test_a_bad_rx_ahead_is_a_clear_error(monkeypatch, value):
-    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_AHEAD", value)
-    with pytest.raises(ValueError, match="WEIGHTSYNC_COLLECTIVE_RX_AHEAD"):
-        CheckpointEngineRegistry.new("collective", role="rollout", bucket_size=BUCKET)
 
 
 def slow_probe_hook(engine, role, rank):
@@ -313,17 +297,16 @@ def slow_probe_hook(engine, role, rank):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("consume", ["views", "into-shared"])
-def test_shm_probe_waits_for_every_receivers_answer(monkeypatch, consume):
+def test_shm_probe_waits_for_every_receivers_answer(consume):
     """A receiver's first offer that comes before another receiver's probe answer is kept
     for its sync, not taken for an answer: direct reads stay on (before the fix the probe
     counted the offer, freed its bytes and the late receiver read garbage: no direct
     reads for the whole group, silently). Receivers' tensors shared: every tensor is
     pushed from the first sync on, the early offer kept for it."""
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", "1024")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
     spec = GroupSpec(backend="shm", receivers=2, steps=3, tiny=5, consume=consume,
                      hook="test_direct_tensors:slow_probe_hook",
-                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60})
+                     engine_kwargs={"bucket_size": BUCKET, "timeout": 60,
+                                    **direct_kwargs("shm")})
     results = run_group(spec)
     _clean(results)
     steps = results[0]["steps"]

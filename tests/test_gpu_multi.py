@@ -75,12 +75,10 @@ def test_rollout_killed_mid_sync_across_gpus(backend):
 
 
 @pytest.mark.timeout(300)
-def test_collective_consumer_reads_a_slot_only_after_its_broadcast(monkeypatch):
-    """With WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS=1, NCCL receivers post the next broadcast
-    without waiting on the host; the consumer's stream waits for each one instead. With the
-    trainer's broadcasts running late, the bytes are exact; the mutant without that wait
-    reads stale slots (the test can fail)."""
-    monkeypatch.setenv("WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS", "1")   # workers inherit it
+def test_collective_consumer_reads_a_slot_only_after_its_broadcast():
+    """NCCL receivers hand a slot to the consumer only once the broadcast into it
+    completed. With the trainer's broadcasts running late, the bytes are exact; the mutant
+    without that wait reads stale slots (the test can fail)."""
     spec = _spec("collective", hook="faults:slow_trainer_gpu", steps=2)
     assert_clean(run_group(spec), spec)
     mutant = run_group(_spec("collective", hook="faults:collective_reads_unordered", steps=2))

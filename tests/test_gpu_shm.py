@@ -1,6 +1,7 @@
 """A GPU trainer over ``shm`` into CPU receivers: the ring registered as pinned host memory
 (asynchronous device-to-host copies), and the wait that keeps a bucket from going out
-before those copies land. Skipped without CUDA; the env check runs everywhere."""
+before those copies land. The GPU tests are skipped without CUDA; the copy-thread ones run
+everywhere."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +25,6 @@ def _group(receivers=1, **kw):
         for f in [pool.submit(e.init_process_group, **k) for e, k in zip(ts + rs, kws)]:
             f.result(timeout=60)
     return ts, rs
-
-
-def test_a_bad_pin_setting_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("WEIGHTSYNC_SHM_PIN", "sometimes")
-    with pytest.raises(ValueError, match="WEIGHTSYNC_SHM_PIN"):
-        CheckpointEngineRegistry.new("shm", role="trainer", device="cpu")
 
 
 def _run(mutant: bool, steps: int = 3, shared: bool = False, monkeypatch=None) -> list:

@@ -32,9 +32,11 @@ def _tensors(step: int, names: tuple) -> dict:
 
 def _worker(role, conn, rank, mode, steps):
     """mode: "shared" (trainer tensors in shared memory, updated in place), "private",
-    "renew" (new shared tensors under new names every sync)."""
+    "renew" (new shared tensors under new names every sync). Tensors of 1 MiB or more go
+    direct."""
     try:
-        eng = CheckpointEngineRegistry.new("shm", role=role, bucket_size=BUCKET, timeout=60)
+        eng = CheckpointEngineRegistry.new("shm", role=role, bucket_size=BUCKET, timeout=60,
+                                           direct=True, direct_min_bytes=1 << 20)
         conn.send(eng.prepare())
         eng.init_process_group(**conn.recv())
         loop = asyncio.new_event_loop()
@@ -116,19 +118,15 @@ def _cma_ok():
 
 
 @pytest.fixture
-def direct(monkeypatch):
+def direct():
     if not _cma_ok():
         pytest.skip("this kernel does not let processes read each other (no direct tensors)")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT", "1")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_DIRECT_MIN", str(1 << 20))
 
 
-@pytest.mark.parametrize("env,maps", [("1", 3), ("0", 0)])
-def test_shared_trainer_tensors_are_copied_out_of_a_mapping(direct, monkeypatch, env, maps):
-    monkeypatch.setenv("WEIGHTSYNC_SHM_SHARED", env)
+def test_shared_trainer_tensors_are_copied_out_of_a_mapping(direct):
     steps = _run("shared")
     assert [s["bad"] for s in steps] == [[], [], []]
-    assert [s["maps"] for s in steps] == [maps] * 3    # mapped once, kept between syncs
+    assert [s["maps"] for s in steps] == [3] * 3    # mapped once, kept between syncs
 
 
 def test_private_trainer_tensors_are_read_as_before(direct):
@@ -237,13 +235,11 @@ def _exact(rx):
         assert [s["bad"] for s in steps] == [[]] * len(steps)
 
 
-@pytest.mark.parametrize("env,pushed", [("1", 4), ("0", 0)])
-def test_the_trainer_writes_into_a_receivers_shared_tensors(monkeypatch, env, pushed):
+def test_the_trainer_writes_into_a_receivers_shared_tensors():
     if not _cma_ok():
         pytest.skip("this kernel does not let processes open each other's descriptors")
-    monkeypatch.setenv("WEIGHTSYNC_SHM_PUSH", env)
     tx, rx = _run_push({"share": ["all"]})
-    assert tx == [pushed] * 3          # every tensor, the small one too: no bucket at all
+    assert tx == [4] * 3          # every tensor, the small one too: no bucket at all
     _exact(rx)
 
 
@@ -358,10 +354,3 @@ def test_every_dtype_and_shape_lands_with_receivers_sharing_their_tensors(
         assert sum(map(sum, pushed)) > 0 and all(len(set(p[1:])) == 1 for p in pushed), pushed
     else:
         assert sum(map(sum, pushed)) == 0
-
-
-@pytest.mark.parametrize("env", ["WEIGHTSYNC_SHM_PUSH", "WEIGHTSYNC_SHM_SHARED"])
-def test_a_bad_setting_is_a_clear_error(monkeypatch, env):
-    monkeypatch.setenv(env, "sometimes")
-    with pytest.raises(ValueError, match=env):
-        CheckpointEngineRegistry.new("shm", role="rollout")

@@ -96,19 +96,13 @@ SPLIT_MIN = 8 << 20
 AUTO_MAX_THREADS = 16
 
 
-def copy_threads(sharers: int | None = None) -> int:
-    """Threads one big copy or cross-memory read is split over: ``WEIGHTSYNC_COPY_THREADS``
-    when set; else, given ``sharers`` (the receivers that copy on this host at once), the
-    host's cores shared among them, at most :data:`AUTO_MAX_THREADS`; else min(4, cores)."""
-    raw = os.environ.get("WEIGHTSYNC_COPY_THREADS", "")
-    if raw.strip():
-        try:
-            n = int(raw)
-        except ValueError:
-            raise ValueError(f"WEIGHTSYNC_COPY_THREADS={raw!r} is not an int") from None
-        if not 1 <= n <= 64:
-            raise ValueError(f"WEIGHTSYNC_COPY_THREADS must be in [1, 64], got {n}")
-        return n
+def copy_threads(sharers: int | None = None, *, threads: int | None = None) -> int:
+    """Threads one big copy or cross-memory read is split over: ``threads`` when given
+    (``ShmOptions.copy_threads``, ``WEIGHTSYNC_COPY_THREADS``); else, given ``sharers``
+    (the receivers that copy on this host at once), the host's cores shared among them, at
+    most :data:`AUTO_MAX_THREADS`; else min(4, cores)."""
+    if threads is not None:
+        return threads
     cores = os.cpu_count() or 1
     if sharers is not None:
         return max(1, min(AUTO_MAX_THREADS, cores // max(1, int(sharers))))

@@ -7,14 +7,14 @@ buffers: the trainer fills bucket k+1 while bucket k is on the wire. A receiver 
 broadcast of a bucket into its own slot only after its consumer released that slot, so no
 buffer is overwritten while read. Headers travel on one socket per receiver (set up in
 ``init_process_group`` through the store), so after the first sync only bucket indices do.
-On CPU, a contiguous tensor of at least ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN`` bytes (8 MiB;
-0 turns it off) is broadcast as it is, from the trainer's tensor into the receiver's
+On CPU, a contiguous tensor of at least ``direct_min_bytes`` (:class:`CollectiveOptions`,
+8 MiB; 0 turns it off) is broadcast as it is, from the trainer's tensor into the receiver's
 (its own tensor with ``receive_into``): no packing or unpacking copy. A CPU receiver
 posts the broadcast of the next bucket or direct tensor whose header is already here while
-the last one is in flight (up to ``WEIGHTSYNC_COLLECTIVE_RX_AHEAD``, default 2, at once;
-items still reach the consumer in the order sent), so gloo has the next receive waiting
-when the last one's bytes end. Waits on gloo block on the operation itself, in slices that
-look at the control channel (a peer's reported failure) and the deadline.
+the last one is in flight (up to :data:`RX_AHEAD` at once; items still reach the consumer
+in the order sent), so gloo has the next receive waiting when the last one's bytes end.
+Waits on gloo block on the operation itself, in slices that look at the control channel
+(a peer's reported failure) and the deadline.
 
 CUDA (NCCL), reviewed for streams: slot buffers are allocated once, in
 ``init_process_group``, from PyTorch's caching allocator (NCCL only reads and writes them;
@@ -24,13 +24,8 @@ its bucket copies were queued), and refills a slot only once the broadcast that 
 it completed. A receiver posts a broadcast into a slot behind an event recorded on its
 consumer's stream (the one current while it iterates) when the consumer released the slot,
 and hands out views only once the broadcast completed (polled, bounded by ``timeout``;
-``Work.wait`` on NCCL only orders the calling thread's stream, not the consumer's). With
-``WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS=1`` (read at construction; off by default until
-measured on GPUs here) it posts the broadcast on a side stream that waits for it instead,
-and the consumer's stream waits on an event recorded there before it reads the slot: the
-host posts the next broadcast at once; it checks completions as later buckets come and
-waits for the last ones, bounded, at the end of the sync (with a checksum, computed on the
-host, it waits for each bucket). NCCL's own timeout is set longer
+``Work.wait`` on NCCL only orders the calling thread's stream, not the consumer's). NCCL's
+own timeout is set longer
 than ``timeout`` so that a dead peer becomes ``SyncTimeout`` here (the group is then
 aborted) rather than NCCL's watchdog tearing the process down.
 
@@ -55,16 +50,17 @@ import socket
 import threading
 import time
 from contextlib import nullcontext as _nullcontext
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from weightsync.core.config import env_value, parse_bool
+from weightsync.core.config import option
 from weightsync.core.errors import PeerFailed, SyncTimeout, WeightSyncError, WireError
 from weightsync.core.wire import AckMsg, BucketMsg, ErrorMsg
-from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
-                                                 direct_window, wait_stream)
+from weightsync.transport.protocol.sender import (DIRECT_WINDOW, BucketedEngine, DirectTensors,
+                                                 wait_stream)
 from weightsync.core.remote import raise_remote
 from weightsync.transport.control.links import Link, LinkHub
 from weightsync.transport.control.server import C10dStore, StoreTimeout
@@ -73,16 +69,36 @@ from weightsync.transport.protocol.receiver import Abandoned, ReceiverMixin, pat
 from weightsync.transport.registry import CheckpointEngineRegistry
 from weightsync.transport.tensors import as_bytes
 
-__all__ = ["CollectiveEngine"]
+__all__ = ["CollectiveEngine", "CollectiveOptions", "COLLECTIVE_DIRECT_MIN", "RX_AHEAD"]
 
 logger = logging.getLogger(__name__)
 _CAUSE_GRACE_S = 2.0  # how long a broken broadcast waits to learn from whom (see below)
 _CHECK_EVERY_S = 0.05  # how often a broadcast's wait looks at the control channel
 
-#: ``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``'s default: 8 MiB (16 MiB until 2026-12-05; paired on
-#: this 2-core box, 1 GiB synthetic: 0.77-0.82 x one flat gloo broadcast against 0.73-0.80,
-#: better in 5 of 5 pairs; Qwen2-0.5B shapes 0.76-0.80 against 0.69-0.70, BENCHMARKS.md)
+#: ``direct_min_bytes``'s default (docs/benchmarks.md compares it with bigger ones).
 COLLECTIVE_DIRECT_MIN = 8 << 20
+#: Broadcasts a CPU receiver has in flight at once (gloo runs a group's operations on two
+#: threads): the next one is posted while the last one's bytes arrive.
+RX_AHEAD = 2
+
+
+@dataclass(kw_only=True)
+class CollectiveOptions:
+    """Options of ``collective`` beyond :class:`~weightsync.core.config.EngineConfig`.
+
+    Keyword arguments of the engine (``connect("collective", ..., direct_min_bytes=0)``)
+    or one object (``options=CollectiveOptions(...)``).
+    """
+
+    direct_min_bytes: int = option(
+        None, int, COLLECTIVE_DIRECT_MIN,
+        "On CPU, contiguous tensors of at least this many bytes are broadcast as they are, "
+        "without the bucket copies (0: never).")
+
+    def __post_init__(self) -> None:
+        n = self.direct_min_bytes
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"direct_min_bytes must be an int >= 0, got {n!r}")
 
 
 def _wait_at_most(work: Any, seconds: float) -> None:
@@ -153,6 +169,9 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
     """Multi-host transport: double-buffered broadcasts over gloo or NCCL."""
 
     capabilities = frozenset({"cpu", "cuda", "same_host", "multi_host"})
+    options_cls = CollectiveOptions
+    options: CollectiveOptions
+    _direct_window = DIRECT_WINDOW
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -164,23 +183,10 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         self._stores: list[Any] = []
         self._cuda = torch.device(self.config.device).type == "cuda"
         self._released: dict[tuple[int, int], Any] = {}  # slot -> consumer-stream event
-        # CUDA receivers with stream waits: a side stream per trainer rank that posts the
-        # broadcasts, the event the consumer's stream waits on before it reads each slot,
-        # the broadcasts whose completion the host has not seen yet
-        self._rx_stream_waits = env_value("COLLECTIVE_RX_STREAM_WAITS", parse_bool, False)
-        self._rx_side: dict[int, Any] = {}
-        self._rx_ready: dict[tuple[int, int], Any] = {}
-        self._rx_inflight: dict[int, list[tuple[Any, BucketMsg]]] = {}
         # CPU: tensors at least this big are broadcast as they are (0: never)
-        self._direct_min = direct_min_bytes("WEIGHTSYNC_COLLECTIVE_DIRECT_MIN",
-                                            COLLECTIVE_DIRECT_MIN)
-        self._direct_window = direct_window("WEIGHTSYNC_COLLECTIVE_DIRECT_WINDOW")
-        # CPU receivers: broadcasts in flight at once (gloo runs a group's operations on
-        # two threads; 1 posts each only after the last completed)
-        self._rx_ahead = 1 if self._cuda else env_value("COLLECTIVE_RX_AHEAD", int, 2)
-        if self._rx_ahead < 1:
-            raise ValueError("WEIGHTSYNC_COLLECTIVE_RX_AHEAD must be an integer >= 1, "
-                             f"got {self._rx_ahead!r}")
+        self._direct_min = self.options.direct_min_bytes
+        # CPU receivers: broadcasts in flight at once
+        self._rx_ahead = 1 if self._cuda else RX_AHEAD
         self._aborted = False
         self._hub: Any = None
         self._links: dict[int, Link] = {}
@@ -415,48 +421,11 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
         free.clear()
         buf = self._rx_bufs[stream][msg.slot]
         released = self._released.pop((stream, msg.slot), None)
-        if self._cuda and self._rx_stream_waits and msg.checksum is None:
-            self._rx_post_ordered(stream, msg, buf, released)
-            return buf
         if released is not None:  # NCCL writes only after the consumer's reads of the slot
             torch.cuda.current_stream(buf.device).wait_event(released)
         self._wait_work(self._groups[stream].broadcast(buf[: msg.nbytes], 0), msg.version,
                         stream=stream, seq=msg.seq)
         return buf
-
-    def _rx_post_ordered(self, stream: int, msg: BucketMsg, buf: torch.Tensor,
-                         released: Any) -> None:
-        """Stream-ordered: the broadcast goes on a side stream behind the consumer's reads
-        of the slot, the consumer's stream waits for it (``_layout``) and the host moves on
-        to the next bucket at once; completion is checked as later buckets come and waited
-        for, bounded, at the end (``_rx_settle``)."""
-        side = self._rx_side.get(stream)
-        if side is None:
-            side = self._rx_side[stream] = torch.cuda.Stream(device=buf.device)
-        with torch.cuda.stream(side):
-            if released is not None:
-                side.wait_event(released)
-            work = self._groups[stream].broadcast(buf[: msg.nbytes], 0)
-            work.wait()            # NCCL: the side stream waits, the host does not
-        ready = torch.cuda.Event()
-        ready.record(side)
-        self._rx_ready[(stream, msg.slot)] = ready
-        inflight = self._rx_inflight.setdefault(stream, [])
-        inflight.append((work, msg))
-        while inflight and inflight[0][0].is_completed():
-            done, m = inflight.pop(0)
-            self._wait_work(done, m.version, stream=stream, seq=m.seq)  # raises its error
-
-    def _layout(self, stream: int, msg: BucketMsg) -> Any:
-        entries = super()._layout(stream, msg)
-        ready = self._rx_ready.pop((stream, msg.slot), None)
-        if ready is not None:      # the consumer iterates on this thread: its stream reads
-            torch.cuda.current_stream(torch.device(self.config.device)).wait_event(ready)
-        return entries
-
-    def _rx_settle(self, stream: int, msg: Any) -> None:
-        for work, m in self._rx_inflight.pop(stream, []):
-            self._wait_work(work, m.version, stream=stream, seq=m.seq)
 
     # -- direct tensors (DirectTensors; CPU): broadcast from the trainer's tensor into the
     # receiver's own, no packing or unpacking copy; the header goes first, so every rank
@@ -523,7 +492,6 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
                 except Exception:  # teardown goes on: the group is dropped either way
                     logger.warning("shutdown of a process group failed", exc_info=True)
         self._groups, self._works, self._free, self._released = {}, {}, {}, {}
-        self._rx_side, self._rx_ready, self._rx_inflight = {}, {}, {}
         if self._hub is not None:
             self._hub.close()
         for link in self._links.values():

@@ -259,14 +259,11 @@ class ReceiverMixin:
                         continue
                     self._pump_flush(ahead, stream, state)
                     if msg.slot == PUSHED_SLOT:   # the bytes are in our tensors already
-                        self._rx_pushed_wait(stream, msg)
                         state.q.put(("pushed", stream, msg, None))
                         continue
                     state.q.put(("bucket", stream, msg, self._rx_fetch(stream, msg)))
                     continue
                 self._pump_flush(ahead, stream, state)
-                if isinstance(msg, DoneMsg):
-                    self._rx_settle(stream, msg)
                 state.q.put(("msg", stream, msg, None))
                 if isinstance(msg, (DoneMsg, ErrorMsg)):
                     return
@@ -317,16 +314,6 @@ class ReceiverMixin:
     def _rx_begin(self, state: _RecvState) -> None:
         """Hook, at the start of every receive, before any pump reads (e.g. tell the
         trainers where they may write this receiver's tensors: ``state.into``)."""
-
-    def _rx_pushed_wait(self, stream: int, msg: BucketMsg) -> None:
-        """Hook (pump thread): before the consumer sees the tensors a trainer wrote into
-        ``state.into`` (a ``PUSHED_SLOT`` message), wait (bounded) until those writes are
-        done where the message can go out before them (a device's queued copies)."""
-
-    def _rx_settle(self, stream: int, msg: DoneMsg) -> None:
-        """Hook (pump thread, at the end of ``stream``'s sync): wait, bounded, for what
-        :meth:`_rx_fetch` left in flight on the device (a backend whose fetch does not
-        wait on the host); raises a failure of it."""
 
     def _rx_direct_dest(self, stream: int, msg: BucketMsg, state: _RecvState
                         ) -> Optional[torch.Tensor]:

@@ -21,7 +21,6 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,7 +29,6 @@ from typing import Any, Optional
 
 import torch
 
-from weightsync.core.config import env_value
 from weightsync.core.errors import PeerFailed, PlanMismatch, SyncTimeout, WeightSyncError
 from weightsync.core.plan import (Bucket, PlanBuilder, Replay, ReplayBuilder, TensorMeta, bucket_digest,
                                   dtype_name, plan_signature)
@@ -43,8 +41,8 @@ from weightsync.transport.tensors import (LastingStorage, aiter_items, as_bytes,
 from weightsync.transport.protocol.ownership import Ownership
 from weightsync.transport.base import CheckpointEngine
 
-__all__ = ["BucketedEngine", "DirectTensors", "chunk_source", "direct_header", "direct_min_bytes",
-           "direct_window", "plain_cpu"]
+__all__ = ["BucketedEngine", "DirectTensors", "DIRECT_WINDOW", "chunk_source", "direct_header",
+           "plain_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +92,9 @@ def chunk_source(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def direct_min_bytes(env: str, default: int) -> int:
-    """The size from which a tensor goes direct: environment variable ``env`` (bytes)."""
-    try:
-        return int(os.environ.get(env, str(default)))
-    except ValueError:
-        raise ValueError(f"{env} must be a number of bytes") from None
-
-
-def direct_window(env: str, default: int = 2) -> int:
-    """How many direct tensors whose bytes outlive their item a sender may leave unread:
-    environment variable ``env`` (``WEIGHTSYNC_*``; an integer >= 1, 1 waits for each)."""
-    value = env_value(env.removeprefix("WEIGHTSYNC_"), int, default)
-    if value < 1:
-        raise ValueError(f"{env} must be an integer >= 1, got {value!r}")
-    return value
+#: Direct tensors whose bytes outlive their item that a sender of ``shm`` or ``collective``
+#: may leave unread: receivers read one while the trainer asks its iterator for the next.
+DIRECT_WINDOW = 2
 
 
 class DirectTensors:

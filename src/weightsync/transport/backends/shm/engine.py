@@ -12,24 +12,25 @@ Speed: per-bucket headers and acks travel on one Unix socket per
 receiver (:mod:`weightsync.transport.control.links`), not through the control store.
 Where the kernel lets rollout ranks read the trainer's memory (``process_vm_readv``,
 probed in ``init_process_group``), every contiguous tensor of at least
-``WEIGHTSYNC_SHM_DIRECT_MIN`` bytes (8 MiB) skips the ring: the trainer sends its
+``direct_min_bytes`` (8 MiB) skips the ring: the trainer sends its
 address and waits until every receiver has read it (the tensor is valid only until the
 next item), so one copy remains instead of two. A tensor whose bytes outlive the item
 (a parameter: marked by the export, or the same storage under one name since the last
 sync, :class:`~weightsync.transport.tensors.LastingStorage`) is not waited for: up to
-``WEIGHTSYNC_SHM_DIRECT_WINDOW`` (2) such tensors are unread at a time, so receivers read
-one while the trainer asks its iterator for the next (``1``: wait for each); with
+:data:`~weightsync.transport.protocol.sender.DIRECT_WINDOW` such tensors are unread at a
+time, so receivers read one while the trainer asks its iterator for the next; with
 ``receive_into`` that copy lands straight in the receiver's own tensor. Copies use
 ``memmove`` rather than torch's thread pool (:mod:`weightsync.transport.fastcopy`).
-``WEIGHTSYNC_SHM_DIRECT``: ``auto`` (default: only while every receiver has two cores, or
-there is one receiver), ``1`` always, ``0`` never.
+``direct`` (:class:`ShmOptions`, ``WEIGHTSYNC_SHM_DIRECT``): ``"auto"`` (default: only
+while every receiver has two cores, or there is one receiver), ``True`` always, ``False``
+never.
 
 A CPU trainer whose tensors live in torch's shared memory (``model.share_memory()``, once)
 lets receivers map them: a direct tensor of such a storage is copied with ``memcpy`` out
 of the mapping (split over the receiver's copy threads) instead of read through the
 kernel, as fast as a local copy (:mod:`weightsync.transport.peermem`; mappings are kept
-between syncs, at most one sync's tensors). ``WEIGHTSYNC_SHM_SHARED=0`` turns that off;
-where a receiver may not open the trainer's descriptors it reads as before.
+between syncs, at most one sync's tensors). Where a receiver may not open the trainer's
+descriptors it reads as before.
 
 A receiver whose own tensors live in torch's shared memory (a CPU rollout engine that
 called ``model.share_memory()``) offers them at the start of every ``receive_into``
@@ -41,12 +42,10 @@ bucket. The trainer writes only during that receive, never into memory an engine
 using. The trainer keeps its mappings while the offers stay the same (a GPU trainer's
 registration of a big model as pinned memory costs about a second); memory a receiver
 freed (sleep level 2, new tensors) stays allocated until the trainer's next sync drops
-the mappings of offers no longer made. ``WEIGHTSYNC_SHM_PUSH=0`` (either side) turns
-that off.
+the mappings of offers no longer made.
 
-GPU trainers: CUDA tensors are copied device-to-host into the ring. With
-``WEIGHTSYNC_SHM_PIN`` ``auto`` (default: when the trainer process has CUDA initialized),
-``1`` or ``0``, the trainer registers its segments as pinned host memory
+GPU trainers: CUDA tensors are copied device-to-host into the ring. When the trainer
+process has CUDA initialized it registers its segments as pinned host memory
 (``cudaHostRegister``) so those copies run asynchronously at the link's full speed; a
 bucket that got any is published only once the copies queued on the trainer's current
 stream are done (an event polled, bounded by the timeout).
@@ -72,7 +71,8 @@ import secrets
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 
@@ -82,20 +82,20 @@ from weightsync.core.remote import raise_remote, wire_version
 from weightsync.core.wire import (DIRECT_BASE, PUSHED_SLOT, BucketMsg, ErrorMsg, HelloMsg,
                                   LandMsg)
 from weightsync.transport.tensors import plain_cpu
-from weightsync.transport.protocol.sender import (BucketedEngine, DirectTensors, direct_min_bytes,
-                                                 direct_window, wait_stream)
+from weightsync.transport.protocol.sender import (DIRECT_WINDOW, BucketedEngine, DirectTensors,
+                                                 wait_stream)
 from weightsync.transport.control.links import Link, LinkHub, unix_address
 from weightsync.transport.fastcopy import (cma_available, cma_read, copy_threads, memmove_from,
                                            split_memmove)
 from weightsync.transport.peermem import PeerMaps, shared_ref
-from weightsync.core.config import env_value, parse_auto_bool, parse_bool
+from weightsync.core.config import option, parse_bool
 from weightsync.core.plan import TensorMeta, itemsize
 from weightsync.transport.control.group import StoreGroupMixin
 from weightsync.transport.protocol.receiver import ReceiverMixin
 from weightsync.transport.backends.shm.segments import Segment, sweep_stale
 from weightsync.transport.registry import CheckpointEngineRegistry
 
-__all__ = ["ShmEngine", "SPLIT_MIN_THREADS", "SPLIT_BYTES"]
+__all__ = ["ShmEngine", "ShmOptions", "SPLIT_MIN_THREADS", "SPLIT_BYTES", "DIRECT_MIN"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,58 @@ logger = logging.getLogger(__name__)
 #: has this many (``WEIGHTSYNC_COPY_THREADS``, default min(4, cores)): with 2 cores, the
 #: trainer's own copy and the reader share them, and one thread each is faster.
 SPLIT_MIN_THREADS, SPLIT_BYTES = 3, 8 << 20
+#: ``direct_min_bytes``'s default: contiguous CPU tensors this big skip the ring.
+DIRECT_MIN = 8 << 20
+
+
+def _auto_bool(raw: Any) -> Union[bool, str]:
+    """``"auto"``, else a bool (``1/true/yes/on``, ``0/false/no/off``)."""
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    return parse_bool(raw) if isinstance(raw, str) else raw
+
+
+@dataclass(kw_only=True)
+class ShmOptions:
+    """Options of ``shm`` beyond :class:`~weightsync.core.config.EngineConfig`.
+
+    Keyword arguments of the engine (``connect("shm", ..., direct=False)``) or one object
+    (``options=ShmOptions(...)``). A field left out comes from its ``WEIGHTSYNC_*``
+    variable, read when the options are built, else from its default.
+    """
+
+    direct: Union[bool, str] = option(
+        "SHM_DIRECT", _auto_bool, "auto",
+        "Big CPU tensors skip the ring and are read from the trainer's memory: True, False "
+        "or \"auto\" (while every receiver has two cores, or there is one receiver).")
+    direct_min_bytes: int = option(
+        None, int, DIRECT_MIN,
+        "Contiguous CPU tensors of at least this many bytes go direct when direct reads are on.")
+    copy_threads: Optional[int] = option(
+        "COPY_THREADS", int, None,
+        "Threads a receiver splits big copies over (1 to 64); None: the host's cores shared "
+        "by its receivers, at most 16.")
+
+    def __post_init__(self) -> None:
+        try:
+            direct = _auto_bool(self.direct)
+        except ValueError:
+            direct = None
+        if not (isinstance(direct, bool) or direct == "auto"):
+            raise ValueError(f"direct must be True, False or 'auto', got {self.direct!r}")
+        self.direct = direct
+        if isinstance(self.direct_min_bytes, bool) or not isinstance(self.direct_min_bytes, int) \
+                or self.direct_min_bytes < 1:
+            raise ValueError(f"direct_min_bytes must be an int >= 1, got "
+                             f"{self.direct_min_bytes!r}")
+        n = self.copy_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64):
+            raise ValueError(f"copy_threads must be an int from 1 to 64 or None, got {n!r}")
+
+
+def _cuda_in_use() -> bool:
+    """Whether this process uses CUDA (its segments are then registered as pinned)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 @CheckpointEngineRegistry.register("shm")
@@ -110,6 +162,9 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
     """Same-host, multi-process transport over shared memory."""
 
     capabilities = frozenset({"cpu", "same_host"})
+    options_cls = ShmOptions
+    options: ShmOptions
+    _direct_window = DIRECT_WINDOW
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -121,23 +176,14 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         self._links: dict[int, Link] = {}
         self._peer_pid: dict[int, int] = {}
         self._direct = False
-        self._copy_threads = copy_threads()
+        self._copy_threads = copy_threads(threads=self.options.copy_threads)
         self._copy_pool: Optional[ThreadPoolExecutor] = None
-        env = os.environ.get("WEIGHTSYNC_SHM_DIRECT", "auto").strip().lower()
-        if env not in ("auto", "0", "1", "false", "true", "no", "yes", "off", "on"):
-            raise ValueError(f"WEIGHTSYNC_SHM_DIRECT must be auto, 1 or 0, got {env!r}")
-        self._direct_mode = "auto" if env == "auto" else \
-            ("off" if env in ("0", "false", "no", "off") else "on")
-        self._direct_min = direct_min_bytes("WEIGHTSYNC_SHM_DIRECT_MIN", 8 << 20)
-        self._direct_window = direct_window("WEIGHTSYNC_SHM_DIRECT_WINDOW")
-        self._pin: Optional[bool] = env_value("SHM_PIN", parse_auto_bool, None)  # None: auto
+        self._direct_min = self.options.direct_min_bytes
         self._pinned: list[int] = []          # data pointers registered with CUDA
         self._d2h: Any = None   # the stream of the open bucket's device-to-host copies
         self._split = False     # receiver: big bucket copies go over the copy threads
-        self._shared = env_value("SHM_SHARED", parse_bool, True)   # map shared storages
         self._peer_maps = PeerMaps()
         # pushes into receivers' shared tensors (see the module doc)
-        self._push_env = env_value("SHM_PUSH", parse_bool, True)
         self._push = False          # trainer: every receiver offers landings each sync
         self._push_rx = False       # receiver: the trainer was told we send them
         self._land_sent: dict[int, str] = {}            # receiver: digest sent per stream
@@ -210,12 +256,12 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                 raise_remote(msg, phase="init")
         # pushes: every receiver offers landings each sync, and opening a receiver's
         # descriptors takes the same permission as reading its memory
-        self._push = self._push_env and len(push) == len(ok) == self._num_receivers \
-            and not self.config.checksum
+        self._push = len(push) == len(ok) == self._num_receivers and not self.config.checksum
         if not self._push:
             self._land_early.clear()
-        return self._direct_mode != "off" and len(ok) == self._num_receivers \
-            and not self.config.checksum and (self._direct_mode == "on" or self._direct_pays())
+        direct = self.options.direct
+        return direct is not False and len(ok) == self._num_receivers \
+            and not self.config.checksum and (direct is True or self._direct_pays())
 
     def _direct_pays(self) -> bool:
         """``auto``: direct reads win while every receiver has cores to read with; with
@@ -252,14 +298,15 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
                     ok = cma_available(self._peer_pid[s], link.last_aux, want)
                 except ValueError:
                     ok = False
-            self._push_rx = self._push_env
+            self._push_rx = True
             link.push("t", HelloMsg(stream=s, rank=self._rank, bucket_size=msg.bucket_size,
                                     num_slots=msg.num_slots,
                                     segments=(("cma",) if ok else ()) +
                                     (("push",) if self._push_rx else ())))
             # split bucket copies while every receiver has the cores: unless set, the copy
             # threads are this host's cores shared by the receivers (all on this host)
-            self._copy_threads = n = copy_threads(max(1, self._num_receivers))
+            self._copy_threads = n = copy_threads(max(1, self._num_receivers),
+                                                  threads=self.options.copy_threads)
             self._split = n >= SPLIT_MIN_THREADS and \
                 n * max(1, self._num_receivers) <= (os.cpu_count() or 1)
             if (ok or self._split) and self._copy_pool is None and n > 1:
@@ -268,12 +315,8 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
 
     def _pin_segments(self) -> None:
         """Register the ring as pinned host memory for a GPU trainer (see the module doc)."""
-        want = self._pin if self._pin is not None else \
-            torch.cuda.is_available() and torch.cuda.is_initialized()
-        if not want:
+        if not _cuda_in_use():
             return
-        if not torch.cuda.is_available():
-            raise ValueError("WEIGHTSYNC_SHM_PIN=1 needs CUDA, which is not available here")
         cudart = torch.cuda.cudart()
         for seg in self._segments:
             t = seg.tensor
@@ -353,14 +396,14 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
         return self._direct          # every receiver can read us (probed), no checksums
 
     def _direct_deliver(self, state: Any, msg: BucketMsg, tensor: torch.Tensor) -> None:
-        ref = shared_ref(tensor) if self._shared else None
+        ref = shared_ref(tensor)
         if ref is not None:     # receivers may map it; the address stays for those who cannot
             msg = dataclasses.replace(msg, shared=ref)
         self._hub.push_many(self._receiver_boxes(), msg, aux=tensor.data_ptr())
         self._await_direct(state, msg)
 
     def _rx_direct(self, stream: int, msg: BucketMsg, aux: int, dest: torch.Tensor) -> None:
-        if msg.shared is not None and self._shared and self._rx_mapped(stream, msg, dest):
+        if msg.shared is not None and self._rx_mapped(stream, msg, dest):
             return
         try:
             cma_read(self._peer_pid[stream], aux, dest, self._copy_pool, self._copy_threads)
@@ -448,9 +491,7 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
     def _pin_mapping(self, mapped: torch.Tensor) -> None:
         """A GPU trainer registers a receiver's mapped memory as pinned (asynchronous
         device-to-host copies at the link's speed), as it does its ring."""
-        want = self._pin if self._pin is not None else \
-            torch.cuda.is_available() and torch.cuda.is_initialized()
-        if want and mapped.numel():
+        if _cuda_in_use() and mapped.numel():
             err = torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), mapped.numel(), 0)
             self._tx_pinned[mapped.data_ptr()] = int(err) == 0
             if int(err) != 0:
@@ -485,10 +526,10 @@ class ShmEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEngine):
 
     def _push_pool(self) -> tuple[Optional[ThreadPoolExecutor], int]:
         """Copy threads for a CPU trainer's big pushes (the receivers wait meanwhile: the
-        host's cores are free; ``WEIGHTSYNC_COPY_THREADS``, else min(4, cores))."""
+        host's cores are free; ``copy_threads``, else min(4, cores))."""
         n = self.__dict__.get("_push_threads")
         if n is None:
-            n = self._push_threads = copy_threads()
+            n = self._push_threads = copy_threads(threads=self.options.copy_threads)
             if n > 1:
                 self._copy_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="weightsync-push")
         return self._copy_pool, n
