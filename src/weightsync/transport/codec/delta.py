@@ -37,6 +37,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from weightsync.core.errors import WireError
@@ -58,7 +59,7 @@ DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "fl
                "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "int8", "int16",
                "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "complex64",
                "complex128")
-_INDEX_DTYPE = {4: torch.int32, 8: torch.int64}
+_NP_INDEX = {4: np.int32, 8: np.int64}
 
 
 class BaseMismatch(Exception):
@@ -172,13 +173,14 @@ def _index_record(new: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
     if record_size(tuple(new.shape), k, m) is None:
         return None
     e, iw = entries_for(m), index_width(n)
-    rec = torch.zeros(HEAD + e * (iw + k), dtype=torch.uint8)
-    rec[:HEAD] = _host(header_bytes(INDEX, new.dtype, n, m, e,
-                                    kernels.change_digest(idx, old, values)))
-    rec[HEAD: HEAD + m * iw] = idx.to(_INDEX_DTYPE[iw]).view(torch.uint8)
+    rec = np.zeros(HEAD + e * (iw + k), dtype=np.uint8)
+    rec[:HEAD] = np.frombuffer(header_bytes(INDEX, new.dtype, n, m, e,
+                                            kernels.change_digest(idx, old, values)),
+                               dtype=np.uint8)
+    rec[HEAD: HEAD + m * iw].view(_NP_INDEX[iw])[:] = idx.numpy()
     at = HEAD + e * iw
-    rec[at: at + m * k] = values.reshape(-1).view(torch.uint8)
-    return rec
+    rec[at: at + m * k] = values.reshape(-1).view(torch.uint8).numpy()
+    return torch.from_numpy(rec)
 
 
 def raw_record(t: torch.Tensor) -> torch.Tensor:
@@ -223,13 +225,6 @@ def parse(rec: torch.Tensor) -> Header:
     return head
 
 
-def _typed(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    try:
-        return buf.view(dtype)
-    except RuntimeError:  # misaligned view into someone's buffer: copy it
-        return buf.clone().view(dtype)
-
-
 def dense_view(head: Header, rec: torch.Tensor) -> torch.Tensor:
     """The tensor a ``RAW`` record carries (a view into ``rec``)."""
     return rec[HEAD: HEAD + head.count]
@@ -250,16 +245,18 @@ def apply(head: Header, rec: torch.Tensor, dest: torch.Tensor) -> None:
         apply(head, rec.cpu(), host)
         dest.copy_(host)
         return
-    m, iw = head.count, head.index_width
-    idx = _typed(rec[HEAD: HEAD + m * iw], _INDEX_DTYPE[iw]).to(torch.int64)
+    m, iw, k = head.count, head.index_width, head.dtype.itemsize
+    raw = rec.numpy()
+    idx = raw[HEAD: HEAD + m * iw].view(_NP_INDEX[iw])
     if m and (int(idx.min()) < 0 or int(idx.max()) >= head.numel):
         raise _bad("index out of range")
-    values = _typed(rec[head.values_at: head.values_at + m * head.dtype.itemsize],
-                    kernels.int_view(dest).dtype)
-    old = kernels.gather(dest, idx)
-    if kernels.change_digest(idx, old, values) != head.digest:
+    view = kernels.int_view(dest)
+    values = raw[head.values_at: head.values_at + m * k].view(view.numpy().dtype)
+    pos = torch.from_numpy(idx.astype(np.int64))
+    old = kernels.gather(dest, pos)
+    if kernels.change_digest(pos, old, torch.from_numpy(values)) != head.digest:
         raise ResultMismatch("the record does not match the tensor it is for (digest)")
-    kernels.put(dest, idx, values)
+    view.numpy()[idx] = values
 
 
 def scatter(base: torch.Tensor, new: torch.Tensor, idx: torch.Tensor) -> None:
