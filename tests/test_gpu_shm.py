@@ -142,7 +142,7 @@ def test_receivers_size_their_copy_threads_from_the_hosts_cores(monkeypatch, cor
                                                                  want):
     """Unless WEIGHTSYNC_COPY_THREADS is set, a receiver copies on the host's cores shared by
     the receivers (at most 16): the landing copy set the pace of a GPU trainer over shm at
-    4 threads on a 16-core host (BENCHMARKS.md). Set, the variable wins."""
+    4 threads on a 16-core host. Set, the variable wins."""
     import os
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.delenv("WEIGHTSYNC_COPY_THREADS", raising=False)

@@ -43,7 +43,7 @@ YAML/JSON file). A links file describes one kind of node:
   records per second) and ``encode_ns`` (what each changed element adds: gathering it,
   its index, its digest), ``apply_GBps`` (bytes of weights a receiver checks and patches per
   second) and ``apply_ns``; at least one of each side. On a CPU the diff over every byte
-  sets the pace, on a GPU the work per changed element does (BENCHMARKS.md, "delta").
+  sets the pace, on a GPU the work per changed element does.
 
 Every number is required where its link is used, and must be >= 0 (``GBps`` > 0,
 ``efficiency`` in (0, 1]); a bad one is a :class:`~.errors.PlannerError` naming it.
