@@ -1294,27 +1294,3 @@ def test_vram_slices_land_exactly_and_a_vram_receiver_serves_a_joiner():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_vram_tensor_parallel_shards_land_straight_in_the_workers_own_tensors():
     _check_shards_land("cuda")
-
-
-@pytest.mark.timeout(150)
-def test_receivers_can_turn_box_by_box_staging_off(monkeypatch):
-    """WEIGHTSYNC_NIXL_CUT=0 (read at construction): receivers tell nothing, the trainer
-    keeps its layout, and each half of the row-parallel weight stays a read per row."""
-    monkeypatch.setenv("WEIGHTSYNC_NIXL_CUT", "0")
-    keep, tensors = _tp_cut_case()
-    trainer, recvs = _group_here(2)
-    try:
-        for j, r in enumerate(recvs):
-            r.keep_slices(lambda layout, j=j: keep(j))
-        into = [{"w": torch.zeros(64, 48, dtype=torch.bfloat16)} for _ in recvs]
-        for step in range(3):
-            stats, got = _sync_group(trainer, recvs, step, tensors(step), into)
-            assert torch.equal(got[1]["w"], tensors(step)["w"][:, 48:])
-        assert all(len(r.last_plan.reads) >= 64 for r in recvs)   # a read per row of w
-        assert trainer._wants == {} and stats["layout_sent"] is False
-    finally:
-        for e in (*recvs, trainer):
-            e.finalize()
-    monkeypatch.setenv("WEIGHTSYNC_NIXL_CUT", "maybe")
-    with pytest.raises(ValueError, match="WEIGHTSYNC_NIXL_CUT"):
-        CheckpointEngineRegistry.new("nixl", role="rollout")

@@ -1,5 +1,4 @@
-"""NIXL's progress thread (``WEIGHTSYNC_NIXL_PROGRESS_THREAD``): NIXL's Python config runs it
-with no pause between polls, a core per agent whether it moves bytes or not. Receivers'
+"""NIXL's progress thread: NIXL's Python config runs it with no pause between polls, a core per agent whether it moves bytes or not. Receivers'
 agents run without it by default (they progress their reads as they poll them; a joiner
 reading from one is served by a poller: ``test_nixl.py``'s receiver-serves-a-joiner test
 hangs without that poller); trainers' agents keep it."""
@@ -13,8 +12,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from weightsync import CheckpointEngineRegistry  # noqa: E402
-from weightsync.transport.backends.nixl.agent import (NixlAgent, Poller,  # noqa: E402
-                                                    receivers_progress_thread)
+from weightsync.transport.backends.nixl.agent import NixlAgent, Poller  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,16 +37,14 @@ def test_an_agent_without_the_progress_thread_leaves_the_cores_idle():
     assert quiet < 0.2 * spinning, (quiet, spinning)
 
 
-def test_receivers_run_without_it_by_default_and_all_gives_every_agent_one(monkeypatch):
-    monkeypatch.delenv("WEIGHTSYNC_NIXL_PROGRESS_THREAD", raising=False)
-    assert receivers_progress_thread() is False
+def test_cpu_receivers_run_without_it_gpu_receivers_keep_it():
     cls = CheckpointEngineRegistry.get("nixl")
-    assert cls(role="rollout")._rx_progress_thread is False
-    monkeypatch.setenv("WEIGHTSYNC_NIXL_PROGRESS_THREAD", "all")
-    assert cls(role="rollout")._rx_progress_thread is True    # read at construction
-    monkeypatch.setenv("WEIGHTSYNC_NIXL_PROGRESS_THREAD", "off")
-    with pytest.raises(ValueError, match="WEIGHTSYNC_NIXL_PROGRESS_THREAD must be auto or all"):
-        cls(role="rollout")
+    eng = cls(role="rollout")
+    agent = eng._reader_agent(f"rx-{time.monotonic_ns()}")
+    try:
+        assert agent.progress_thread is False
+    finally:
+        agent.close()
 
 
 def test_a_poller_refuses_an_agent_with_the_thread_and_a_bad_interval():
@@ -79,13 +75,12 @@ class _TrainerCtx:
         return [obj]
 
 
-def test_the_benchs_raw_read_keeps_no_core_of_the_trainer_busy(monkeypatch):
+def test_the_benchs_raw_read_keeps_no_core_of_the_trainer_busy():
     """The bench runs ``nixl-raw`` beside ``nixl`` in the same processes: its trainer-side
     agent, alive through the engine's steps too, must not spin a core (it made the engine's
     not-pipelined 1 GiB sync 0.33 -> 0.45 s here). Compared in one run with an agent that
     runs NIXL's thread."""
     from weightsync.tools.bench.methods import NixlRaw
-    monkeypatch.delenv("WEIGHTSYNC_NIXL_PROGRESS_THREAD", raising=False)
     spinning = _idle_cpu({"progress_thread": True})
     raw = NixlRaw(_TrainerCtx(1 << 20), {})
     raw.setup()
@@ -98,13 +93,6 @@ def test_the_benchs_raw_read_keeps_no_core_of_the_trainer_busy(monkeypatch):
     finally:
         raw.teardown()
     assert busy < 0.2 * spinning, (busy, spinning)
-    monkeypatch.setenv("WEIGHTSYNC_NIXL_PROGRESS_THREAD", "all")
-    raw = NixlRaw(_TrainerCtx(1 << 20), {})
-    raw.setup()
-    try:      # NIXL's default for every agent, on request
-        assert raw.poller is None and raw.agent.progress_thread
-    finally:
-        raw.teardown()
 
 
 def test_a_lease_opened_as_the_lease_poller_ends_starts_a_poller_of_its_own():

@@ -272,13 +272,13 @@ class NixlRaw(Method):
     verify = False
 
     def setup(self) -> None:
-        from weightsync.transport.backends.nixl.agent import (NixlAgent, Poller,
-                                                            receivers_progress_thread)
+        from weightsync.transport.backends.nixl.agent import NixlAgent, Poller
+        from weightsync.transport.backends.nixl.engine import NixlOptions
         ctx = self.ctx
         self.flat = _FlatBytes(ctx.workload.nbytes)
-        spin = receivers_progress_thread()
-        self.agent = NixlAgent(f"bench-raw-{os.getpid()}-{ctx.rank}", progress_thread=spin)
-        self.poller = Poller(self.agent) if ctx.is_trainer and not spin else None
+        self.agent = NixlAgent(f"bench-raw-{os.getpid()}-{ctx.rank}", progress_thread=False,
+                               ucx_tls=NixlOptions().ucx_tls)
+        self.poller = Poller(self.agent) if ctx.is_trainer else None
         self.buf = torch.ones(self.flat.size, dtype=torch.uint8)
         self.agent.register(self.buf)
         mine = (self.agent.name, self.agent.metadata(), self.buf.data_ptr())
@@ -322,6 +322,7 @@ class CmaRaw(Method):
     def setup(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        from weightsync.transport.backends.shm.engine import ShmOptions
         from weightsync.transport.fastcopy import copy_threads
         ctx = self.ctx
         self.flat = _FlatBytes(ctx.workload.nbytes)
@@ -329,7 +330,7 @@ class CmaRaw(Method):
         self.buf = (torch.ones if ctx.is_trainer else torch.zeros)(self.flat.size,
                                                                     dtype=torch.uint8)
         self.src = ctx.gather((os.getpid(), self.buf.data_ptr()))[0]
-        self.parts = copy_threads(ctx.receivers)
+        self.parts = copy_threads(ctx.receivers, threads=ShmOptions().copy_threads)
         self.pool = ThreadPoolExecutor(self.parts - 1) if not ctx.is_trainer and \
             self.parts > 1 else None
 

@@ -24,7 +24,7 @@ import torch
 from weightsync.core.errors import BackendUnavailable, PeerFailed, SyncTimeout
 
 __all__ = ["NixlAgent", "Poller", "Reads", "mem_type", "wait_all", "ucx_transports",
-           "require_nixl", "receivers_progress_thread"]
+           "require_nixl"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +42,16 @@ def require_nixl() -> None:
 #: UCX's own pick on a host without RDMA devices is TCP even between two processes of one
 #: host, about a third of the rate of shared memory and cross-memory attach. Used when
 #: UCX_TLS is unset, no RDMA device exists and
-#: WEIGHTSYNC_NIXL_UCX_TLS is ``auto``.
+#: ``NixlOptions.ucx_tls`` is ``auto``.
 HOST_TLS = "tcp,cma,sm,self"
 
 
-def _choose_transports() -> None:
+def _choose_transports(want: str = "auto") -> None:
     """Pick UCX transports before the first UCX context of this process, once: an explicit
-    ``UCX_TLS`` or ``WEIGHTSYNC_NIXL_UCX_TLS`` wins; ``auto`` (default) uses
-    :data:`HOST_TLS` only where there is no RDMA device (and so nothing faster to lose)."""
-    want = os.environ.get("WEIGHTSYNC_NIXL_UCX_TLS", "auto").strip()
+    ``UCX_TLS`` wins, then ``want`` (``NixlOptions.ucx_tls``): ``ucx`` leaves UCX's own
+    choice, ``auto`` uses :data:`HOST_TLS` only where there is no RDMA device (and so
+    nothing faster to lose), anything else becomes ``UCX_TLS``."""
+    want = want.strip()
     if "UCX_TLS" in os.environ or want == "ucx":
         return
     if want != "auto":
@@ -59,17 +60,6 @@ def _choose_transports() -> None:
         os.environ["UCX_TLS"] = HOST_TLS + ",cuda_copy,cuda_ipc" if _has_cuda() else HOST_TLS
     if "UCX_TLS" in os.environ:
         logger.info("weightsync nixl: UCX_TLS=%s", os.environ["UCX_TLS"])
-
-
-def receivers_progress_thread() -> bool:
-    """Whether CPU receivers' agents run NIXL's progress thread: ``WEIGHTSYNC_NIXL_PROGRESS_THREAD``
-    ``auto`` (default: no; they progress their reads as they poll them) or ``all`` (every
-    agent runs one, NIXL's default). Trainers' agents always do: they are read from while
-    they stage, and over TCP every read needs them to progress."""
-    want = os.environ.get("WEIGHTSYNC_NIXL_PROGRESS_THREAD", "auto").strip().lower() or "auto"
-    if want not in ("auto", "all"):
-        raise ValueError(f"WEIGHTSYNC_NIXL_PROGRESS_THREAD must be auto or all, got {want!r}")
-    return want == "all"
 
 
 def _has_cuda() -> bool:
@@ -92,12 +82,13 @@ class NixlAgent:
     Python config sets its delay to 0: one core busy for each agent, idle or not). Without it, UCX moves only when this agent is called: an agent
     that only reads (a receiver) does so as it polls its reads; one that is read from
     must call :meth:`progress` while it may be (at least until the reader's first read
-    has connected).
+    has connected). ``ucx_tls``: the UCX transports the process's first agent picks
+    (``NixlOptions.ucx_tls``).
     """
 
-    def __init__(self, name: str, *, progress_thread: bool = True) -> None:
+    def __init__(self, name: str, *, progress_thread: bool = True, ucx_tls: str = "auto") -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
-        _choose_transports()
+        _choose_transports(ucx_tls)
         # NIXL logs every agent start at INFO through its own logger: keep ours readable
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self.name = name

@@ -8,7 +8,7 @@ tensor is an element range of the full tensor. Receivers *pull*: from every trai
 rank's layout (:class:`~weightsync.core.wire.SourceMsg`, sent only when it changes) and
 what the receiver keeps, :func:`~weightsync.core.xferplan.compile_plan` computes the reads
 once (coalesced, sources balanced where ranks hold the same bytes). A warm sync is
-*pipelined* (``WEIGHTSYNC_NIXL_PIPELINE``, on by default): each trainer rank sends its
+*pipelined*: each trainer rank sends its
 :class:`~weightsync.core.wire.PullMsg` before it stages, then a small
 :class:`~weightsync.core.wire.StagedMsg` as each staging block is written, and receivers
 re-post that block's prepared NIXL transfer at once, so staging and reading overlap; one
@@ -19,7 +19,7 @@ until every receiver reported) and read the version again on the new layout.
 Consistent reads: ``send_weights`` returns only once every receiver reported that it has
 read all it needs of this version from this rank, so a trainer that updates its weights
 right after cannot change bytes a reader still reads (no snapshot is needed for that).
-Where a rank serves from (``WEIGHTSYNC_NIXL_SERVE``, read at construction): ``auto``
+Where a rank serves from (``serve``, :class:`NixlOptions`, ``WEIGHTSYNC_NIXL_SERVE``): ``auto``
 (default) serves a contiguous tensor in the wire dtype from its own storage once it came
 from the same storage two syncs in a row (parameters, FSDP2 local shards: no copy, no
 extra memory), and stages the others (casts, merged LoRA weights, fresh temporaries) into
@@ -30,11 +30,10 @@ can read it from the trainer while training goes on); ``params`` serves every el
 tensor from its own storage from the first sync. A rank serving live parameters offers
 no join (training moves those bytes on): a joiner reads from a healthy replica instead.
 
-CPU receivers' agents run without NIXL's progress thread (``WEIGHTSYNC_NIXL_PROGRESS_THREAD``,
-read at construction: ``auto``; ``all`` gives every agent one; GPU receivers keep it, a
-path not yet measured without): that thread polls UCX without pause, a core per agent,
-and a receiver progresses its reads as it polls them anyway; while a joiner may read from
-a receiver, a poller progresses its agent.
+CPU receivers' agents run without NIXL's progress thread (trainers and GPU receivers keep
+it): that thread polls UCX without pause, a core per agent, and a receiver progresses its
+reads as it polls them anyway; while a joiner may read from a receiver, a poller
+progresses its agent.
 
 Receivers land the bytes in the caller's own tensors with ``receive_into`` (no copy), or in
 a registered buffer of what they keep (memory: that size, kept across syncs) whose views
@@ -53,24 +52,23 @@ import asyncio
 import collections
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Optional
 
 import torch
 
-from weightsync.core.config import env_value, parse_bool
+from weightsync.core.config import option
 from weightsync.core.errors import PlanMismatch, SyncTimeout, VersionMismatch, WeightSyncError
 from weightsync.core.remote import error_msg, normalize_version, raise_remote, wire_version
 from weightsync.core.wire import (ErrorMsg, PulledMsg, PullMsg, SourceMsg, StagedMsg, WantsMsg,
                                   decode, encode)
 from weightsync.core.xferplan import Keep, TransferPlan, box_is_run
-from weightsync.transport.backends.nixl.agent import (NixlAgent, Poller, mem_type,
-                                                    receivers_progress_thread, require_nixl,
+from weightsync.transport.backends.nixl.agent import (NixlAgent, Poller, mem_type, require_nixl,
                                                     ucx_transports, wait_all)
 from weightsync.transport.backends.nixl.layout import Arena, layout_digest
 from weightsync.transport.backends.nixl.pull import OWN, PullPlan, plan_key, union_of
@@ -81,7 +79,7 @@ from weightsync.transport.protocol.receiver import patience
 from weightsync.transport.registry import CheckpointEngineRegistry
 from weightsync.transport.tensors import aiter_items, resolve_device, wire_dtype
 
-__all__ = ["NixlEngine"]
+__all__ = ["NixlEngine", "NixlOptions"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,23 +92,53 @@ _SERVE = ("auto", "staging", "params")
 _LEASE_POLL_S = 0.5e-3
 
 
+def _serve(raw: str) -> str:
+    """``WEIGHTSYNC_NIXL_SERVE`` (any case); another value is a ``ValueError``."""
+    mode = raw.strip().lower()
+    if mode not in _SERVE:
+        raise ValueError(raw)
+    return mode
+
+
+@dataclass(kw_only=True)
+class NixlOptions:
+    """Options of ``nixl`` beyond :class:`~weightsync.core.config.EngineConfig`.
+
+    Keyword arguments of the engine (``connect("nixl", ..., serve="staging")``) or one
+    object (``options=NixlOptions(...)``).
+    """
+
+    serve: str = option(
+        "NIXL_SERVE", _serve, "auto",
+        "Where a trainer rank serves from: \"auto\" (parameters from their own storage, the "
+        "rest staged), \"staging\" (copy all into its arena, which keeps the last version "
+        "for joiners) or \"params\" (own storage from the first sync).")
+    ucx_tls: str = option(
+        "NIXL_UCX_TLS", str.strip, "auto",
+        "UCX transports, set once per process before its first agent: \"auto\" (shared "
+        "memory and TCP on a host without RDMA devices), \"ucx\" (UCX's own choice) or a "
+        "UCX_TLS value; an explicit UCX_TLS wins.")
+
+    def __post_init__(self) -> None:
+        if self.serve not in _SERVE:
+            raise ValueError(f"serve must be one of {_SERVE}, got {self.serve!r}")
+        if not isinstance(self.ucx_tls, str) or not self.ucx_tls.strip():
+            raise ValueError(f"ucx_tls must be a non-empty str, got {self.ucx_tls!r}")
+
+
 @CheckpointEngineRegistry.register("nixl")
 class NixlEngine(StoreGroupMixin, CheckpointEngine):
     """Point-to-point pull over NIXL (UCX): DRAM->DRAM on CPU, VRAM->VRAM on GPUs."""
 
     capabilities = frozenset({"cpu", "cuda", "same_host", "multi_host", "shards", "slices",
                               "join"})
+    options_cls = NixlOptions
+    options: NixlOptions
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         require_nixl()
-        serve = os.environ.get("WEIGHTSYNC_NIXL_SERVE", "auto").strip().lower() or "auto"
-        if serve not in _SERVE:
-            raise ValueError(f"WEIGHTSYNC_NIXL_SERVE must be one of {_SERVE}, got {serve!r}")
-        self._serve_mode = serve
-        self._pipeline = os.environ.get("WEIGHTSYNC_NIXL_PIPELINE", "1").strip().lower() \
-            not in ("0", "false", "no", "off")
-        self._rx_progress_thread = receivers_progress_thread()
+        self._serve_mode = self.options.serve
         self._lease_poller: Optional[Poller] = None
         self._seq, self._rank, self._world, self._num_receivers = 0, -1, 0, 0
         self._agent: Optional[NixlAgent] = None
@@ -146,7 +174,6 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         self._wants: dict[int, dict[str, tuple]] = {}
         self._wants_new = False         # trainer: boxes changed since the last sync
         self._wants_sent: tuple = ()
-        self._cut = env_value("NIXL_CUT", parse_bool, True)   # receivers: tell wants
 
     # -- set-up ---------------------------------------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -155,7 +182,8 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         return self._pool
 
     def _init_sender(self) -> None:
-        self._agent = NixlAgent(f"ws-{self._token[:16]}-t{self._rank}")
+        self._agent = NixlAgent(f"ws-{self._token[:16]}-t{self._rank}",
+                                ucx_tls=self.options.ucx_tls)
         host, t = self.config.host, self.config.timeout
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._hub = LinkHub(family, (host, 0), self._token, t)
@@ -167,10 +195,9 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
 
     def _reader_agent(self, name: str) -> NixlAgent:
         """A receiver's (or joiner's) agent: without NIXL's progress thread on a CPU
-        receiver unless ``WEIGHTSYNC_NIXL_PROGRESS_THREAD=all``; a GPU receiver keeps it
-        (that path was not measured without it)."""
-        return NixlAgent(name, progress_thread=self._rx_progress_thread
-                         or self._device.type == "cuda")
+        receiver; a GPU receiver keeps it."""
+        return NixlAgent(name, progress_thread=self._device.type == "cuda",
+                         ucx_tls=self.options.ucx_tls)
 
     def _init_receiver(self) -> None:
         self._agent = self._reader_agent(f"ws-{self._token[:16]}-r{self._rank}")
@@ -248,7 +275,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
                 self._wants_new = False
                 recut = self._arena.set_cuts(self._cuts())
             # warm: receivers start reading each staging block as soon as it is written
-            pipelined = self._pipeline and self._published is not None and \
+            pipelined = self._published is not None and \
                 self._published == self._arena.digest and not recut
             self._arena.begin(pipelined)
             if pipelined:
@@ -537,7 +564,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         none of, when that changed: where every receiver says so and their boxes partition
         the tensor, trainers stage it box by box, each then one read instead of one per row
         (:func:`~weightsync.core.xferplan.cut_boxes`)."""
-        if self._joined is not None or not self._cut:
+        if self._joined is not None:
             return
         wants = ()
         if keep is not None:
@@ -588,7 +615,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         if role == "trainer":
             if self._arena.serves_live:
                 raise WeightSyncError(f"{who} serves tensors from its live parameters "
-                                      f"(WEIGHTSYNC_NIXL_SERVE={self._serve_mode}): they no "
+                                      f"(serve={self._serve_mode!r}): they no "
                                       f"longer hold version {self._served_version!r}, so "
                                       f"{joiner} cannot read it here", peer=who, phase="join",
                                       version=self._served_version)
