@@ -220,9 +220,12 @@ class EncodeRun:
                 stats.untracked += 1
             return [self._dense(name, t)]
         stats.compared += t.numel()
-        if not gpu.available(t.device):
-            rec, idx = delta.encode_host(t, base)
+        if not gpu.available(t.device):     # the host (a device without Triton: via it)
+            host = t.device.type == "cpu"
+            rec, idx = delta.encode_host(t if host else t.cpu(), base if host else base.cpu())
             delta.scatter(base, t, idx)
+            if rec is not None and not host:
+                rec = rec.to(t.device)
             return [self._result(name, t, rec, idx.numel())]
         self._group.append((name, t, base))
         self._group_bytes += nbytes
