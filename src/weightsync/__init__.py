@@ -37,7 +37,11 @@ __all__ = [
     "SyncReport",
     "ReplicaStatus",
     "VerifyReport",
+    "ShmOptions",
+    "CollectiveOptions",
     "CudaIpcOptions",
+    "NixlOptions",
+    "CodecOptions",
     "plan",
     "VLLMOptions",
     "WeightSyncError",
@@ -57,6 +61,14 @@ __all__ = [
 _PLAN_NAMES = ("TensorMeta", "Bucket", "WeightPlan", "PlanBuilder", "build_plan")
 
 
+#: Each backend's options dataclass, by the module that defines it.
+_OPTIONS = {"ShmOptions": "weightsync.transport.backends.shm.engine",
+            "CollectiveOptions": "weightsync.transport.backends.collective",
+            "CudaIpcOptions": "weightsync.transport.backends.cuda_ipc.engine",
+            "NixlOptions": "weightsync.transport.backends.nixl.engine",
+            "CodecOptions": "weightsync.transport.codec.options"}
+
+
 def __getattr__(name: str) -> Any:
     if name in _PLAN_NAMES:
         from weightsync.core import plan
@@ -64,7 +76,7 @@ def __getattr__(name: str) -> Any:
     if name == "plan":  # the planner imports transformers on use: not at import time
         from weightsync.tools.planner import plan
         return plan
-    if name == "CudaIpcOptions":  # its module needs no CUDA to import
-        from weightsync.transport.backends.cuda_ipc.engine import CudaIpcOptions
-        return CudaIpcOptions
+    if name in _OPTIONS:  # backend modules load on first use (none needs CUDA or NIXL)
+        import importlib
+        return getattr(importlib.import_module(_OPTIONS[name]), name)
     raise AttributeError(f"module 'weightsync' has no attribute {name!r}")

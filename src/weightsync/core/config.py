@@ -130,14 +130,20 @@ class EngineConfig:
     servers bind to and advertise (loopback by default).
     """
 
-    bucket_size: int = field(default_factory=lambda: env_value("BUCKET_SIZE", int, DEFAULT_BUCKET_SIZE))
-    timeout: float = field(default_factory=lambda: env_value("TIMEOUT", float, DEFAULT_TIMEOUT))
-    device: str = "cpu"
-    dtype: Optional[torch.dtype] = None
-    num_slots: int = field(default_factory=lambda: env_value("NUM_SLOTS", int, DEFAULT_NUM_SLOTS))
-    checksum: bool = field(default_factory=lambda: env_value("CHECKSUM", parse_bool, False))
-    role: Optional[str] = None
-    host: str = field(default_factory=lambda: env_value("HOST", str, "127.0.0.1"))
+    bucket_size: int = option("BUCKET_SIZE", int, DEFAULT_BUCKET_SIZE,
+                              "Bytes per bucket (a multiple of the alignment, 256 bytes).")
+    timeout: float = option("TIMEOUT", float, DEFAULT_TIMEOUT,
+                            "Seconds any blocking step may wait for a peer.")
+    device: str = option(None, str, "cpu", "Where buffers and received tensors live.")
+    dtype: Optional[torch.dtype] = option(
+        None, str, None, "Cast floating tensors to this dtype on send (e.g. torch.bfloat16).")
+    num_slots: int = option("NUM_SLOTS", int, DEFAULT_NUM_SLOTS,
+                            "Depth of the bucket ring, 1 to 64 (2 or more overlap copies).")
+    checksum: bool = option("CHECKSUM", parse_bool, False,
+                            "Add a per-bucket checksum that receivers verify.")
+    role: Optional[str] = option(None, str, None, "\"trainer\" or \"rollout\".")
+    host: str = option("HOST", str, "127.0.0.1",
+                       "Interface that servers bind to and advertise.")
     alignment: int = DEFAULT_ALIGNMENT
 
     def __post_init__(self) -> None:

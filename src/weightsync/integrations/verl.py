@@ -49,7 +49,7 @@ import secrets
 import socket
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, ClassVar, Optional
 
 import torch
@@ -65,7 +65,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
         "omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0` (fastapi and uvicorn are needed "
         "too), or run `make verl` in the weightsync checkout.") from _exc
 
-from weightsync.core.config import env_value, parse_bool
+from weightsync.core.config import option, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry as _WsRegistry
 from weightsync.transport.codec import split_backend_name
 from weightsync.core.errors import TopologyError, WeightSyncError
@@ -90,7 +90,9 @@ class VerlOptions:
     topology is unchanged (see the module docstring).
     """
 
-    reuse: bool = field(default_factory=lambda: env_value("VERL_REUSE", parse_bool, True))
+    reuse: bool = option("VERL_REUSE", parse_bool, True,
+                         "Keep buffers, servers and groups across updates while the topology "
+                         "is unchanged.")
 
     def __post_init__(self) -> None:
         if not isinstance(self.reuse, bool):

@@ -87,7 +87,10 @@ def connect(backend: str, *, role: str, rank: int = 0, trainer_world_size: int =
     ``delta=True|False|"auto"`` and ``quantize="fp8-block"|"fp8-tensor"|None`` (or
     ``WEIGHTSYNC_DELTA`` / ``WEIGHTSYNC_QUANTIZE``) put the codec layer over ``backend``
     (``"shm"`` with ``delta=True`` is ``"delta+shm"``); every process must agree.
-    ``timeout`` defaults to ``WEIGHTSYNC_TIMEOUT`` (else 300 s), like the engine's own."""
+    ``timeout`` defaults to ``WEIGHTSYNC_TIMEOUT`` (else 300 s), like the engine's own.
+    The other keywords go to the engine: :class:`~weightsync.core.config.EngineConfig`'s
+    and the backend's options, as keywords (``zero_copy=True``) or as one object
+    (``options=CudaIpcOptions(zero_copy=True)``; a list may add a ``CodecOptions``)."""
     if role not in ("trainer", "rollout"):
         raise ValueError(f"role must be 'trainer' or 'rollout', got {role!r}")
     size = trainer_world_size if role == "trainer" else rollout_world_size
@@ -97,9 +100,17 @@ def connect(backend: str, *, role: str, rank: int = 0, trainer_world_size: int =
     token = _job_token(token)
     if timeout is not None:
         engine_kwargs["timeout"] = timeout
-    from weightsync.transport.codec import resolve_backend
+    from weightsync.transport.codec import CodecOptions, resolve_backend, split_backend_name
     backend, codec_kw = resolve_backend(backend, delta=engine_kwargs.pop("delta", None),
-                                        quantize=engine_kwargs.pop("quantize", "unset"))
+                                        quantize=engine_kwargs.pop("quantize", "unset"),
+                                        options=engine_kwargs.get("options"))
+    objects = engine_kwargs.get("options")
+    if isinstance(objects, (list, tuple)) and not split_backend_name(backend)[0]:
+        # a plain transport after all: codec options that asked for nothing are dropped
+        objects = [o for o in objects if not isinstance(o, CodecOptions)]
+        engine_kwargs["options"] = objects[0] if len(objects) == 1 else (objects or None)
+    elif isinstance(objects, CodecOptions) and not split_backend_name(backend)[0]:
+        engine_kwargs["options"] = None
     engine = CheckpointEngineRegistry.new(backend, role=role, **engine_kwargs, **codec_kw)
     timeout = engine.config.timeout      # keyword, else WEIGHTSYNC_TIMEOUT, else default
     store: Optional[ControlClient] = None

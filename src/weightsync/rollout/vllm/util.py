@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 
 from weightsync.core import errors as _errors
-from weightsync.core.config import env_value, parse_bool
+from weightsync.core.config import option, parse_bool
 from weightsync.core.errors import PeerFailed
 
 __all__ = ["EXTENSION", "VLLMOptions", "check_prompts", "error_from_reply", "model_folder_from_config", "env_set",
@@ -40,12 +40,16 @@ class VLLMOptions:
     weights per sync, a device-to-host copy on GPU; off: ``verify`` reports an error).
     """
 
-    apply: str = field(default_factory=lambda: env_value("VLLM_APPLY", str, "stream"))
-    loader: str = field(default_factory=lambda: env_value("VLLM_LOADER", str, "auto"))
-    multiprocess: bool = field(default_factory=lambda: env_value("VLLM_MULTIPROCESS", parse_bool, True))
-    digests: bool = field(default_factory=lambda: env_value("VLLM_DIGESTS", parse_bool, True))
-    kv_cache_bytes: int = field(default_factory=lambda: env_value("VLLM_KV_CACHE_BYTES", int,
-                                                             64 << 20))
+    apply: str = option("VLLM_APPLY", str, "stream",
+                        "How received weights reach the model: \"stream\" or \"staged\".")
+    loader: str = option("VLLM_LOADER", str, "auto",
+                         "\"auto\", \"layerwise\" (reload layer by layer) or \"direct\" "
+                         "(load_weights).")
+    multiprocess: bool = option("VLLM_MULTIPROCESS", parse_bool, True,
+                                "vLLM's own process model, or everything in this process.")
+    digests: bool = option("VLLM_DIGESTS", parse_bool, True,
+                           "Hash every received tensor, for verify().")
+    kv_cache_bytes: int = option("VLLM_KV_CACHE_BYTES", int, 64 << 20, "KV cache size in bytes.")
     max_model_len: int = 512
     max_num_seqs: int = 8
     enable_lora: bool = False

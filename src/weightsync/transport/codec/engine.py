@@ -34,7 +34,7 @@ from weightsync.core.errors import BackendUnavailable, TopologyError
 from weightsync.transport.base import CheckpointEngine, check_topology
 from weightsync.transport.codec.control import CodecLink
 from weightsync.transport.codec.fp8 import Quantizer
-from weightsync.core.config import env_value
+from weightsync.core.config import env_value, option_names
 from weightsync.transport.codec.options import (CodecOptions, parse_delta, parse_quantize,
                                                 split_options)
 from weightsync.transport.codec.receiver import CodecReceiver
@@ -65,19 +65,25 @@ class CodecEngine(CodecSender, CodecReceiver, CheckpointEngine):
     inner_cls: ClassVar[type] = CheckpointEngine
     default_delta: ClassVar[Any] = True
     default_quantize: ClassVar[Optional[str]] = None
+    options_cls = CodecOptions
+    options: CodecOptions
 
     def __init__(self, **kwargs: Any) -> None:
+        """Keywords: :class:`~weightsync.core.config.EngineConfig`'s, :class:`CodecOptions`'
+        and the inner backend's options (its ``options_cls`` fields); ``options=`` takes a
+        :class:`CodecOptions`, the inner backend's options object, or a list of both."""
         opts, rest = split_options(kwargs, delta=self.default_delta,
                                    quantize=self.default_quantize)
-        super().__init__(**rest)
-        self.options = opts
+        inner_names = set(option_names(self.inner_cls.options_cls)) | {"options"}
+        inner_opts = {k: rest.pop(k) for k in list(rest) if k in inner_names}
+        super().__init__(options=opts, **rest)
         networked = "multi_host" in self.inner_cls.capabilities
         self._delta_on = bool(opts.delta) and (opts.delta != "auto" or networked)
         inner_kw = {k: v for k, v in rest.items() if k != "dtype"}   # the codec casts
         # capped: receivers start on records sooner (every codec engine caps alike,
         # whatever its own delta option, so both sides' buckets agree)
         inner_kw["bucket_size"] = min(self.config.bucket_size, DELTA_BUCKET)
-        self.inner = self.inner_cls(**inner_kw)
+        self.inner = self.inner_cls(**inner_kw, **inner_opts)
         self._quantizer = Quantizer(opts.quantize, skip=opts.quantize_skip) \
             if opts.quantize else None
         self.bases = SenderBases(limit=opts.delta_max_bytes, auto=opts.delta == "auto")
@@ -255,15 +261,21 @@ def split_backend_name(name: str) -> tuple[str, str]:
     return "", name
 
 
-def resolve_backend(backend: str, *, delta: Any = None, quantize: Any = "unset"
-                    ) -> tuple[str, dict[str, Any]]:
+def resolve_backend(backend: str, *, delta: Any = None, quantize: Any = "unset",
+                    options: Any = None) -> tuple[str, dict[str, Any]]:
     """The backend name an entry point should build, and the codec keywords to give it.
 
     ``delta`` / ``quantize`` as the caller gave them (``None`` / ``"unset"``: not given,
-    then ``WEIGHTSYNC_DELTA`` / ``WEIGHTSYNC_QUANTIZE``, read now). A plain transport name
+    then those of a :class:`CodecOptions` in ``options`` (the engine's ``options=``), then
+    ``WEIGHTSYNC_DELTA`` / ``WEIGHTSYNC_QUANTIZE``, read now). A plain transport name
     with delta or FP8 asked for becomes its codec name (``"shm"`` + ``delta=True`` ->
     ``"delta+shm"``); a codec name stays, with the given options as its keywords (they
     override the name's defaults). ``ValueError`` for a bad value."""
+    objects = options if isinstance(options, (list, tuple)) else [options]
+    codec = next((o for o in objects if isinstance(o, CodecOptions)), None)
+    if codec is not None:
+        delta = codec.delta if delta is None else delta
+        quantize = codec.quantize if quantize == "unset" else quantize
     given: dict[str, Any] = {}
     if delta is not None:
         given["delta"] = parse_delta(delta)
