@@ -9,6 +9,10 @@ process, reached over HTTP/JSON only).
   and the log goes to a file (``log_path``, or a
   temp file removed at ``stop()``; its tail is in the error if the server dies while
   starting). ``WEIGHTSYNC_LIBIOMP5`` (exported by the Makefile) is preloaded into it.
+  Intel OpenMP registers each process that loads it with a file
+  ``/dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>``, removed when that process exits normally;
+  the server's children (engine core, workers) never do (they end with ``os._exit`` or a
+  signal), so once they have exited the stop removes exactly their files, by their pids.
 * :class:`HTTPWeightSyncClient` drives a server over its RL endpoints
   (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``, plus ``/pause``, ``/resume``, ``/weight_info``,
@@ -302,6 +306,7 @@ class VLLMServer:
         self.proc: Optional[subprocess.Popen] = None
         self.returncode: Optional[int] = None
         self._reaper: Optional[weakref.finalize] = None
+        self._members: set = set()        # pids seen in the server's process group
 
     @property
     def pid(self) -> Optional[int]:
@@ -313,9 +318,11 @@ class VLLMServer:
                                          env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         # the server has its own session: kill its group if this process ends without stop()
-        self._reaper = weakref.finalize(self, _signal, self.proc, signal.SIGKILL)
+        self._members = set()
+        self._reaper = weakref.finalize(self, _reap, self.proc, self._members)
         try:
             self.client.wait_healthy(self.start_timeout, alive=self.alive)
+            self._members.update(_group_pids(self.proc.pid))
         except BaseException as exc:
             tail = self.log_tail()
             self.stop()
@@ -351,6 +358,7 @@ class VLLMServer:
             return self.returncode
         if self._reaper is not None:
             self._reaper.detach()
+        self._members.update(_group_pids(proc.pid))
         if proc.poll() is None:
             _signal(proc, signal.SIGTERM)
             try:
@@ -359,6 +367,7 @@ class VLLMServer:
                 _signal(proc, signal.SIGKILL)
                 proc.wait(self.stop_timeout)
         _signal(proc, signal.SIGKILL)      # whatever of its group is left (engine core)
+        _drop_omp_files(self._members, proc.pid, min(self.stop_timeout, 10.0))
         self.returncode = proc.returncode
         if self._own_log:
             with contextlib.suppress(OSError):
@@ -386,3 +395,62 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _reap(proc: subprocess.Popen, members: set) -> None:
+    """This process ends without ``stop()``: kill the server's group, clean up after it."""
+    members.update(_group_pids(proc.pid))
+    _signal(proc, signal.SIGKILL)
+    _drop_omp_files(members, proc.pid, 2.0)
+
+
+def _proc_state(pid: int) -> Optional[tuple[str, int]]:
+    """``(state, process group)`` of ``pid`` from ``/proc`` (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()    # after "pid (comm) "
+    return fields[0], int(fields[2])
+
+
+def _group_pids(pgid: int) -> set:
+    """The pids of the processes in process group ``pgid`` (Linux ``/proc``; else none)."""
+    out = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if name.isdigit():
+            state = _proc_state(int(name))
+            if state is not None and state[1] == pgid:
+                out.add(int(name))
+    return out
+
+
+def _drop_omp_files(pids: set, pgid: int, wait: float) -> None:
+    """Remove ``/dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>`` of each of ``pids`` (processes of
+    the server's group ``pgid``) once that process has exited: Intel OpenMP leaves it behind
+    when a process ends with ``os._exit`` or a signal. Each file is named by its own pid,
+    never by a pattern; one whose pid runs again in another group is left alone."""
+    uid = os.getuid()
+    deadline = time.monotonic() + wait
+    pending = set(pids)
+    while pending:
+        for pid in sorted(pending):
+            state = _proc_state(pid)
+            if state is not None and state[1] == pgid and state[0] != "Z":
+                continue                          # still running: its file is its own
+            pending.discard(pid)
+            if state is not None and state[1] != pgid:
+                continue                          # the pid is another process's now
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_{uid}")
+        if pending:
+            if time.monotonic() > deadline:
+                logger.warning("vllm serve: processes %s of its group did not exit; their "
+                               "Intel OpenMP files stay in /dev/shm", sorted(pending))
+                return
+            time.sleep(0.05)
