@@ -264,3 +264,45 @@ def test_swift_rollout_that_fails_before_reading_does_not_hold_trainer_rank_0(
     finally:
         for a in [trainer] + rollouts:
             a._get_or_create_checkpoint_engine().close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_manager_vllm_replica_that_fails_before_reading_is_isolated_at_once(monkeypatch):
+    """A vLLM replica whose worker fails before it reads (here: picking its loader) tells
+    the group from the worker, so the manager isolates it at once and the HF replica
+    gets the version."""
+    pytest.importorskip("vllm")
+    import weightsync.rollout.vllm.apply as apply
+    from weightsync.integrations.ray.vllm_workers import VLLMRolloutWorker
+    from weightsync.rollout.vllm.replica import VLLMOptions
+
+    cfg = {**tiny_qwen2_config(vocab_size=1000), "max_position_embeddings": 512,
+           "initializer_range": 0.2}
+    prompts = random_prompts(2, 6, vocab_size=1000)
+    trainer = ToyTrainerWorker()
+    trainer.build(cfg, lr=0.05)
+    vllm = VLLMRolloutWorker(cfg, seed=11, name="vllm-inproc",
+                             options=VLLMOptions(multiprocess=False))
+    hf = HFRolloutWorker(cfg, seed=5)
+    try:
+        with CheckpointEngineManager("shm", [trainer], [vllm, hf], bucket_size=64 << 10,
+                                     timeout=T) as manager:
+            trainer.train_step(1)
+            assert manager.update_weights(1).ok
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError(REFUSAL)
+
+            monkeypatch.setattr(apply, "pick_loader", refuse)
+            trainer.train_step(2)
+            start = time.monotonic()
+            report = manager.update_weights(2)
+            took = time.monotonic() - start
+            assert report.isolated == ["replica-0"], report.summary()
+            assert REFUSAL in report.failed[0].error, report.failed[0].error
+            assert_matches(hf.generate(prompts, max_new_tokens=5, return_logits=True),
+                           trainer.reference(prompts, 5), 2)
+            assert took < T / 3, took
+    finally:
+        vllm.close()

@@ -368,11 +368,14 @@ class _Pull:
         self.state, self.version, self.peer = state, version, peer
         self.stream = state.engine.receive_weights(version)
         self.timeout = 2 * state.engine.config.timeout + 30
+        self.started = False
 
     def __iter__(self) -> "_Pull":
         return self
 
     def __next__(self) -> Any:
+        self.started = True
+
         async def step() -> Any:
             try:
                 return await self.stream.__anext__()
@@ -386,8 +389,27 @@ class _Pull:
         return item
 
     def close(self, exc: Optional[BaseException]) -> None:
-        """End the stream; on a failure this tells the senders at once."""
+        """End the stream; on a failure this tells the senders at once, with its text (a
+        stream never read: through the engine's ``abort_receive``)."""
+        from weightsync.core.errors import WeightSyncError
+
+        if not self.started:
+            self.started = True
+            try:
+                self.state.engine.abort_receive(exc if exc is not None else WeightSyncError(
+                    "the worker ended the sync before it read the weights", peer=self.peer,
+                    phase="receive", version=self.version), self.version)
+            except Exception:
+                if exc is None:
+                    raise
+            return
+
         async def close() -> None:
+            if isinstance(exc, Exception):
+                try:
+                    await self.stream.athrow(exc)    # the engine reports it to its peers
+                except BaseException:  # noqa: BLE001 - that very error, raised by the caller
+                    pass
             await self.stream.aclose()
 
         try:
