@@ -73,16 +73,27 @@ def tokenizer(home):
 
 @pytest.fixture(scope="module")
 def server(home, tokenizer):
+    tmp = os.path.join(os.path.dirname(home), "tmp")    # the server's temp dir
+    os.makedirs(tmp, exist_ok=True)
     srv = VLLMServer(home, backend="weightsync-shm", start_timeout=300.0, client_timeout=120.0,
                      log_path=os.path.join(os.path.dirname(home), "serve.log"),
-                     env={**LORA_ENV, "VLLM_PLUGINS": "weightsync"}, extra=LORA_ARGS)
+                     env={**LORA_ENV, "VLLM_PLUGINS": "weightsync", "TMPDIR": tmp},
+                     extra=LORA_ARGS)
     srv.start()
     yield srv
     srv.stop()
 
 
-def served(server, prompts=PROMPTS, n=NEW):
-    return [server.client.complete(p, n)["tokens"] for p in prompts]
+def served(server, prompts=PROMPTS, n=NEW, model=None):
+    return [server.client.complete(p, n, model=model)["tokens"] for p in prompts]
+
+
+def files_under(*roots):
+    out = set()
+    for root in roots:
+        for d, _, names in os.walk(root):
+            out.update(os.path.join(d, n) for n in names)
+    return out
 
 
 def hf_tokens(model, prompts=PROMPTS, n=NEW):
@@ -292,6 +303,82 @@ def test_async_grpo_sync_peft_merged(server, home, tokenizer, tmp_path):
         assert transfer.last["tensors"] == 27        # base names, merged: no lora_ tensors
     finally:
         transfer.destroy()
+
+
+# -- AsyncGRPOTrainer's adapter-only syncs, in memory -----------------------------------------
+def test_async_grpo_adapter_only_in_memory(server, home, tokenizer, tmp_path):
+    """weightsync's AsyncGRPOTrainer on a PEFT model against a server with LoRA: TRL picks
+    its adapter-only sync; the adapter reaches vLLM's LoRA manager from memory (no file
+    under the server's temp dir or HOME, no folder under output_dir), generation with
+    ``trl-policy-v<N>`` equals HF PEFT's and differs from the base, the next version
+    replaces it, and a stream cut half way leaves the previous adapter serving."""
+    from peft import LoraConfig
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from weightsync.integrations import trl as ws_trl
+    from weightsync.integrations.vllm_native import trainer as native_trainer
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=server.url,
+                             use_cpu=True, bf16=False, report_to=[], dtype="float32",
+                             weight_sync_timeout=60, max_steps=2, save_strategy="no",
+                             max_staleness=0)
+    with mock.patch("trl.experimental.async_grpo.async_grpo_trainer."
+                    "get_peak_flops_per_device", lambda *a: None):     # see async_trainer
+        trainer = ws_trl.AsyncGRPOTrainer(
+            home, reward_funcs=length_reward, args=config, train_dataset=dataset(),
+            processing_class=tokenizer, rollout_worker=StubRollouts(),
+            peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                   target_modules=["q_proj", "v_proj"]),
+            weightsync={"bucket_size": 1 << 20})
+    assert trainer._lora_sync and trainer.weight_transfer is None
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    # TRL's adapter-only mode takes the server's base for the trainer's: put it back
+    # (the tests before this one synced other weights)
+    restore = ws_trl.ServerSync(server.url, ws_trl.SyncOptions(weight_sync_timeout=60))
+    restore.send(None, iter(list(build_causal_lm(CFG, seed=1).named_parameters())))
+    restore.close()
+    base = served(server)
+    roots = [os.path.dirname(home), server.env["TMPDIR"]]
+    before = files_under(*roots)
+    seen = []
+    try:
+        for version, seed in ((1, 5), (2, 6)):
+            perturb(model, seed)
+            trainer._sync_weight()
+            name = f"trl-policy-v{version}"
+            assert trainer.model_version == version
+            assert server.client.weight_version() == str(version)
+            tokens = served(server, model=name)
+            assert tokens == hf_tokens(model), f"vLLM's {name} != HF PEFT"
+            assert tokens != base
+            seen.append(tokens)
+        assert seen[0] != seen[1]
+        names = {m["id"] for m in server.client.request("GET", "/v1/models")["data"]}
+        assert "trl-policy-v2" in names and "trl-policy-v1" not in names     # max_staleness 0
+        assert files_under(*roots) == before, sorted(files_under(*roots) - before)
+        assert not os.path.exists(os.path.join(str(tmp_path), ".vllm_lora"))
+
+        # a stream cut half way: v3 never loads, v2 keeps serving, the server runs again
+        perturb(model, 7)
+        pairs_iter = native_trainer._Pairs.__iter__
+
+        def cut(self):
+            for i, item in enumerate(pairs_iter(self)):
+                if i == 4:
+                    raise ConnectionResetError("the link to vLLM dropped half way")
+                yield item
+
+        with mock.patch.object(native_trainer._Pairs, "__iter__", cut):
+            with pytest.raises(WeightSyncError) as info:
+                trainer._sync_weight()
+        assert "dropped half way" in said(info.value) and "resumed" in said(info.value)
+        assert trainer.model_version == 2 and not server.client.is_paused()
+        assert served(server, model="trl-policy-v2") == seen[1]
+        names = {m["id"] for m in server.client.request("GET", "/v1/models")["data"]}
+        assert "trl-policy-v3" not in names
+    finally:
+        if trainer.weightsync is not None:
+            trainer.weightsync.destroy()
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ Start the server with a weightsync backend (vLLM finds it through weightsync's p
 * ``GRPOTrainer`` (and the other trainers on TRL's ``VLLMGeneration``) in
   ``vllm_mode="server"``: call :func:`patch_vllm_client` once before building the trainer
   (:mod:`.client`).
-* ``AsyncGRPOTrainer``: pass ``weight_transfer=WeightsyncWeightTransfer(config)``
-  (:mod:`.transfer`).
+* ``AsyncGRPOTrainer``: import it from here instead of ``trl.experimental.async_grpo``
+  (:mod:`.trainer`): full syncs through weightsync, and TRL's adapter-only LoRA syncs
+  into the server's memory (no PEFT folder); or keep TRL's class and pass
+  ``weight_transfer=WeightsyncWeightTransfer(config)`` (:mod:`.transfer`).
 
 Both run on CPU as on GPU (TRL's own NCCL path needs CUDA), bound every sync by
 ``weight_sync_timeout``, and leave the previous weights serving when a sync fails
@@ -17,15 +19,22 @@ Both run on CPU as on GPU (TRL's own NCCL path needs CUDA), bound every sync by
 
 from weightsync.integrations.trl.client import patch_vllm_client, unpatch_vllm_client
 from weightsync.integrations.trl.sync import ServerSync, SyncAborted, SyncOptions
+from weightsync.integrations.trl.trainer import adapter_tensors
 from weightsync.integrations.trl.transfer import WeightsyncWeightTransfer
 
-__all__ = ["patch_vllm_client", "WeightsyncWeightTransfer", "unpatch_vllm_client",
-           "ServerSync", "SyncOptions", "SyncAborted", "WeightsyncVLLMClient"]
+__all__ = ["patch_vllm_client", "WeightsyncWeightTransfer", "AsyncGRPOTrainer",
+           "unpatch_vllm_client", "ServerSync", "SyncOptions", "SyncAborted",
+           "WeightsyncVLLMClient", "adapter_tensors"]
 
 
 def __getattr__(name: str):
-    if name == "WeightsyncVLLMClient":     # subclasses TRL's class: built on first use
+    # these subclass TRL's classes: built on first use
+    if name == "WeightsyncVLLMClient":
         from weightsync.integrations.trl import client
 
         return client.WeightsyncVLLMClient
+    if name == "AsyncGRPOTrainer":
+        from weightsync.integrations.trl import trainer
+
+        return trainer.AsyncGRPOTrainer
     raise AttributeError(name)

@@ -258,19 +258,42 @@ class ServerSync:
             self._source.pairs = iter(pairs)
             engine = self.engine
             try:
-                stats = self._bounded(lambda: engine.send_weights(weight_version=version),
-                                      "send", version)
-            except BaseException as exc:
+                stats = self._run(lambda: engine.send_weights(weight_version=version),
+                                  engine, version, "weights")
+            finally:
                 self._source.pairs = None
-                if self.engine is engine:     # the next sync joins again, from a clean state
-                    self.close()
-                err = self._failed(exc, version)
-                if err is exc:
-                    raise
-                raise err from exc
             self._meta = [(m.name, m.dtype, m.shape) for m in meta]
             self.last = dict(stats)
             return self.last
+
+    def send_adapter(self, tensors: Any, config: dict, *, name: str,
+                     version: Any = None) -> dict:
+        """Sync a LoRA adapter into the server's memory and load it as ``name`` (the
+        server runs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``):
+        ``tensors`` ``{PEFT name: tensor}``, ``config`` PEFT's ``LoraConfig`` as a dict.
+        No PEFT folder is written. Bounded and failing as :meth:`send`; a failed sync
+        leaves the adapters loaded before it serving."""
+        with self._lock:
+            if self.engine is None:
+                self.connect()
+            version = next(self._versions) if version is None else version
+            engine = self.engine
+            stats = self._run(lambda: engine.send_adapter(tensors, config, name=name,
+                                                          weight_version=version),
+                              engine, version, "adapter")
+            self.last = dict(stats)
+            return self.last
+
+    def _run(self, fn: Any, engine: Any, version: Any, what: str) -> dict:
+        try:
+            return self._bounded(fn, "send", version)
+        except BaseException as exc:
+            if self.engine is engine:         # the next sync joins again, from a clean state
+                self.close()
+            err = self._failed(exc, version, what)
+            if err is exc:
+                raise
+            raise err from exc
 
     @staticmethod
     def _describe(metadata: Sequence) -> list:
@@ -308,13 +331,20 @@ class ServerSync:
             threading.Thread(target=_quietly, args=(transport.finalize,), daemon=True,
                              name="weightsync-trl-abandon").start()
 
-    def _failed(self, exc: BaseException, version: Any) -> BaseException:
+    def _failed(self, exc: BaseException, version: Any, what: str = "weights"
+                ) -> BaseException:
         """``exc`` as a WeightSyncError that says what the server serves now."""
         served = self.served_version()
-        note = (f"the vLLM server at {self.base_url} kept serving weight version {served!r}: "
-                "weightsync applies a version completely or not at all, so no partially "
-                "updated weights are served" if served is not None else
-                f"the vLLM server at {self.base_url} did not answer after the failure")
+        if served is None:
+            note = f"the vLLM server at {self.base_url} did not answer after the failure"
+        elif what == "adapter":
+            note = (f"the vLLM server at {self.base_url} kept serving weight version "
+                    f"{served!r} and the adapters it had loaded: weightsync loads an adapter "
+                    "only once all of it arrived")
+        else:
+            note = (f"the vLLM server at {self.base_url} kept serving weight version "
+                    f"{served!r}: weightsync applies a version completely or not at all, so "
+                    "no partially updated weights are served")
         if isinstance(exc, WeightSyncError):
             exc.add_note(note)
             return exc

@@ -38,11 +38,24 @@ version), since vLLM's RPC keeps only the text; the plugin's API-server side ans
 requests with that status (:mod:`.plugin`), and clients rebuild the error from it. Calls
 out of order raise :class:`SessionStateError` (HTTP 409).
 
+**LoRA adapters** (``kind="adapter"`` in the check chunk, with ``adapter={"name",
+"config"}``; vLLM started with ``--enable-lora``): the tensors are checked against the
+checkpoint (``lora_A [r, in]`` / ``lora_B [out, r]`` of a 2-D weight, ``r`` within
+``max_lora_rank``) and the config against vLLM's rules (``PEFTHelper.validate_legal``)
+before a byte moves; the whole adapter is received, then held in this worker's memory
+under its name and version (:func:`weightsync.rollout.vllm.lora.register`); the model's
+weights are not touched and no file is written. The trainer then loads it through vLLM's
+own LoRA API with the memory path the engine reports
+(``weightsync-mem:<name>@<version>``): ``/v1/load_lora_adapter`` of ``vllm serve`` or
+``add_lora`` offline (:meth:`~.trainer.WeightsyncTrainerEngine.send_adapter` does it all).
+A failed adapter sync leaves the previous adapter loaded and serving.
+
 Not covered: a failure *inside* vLLM's loader after the whole version passed every check
 (never seen; it would leave layers of two versions, and this engine has no way to stop
 vLLM from generating, so it logs an error and reports the model torn in ``state()``).
-The loader's LoRA, encoder and multimodal caches are not reset (vLLM's own engines do
-not either); LoRA adapters are not synced by this path.
+The loader's encoder and multimodal caches are not reset (vLLM's own engines do not
+either); vLLM's worker drops loaded LoRA adapters after every update, and reloads them
+from their path (a folder, or weightsync's memory) when a request names them.
 """
 
 from __future__ import annotations
@@ -116,6 +129,7 @@ class _Session:
         self.version: Any = None
         self.offer: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
         self.digests = False
+        self.adapter: Optional[dict] = None     # {"name", "config"} of an adapter sync
         self.applied: Any = None
 
 
@@ -261,6 +275,9 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         dupes = sorted({n for n, _, _ in offered if n in seen or seen.add(n)})
         if dupes:
             raise ValueError(f"weightsync: names described twice: {dupes[:8]}")
+        max_rank = None
+        if info.kind == "adapter":
+            max_rank = self._check_adapter(info)
         header = self.header()
         if header is None:
             logger.warning("weightsync: %s was not started from a local safetensors folder; "
@@ -268,7 +285,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
                            self.model_config.model)
             problems: list = []
         else:
-            problems = check_offered(header, offered, "full", self.model_config.dtype, None)
+            problems = check_offered(header, offered, info.kind, self.model_config.dtype,
+                                     max_rank)
         if problems:
             session.offer = None
             raise PlanMismatch(f"the weight set of version {info.version!r} does not fit the "
@@ -278,6 +296,25 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         session.version = info.version
         session.offer = {n: (tuple(s), d) for n, s, d in offered}
         session.digests = bool(info.digests)
+        session.adapter = dict(info.adapter) if info.kind == "adapter" else None
+
+    def _check_adapter(self, info: WeightsyncUpdateInfo) -> int:
+        """vLLM runs LoRA and the adapter's config passes vLLM's rules; its max rank."""
+        lora = self.vllm_config.lora_config
+        if lora is None:
+            raise PlanMismatch(f"an adapter sync of version {info.version!r} needs vLLM "
+                               "started with LoRA (--enable-lora --max-lora-rank <r>); nothing "
+                               "was sent", peer=self.peer, phase="validate",
+                               version=info.version)
+        from vllm.lora.peft_helper import PEFTHelper
+
+        try:
+            PEFTHelper.from_dict(dict(info.adapter["config"])).validate_legal(lora)
+        except (ValueError, TypeError) as exc:
+            raise PlanMismatch(f"the adapter config of version {info.version!r} does not fit "
+                               f"this vLLM: {exc}; nothing was sent", peer=self.peer,
+                               phase="validate", version=info.version) from None
+        return int(lora.max_lora_rank)
 
     # -- receive + apply ----------------------------------------------------------------
     def _receive(self, session: _Session, info: WeightsyncUpdateInfo) -> None:
@@ -293,7 +330,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         timeout = 2 * self.transport.config.timeout + 30
         items = self.runner.run(self._collect(version, session.offer), timeout=timeout,
                                 phase="receive", version=version, peer=self.peer)
-        header = self.header()
+        header = None if session.adapter is not None else self.header()
         manifest = None if header is None else {n: s for n, (s, _) in header.items()}
         checked = CheckedStream(items, manifest, version=version, peer=self.peer, copy=False,
                                 digest_dtype=self.model_config.dtype if session.digests else None)
@@ -304,6 +341,9 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
                                f"{missing[:8]}; the model is unchanged", peer=self.peer,
                                phase="receive", version=version)
         received = time.perf_counter()
+        if session.adapter is not None:
+            self._hold_adapter(session, staged, version, checked, received - start)
+            return
         try:
             info_ = apply_weights(WorkerView(self), _drain(staged), loader=pick_loader("auto"),
                                   version=version, peer=self.peer)
@@ -322,6 +362,20 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         self.stats = {"version": version, "tensors": checked.count, "bytes": checked.nbytes,
                       "transport_seconds": received - start, "load_seconds": done - received,
                       **info_}
+
+    def _hold_adapter(self, session: _Session, staged: Any, version: Any, checked: Any,
+                      seconds: float) -> None:
+        """Keep the complete adapter in this worker's memory (no file, the model as is)."""
+        from weightsync.rollout.vllm import lora
+
+        keep = max(lora.KEEP, 2 * int(getattr(self.vllm_config.lora_config, "max_cpu_loras",
+                                              0) or 0))
+        path = lora.register(session.adapter["name"], version, dict(staged),
+                             session.adapter["config"], keep=keep)
+        session.applied = version
+        self.stats = {"version": version, "kind": "adapter", "tensors": checked.count,
+                      "bytes": checked.nbytes, "transport_seconds": seconds,
+                      "adapter_path": path}
 
     async def _collect(self, version: Any, offer: dict) -> list:
         """Every tensor of ``version`` as an owned copy, each checked against ``offer``."""

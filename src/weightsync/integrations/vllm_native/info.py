@@ -13,6 +13,8 @@ methods), and the trainer-side init infos that select a backend in vLLM's
   describes the weight set (names, shapes, wire dtypes; no bytes) and is validated
   against the checkpoint (``digests=True``: also hash every tensor of the version as it
   arrives, for ``verify``); ``phase="receive"`` then moves the bytes of that version.
+  ``kind="adapter"`` (with ``adapter={"name", "config"}``) describes a LoRA adapter
+  instead, held in memory once received (see :mod:`.engine`).
 * :class:`WeightsyncTrainerInitInfo` and its per-backend subclasses (trainer side).
 """
 
@@ -24,7 +26,8 @@ from typing import Any, ClassVar, Optional
 from vllm.distributed.weight_transfer.base import (TrainerInitInfo, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-__all__ = ["PREFIX", "BACKENDS", "ENGINE_OPTIONS", "WeightsyncInitInfo", "WeightsyncUpdateInfo",
+__all__ = ["PREFIX", "BACKENDS", "KINDS", "ENGINE_OPTIONS", "WeightsyncInitInfo",
+           "WeightsyncUpdateInfo",
            "WeightsyncTrainerInitInfo", "ShmTrainerInitInfo", "CollectiveTrainerInitInfo",
            "NixlTrainerInitInfo", "CudaIpcTrainerInitInfo", "trainer_init_info",
            "weightsync_backend", "check_version"]
@@ -37,6 +40,9 @@ BACKENDS = ("shm", "collective", "nixl", "cuda_ipc")
 ENGINE_OPTIONS: dict[str, tuple] = {"bucket_size": (int,), "timeout": (int, float),
                                     "num_slots": (int,), "checksum": (bool,), "host": (str,)}
 PHASES = ("check", "receive")
+#: What a check chunk describes: the model's weights, or a LoRA adapter (held in memory
+#: and loaded through vLLM's LoRA manager, :mod:`weightsync.rollout.vllm.lora`).
+KINDS = ("full", "adapter")
 _MAX_NAMES = 1 << 20
 
 
@@ -74,6 +80,21 @@ def _engine_options(options: Any) -> dict:
             raise ValueError(f"engine option {key} must be {'/'.join(t.__name__ for t in types)}"
                              f", got {value!r:.80}")
     return options
+
+
+def _adapter(adapter: Any) -> dict:
+    """``{"name": str, "config": PEFT's LoraConfig as a dict}`` of an adapter sync."""
+    if not isinstance(adapter, dict) or set(adapter) != {"name", "config"}:
+        raise ValueError(f"kind 'adapter' needs adapter={{'name': ..., 'config': {{...}}}}, "
+                         f"got {adapter!r:.120}")
+    name, config = adapter["name"], adapter["config"]
+    if not isinstance(name, str) or not name or "@" in name:
+        raise ValueError(f"adapter name must be a non-empty str without '@', got {name!r:.80}")
+    if not isinstance(config, dict) or not isinstance(config.get("r"), int) \
+            or isinstance(config.get("r"), bool) or config["r"] < 1:
+        raise ValueError(f"adapter config must be PEFT's LoraConfig as a dict (with an int "
+                         f"'r' >= 1), got {config!r:.120}")
+    return adapter
 
 
 def _address(address: Any) -> str:
@@ -114,6 +135,8 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     shapes: Optional[list] = None
     dtypes: Optional[list] = None
     digests: bool = False
+    kind: str = "full"
+    adapter: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -122,11 +145,20 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
         if not isinstance(self.digests, bool):
             raise ValueError(f"digests must be a bool, got {self.digests!r:.80}")
         if self.phase == "receive":
-            if any(v is not None for v in (self.names, self.shapes, self.dtypes)) \
-                    or self.digests:
+            if any(v is not None for v in (self.names, self.shapes, self.dtypes,
+                                           self.adapter)) or self.digests \
+                    or self.kind != "full":
                 raise ValueError("phase 'receive' takes only the version (the weight set "
                                  "was described by phase 'check')")
             return
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r:.80}")
+        if self.kind == "adapter":
+            _adapter(self.adapter)
+            if self.digests:
+                raise ValueError("digests are taken of full weight sets only")
+        elif self.adapter is not None:
+            raise ValueError("adapter (name and PEFT config) goes with kind 'adapter' only")
         for key in ("names", "shapes", "dtypes"):
             value = getattr(self, key)
             if not isinstance(value, list) or len(value) > _MAX_NAMES:

@@ -6,7 +6,7 @@ processes (API server, engine core, workers) before it creates a weight-transfer
 Importing :mod:`weightsync.integrations.vllm_native` calls it too (a trainer process that
 never loads vLLM's plugins gets the trainer-side engines that way). Safe to call again.
 
-It does two things:
+It does these things:
 
 * registers ``weightsync-shm`` and ``weightsync-collective`` (and ``weightsync-nixl`` where
   ``nixl`` is installed, ``weightsync-cuda_ipc`` where CUDA is available) in vLLM's
@@ -21,6 +21,9 @@ It does two things:
   offline ``LLM``, ``AsyncLLM`` (HTTP) and Ray reach the workers; other backends and other
   methods pass through untouched. Running requests are preempted if the cache cannot be
   reset otherwise (they are recomputed with the new weights);
+* lets vLLM's LoRA manager build adapters from tensors weightsync holds in memory
+  (``lora_path`` ``weightsync-mem:<name>@<version>``, :mod:`weightsync.rollout.vllm.lora`),
+  so an adapter-only sync never writes a PEFT folder (:func:`install_memory_adapters`);
 * answers bad HTTP input to the weight-transfer endpoints with a 4xx instead of vLLM's
   blanket 500 (:func:`install_http_statuses`). vLLM's RPC from the workers keeps only an
   error's text, so the worker side (:mod:`.engine`) appends weightsync's error marker
@@ -47,7 +50,7 @@ from weightsync.integrations.vllm_native.info import BACKENDS, PREFIX
 from weightsync.rollout.vllm.serve import ERROR_STATUS, error_fields
 
 __all__ = ["register", "available_backends", "install_prefix_cache_reset",
-           "install_http_statuses", "http_error"]
+           "install_http_statuses", "install_memory_adapters", "http_error"]
 
 logger = logging.getLogger(__name__)
 _ENGINE = ("weightsync.integrations.vllm_native.engine", "WeightsyncWeightTransferEngine")
@@ -94,6 +97,19 @@ def register() -> None:
                 pass
     install_prefix_cache_reset()
     install_http_statuses()
+    install_memory_adapters()
+
+
+def install_memory_adapters() -> bool:
+    """Let vLLM's LoRA manager load adapters weightsync holds in memory
+    (:mod:`weightsync.rollout.vllm.lora`); False where this vLLM lacks the internals."""
+    from weightsync.rollout.vllm import lora
+
+    try:
+        return lora.install()
+    except RuntimeError as exc:
+        logger.warning("weightsync: %s; adapters are loaded from folders only", exc)
+        return False
 
 
 def _is_weightsync(core: Any) -> bool:

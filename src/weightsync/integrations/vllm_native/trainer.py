@@ -22,6 +22,12 @@ the tensors through the weightsync engine; ``finish_weight_update(weight_version
 makes ``weight_version`` vLLM's current weight version. Every wait is bounded (twice the
 engine ``timeout`` plus a margin); a failure on either side raises here with its cause.
 Ranks other than 0 only walk their source (it may be a collective, e.g. FSDP gathers).
+
+``send_adapter(tensors, config, name=...)`` syncs a LoRA adapter instead (vLLM started
+with ``--enable-lora``): the same check / receive / finish, then the adapter is loaded
+through vLLM's LoRA API from the workers' memory (``/v1/load_lora_adapter`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, or ``add_lora`` offline) and the prefix cache is
+reset; no PEFT folder is written anywhere.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from vllm.distributed.weight_transfer.base import (ModuleSource, ParamMeta,
 from weightsync.core.aio import AsyncRunner
 from weightsync.core.errors import SyncTimeout, WeightSyncError
 from weightsync.core.plan import dtype_name
+from weightsync.integrations.vllm_native.clients import load_adapter, reset_prefix_cache
 from weightsync.integrations.vllm_native.info import (WeightsyncInitInfo,
                                                       WeightsyncTrainerInitInfo, check_version,
                                                       weightsync_backend)
+from weightsync.rollout.vllm.lora import memory_path
 from weightsync.rollout.vllm.serve import free_port
 from weightsync.transport.rendezvous import connect
 
@@ -186,14 +194,48 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         return {"phase": "check", "version": version, "names": [m.name for m in meta],
                 "shapes": [list(m.shape) for m in meta], "dtypes": dtypes}
 
-    def _transfer(self, meta: list[ParamMeta], version: Any) -> dict:
+    def send_adapter(self, tensors: Any, config: dict, *, name: str,
+                     weight_version: Any = None) -> dict:
+        """Sync a LoRA adapter (see the module docstring): ``tensors`` (``{peft name:
+        tensor}`` or pairs, PEFT's names: ``base_model.model....lora_A.weight``),
+        ``config`` (PEFT's ``LoraConfig`` as a dict), ``name`` (what generation requests
+        name it by). Returns what this rank measured, with ``adapter_path``."""
+        if not self.is_sender:
+            return {}
+        if self.transport is None:
+            raise RuntimeError("weightsync: trainer_init did not join (or shutdown ran)")
+        pairs = list(tensors.items() if isinstance(tensors, dict) else tensors)
+        version = check_version(next(self._versions) if weight_version is None
+                                else weight_version)
+        path = memory_path(name, version)
+        meta = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in pairs]
+        start = time.perf_counter()
+        self.client.start_weight_update()
+        describe = self._describe(meta, version)
+        describe.update(kind="adapter", adapter={"name": name, "config": dict(config)})
+        self.client.update_weights(describe)
+        checked = time.perf_counter()
+        metrics = self._transfer(meta, version, _Pairs(pairs, meta))
+        moved = time.perf_counter()
+        self.client.finish_weight_update(weight_version=str(version))
+        load_adapter(self.client, name, path)
+        reset_prefix_cache(self.client)
+        end = time.perf_counter()
+        self.last = {**metrics, "version": version, "adapter": name, "adapter_path": path,
+                     "seconds": end - start, "check_seconds": checked - start,
+                     "transfer_seconds": moved - checked, "finish_seconds": end - moved}
+        return self.last
+
+    def _transfer(self, meta: list[ParamMeta], version: Any,
+                  source: Optional[WeightSource] = None) -> dict:
         """The workers' receive (an RPC) while this rank streams the tensors."""
+        source = self.source if source is None else source
         call = _Call(lambda: self.client.update_weights({"phase": "receive",
                                                          "version": version}),
                      "update_weights")
         limit = 2 * self.timeout + 30.0
         try:
-            metrics = self.runner.run(self.transport.send_weights(_checked(self.source, meta),
+            metrics = self.runner.run(self.transport.send_weights(_checked(source, meta),
                                                                   version),
                                       timeout=limit, phase="send", version=version)
         except BaseException as exc:
@@ -216,6 +258,19 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             finally:
                 transport.finalize()
         self.runner.close()
+
+
+class _Pairs(WeightSource):
+    """A ``WeightSource`` over a list of ``(name, tensor)``."""
+
+    def __init__(self, pairs: list, meta: list[ParamMeta]) -> None:
+        self.pairs, self.meta = pairs, meta
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.meta
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.pairs)
 
 
 def _checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -39,7 +39,7 @@ from weightsync.core.errors import PlanMismatch
 from weightsync.transport.tensors import partial_boxes
 
 __all__ = ["checkpoint_header", "checkpoint_manifest", "CheckedStream", "pending_layers",
-           "apply_weights", "heal_after_failure", "zero_kv_cache", "write_adapter",
+           "apply_weights", "heal_after_failure", "zero_kv_cache",
            "pick_loader"]
 
 logger = logging.getLogger(__name__)
@@ -289,25 +289,3 @@ def zero_kv_cache(worker: Any) -> int:
             t.zero_()
             n += 1
     return n
-
-
-def write_adapter(folder: str, tensors: dict[str, torch.Tensor], config: dict) -> str:
-    """Write a PEFT adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``)
-    that vLLM's LoRA loader reads; written to a temp name, then renamed."""
-    from safetensors.torch import save_file
-
-    if not tensors:
-        raise PlanMismatch("an adapter sync delivered no tensors", phase="receive")
-    bad = [n for n in tensors if ".lora_A." not in n and ".lora_B." not in n]
-    if bad:
-        raise PlanMismatch(f"adapter sync carries non-LoRA tensors: {bad[:5]}", phase="receive")
-    tmp = folder + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()},
-              os.path.join(tmp, "adapter_model.safetensors"))
-    cfg = dict(config)
-    cfg.setdefault("peft_type", "LORA")
-    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-        json.dump(cfg, f)
-    os.replace(tmp, folder)
-    return folder

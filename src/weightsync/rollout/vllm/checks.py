@@ -18,8 +18,8 @@ that the loader received exactly the trainer's weights; it does not read the rep
 parameters in memory. Where it is exact, live parameters are hashed too: parameters of
 modules that are not linear layers (embeddings, norms) whose live bytes equalled the
 received ones right after the load are hashed again at every ``verify``, so a later
-change of those in memory is caught. Adapter tensors are hashed from the PEFT folder
-vLLM loaded them from.
+change of those in memory is caught. Adapter tensors are hashed in the workers, from the
+copy each holds in memory (:mod:`weightsync.rollout.vllm.lora`).
 
 The functions run in the vLLM workers (called by :mod:`.extension`); :class:`VLLMChecks`
 runs in the driver (mixed into :class:`~weightsync.rollout.vllm.VLLMRolloutReplica`).
@@ -28,7 +28,6 @@ runs in the driver (mixed into :class:`~weightsync.rollout.vllm.VLLMRolloutRepli
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -227,9 +226,11 @@ class VLLMChecks:
         if request is None:
             raise WeightSyncError(f"{self.name} has no LoRA adapter to verify",
                                   phase="verify", version=version)
-        from safetensors.torch import load_file
-
-        tensors = load_file(os.path.join(request.lora_path, "adapter_model.safetensors"))
-        return {"digests": {n: tensor_digest(t) for n, t in tensors.items()},
-                "dtypes": {n: dtype_name(t.dtype) for n, t in tensors.items()},
+        replies = self._rpc("weightsync_adapter_digests", request.lora_path, phase="verify",
+                            version=version)
+        first = replies[0]
+        if any(r["digests"] != first["digests"] for r in replies[1:]):
+            raise WeightSyncError(f"{self.name}: the vLLM workers hold different adapters "
+                                  f"under {request.lora_path}", phase="verify", version=version)
+        return {"digests": dict(first["digests"]), "dtypes": dict(first["dtypes"]),
                 "version": version, "live": []}

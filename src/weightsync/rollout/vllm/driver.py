@@ -14,7 +14,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from typing import Any, Optional, Sequence
@@ -57,8 +56,6 @@ class VLLMDriver(ReplicaControls):
         self._discarded = False
         self._lora_request: Any = None
         self._adapter_cfg: Optional[dict] = None
-        self._adapter_seq = 0
-        self._lora_dir: Optional[str] = None
         self._sync_timeout = 2 * self.options.timeout + 60
         self._dead: Optional[str] = None
         self.multiprocess = self.options.multiprocess if llm is None else None
@@ -209,8 +206,6 @@ class VLLMDriver(ReplicaControls):
             llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # pragma: no cover - shutdown is best effort
             logger.warning("weightsync: vLLM shutdown failed: %s", exc)
-        if self._lora_dir:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     # -- generation -------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list:

@@ -235,8 +235,8 @@ class WeightSyncWorkerExtension:
         (``"auto"``/``"layerwise"``/``"direct"``), ``slices`` (``"auto"``: with tensor
         parallelism and an engine that can, pull only what this worker's loaders read, as
         recorded by :func:`~weightsync.rollout.vllm.slices.record_slices`; ``"on"``,
-        ``"off"``), for ``kind="adapter"``: ``adapter_dir`` (where rank 0 writes the PEFT
-        folder) and ``adapter_config``.
+        ``"off"``), for ``kind="adapter"``: ``adapter_name`` and ``adapter_config`` (the
+        adapter is held in memory, see :meth:`_weightsync_adapter`).
         """
         from weightsync.core.errors import PlanMismatch
 
@@ -337,21 +337,33 @@ class WeightSyncWorkerExtension:
                 "transport_seconds": checked.transport_seconds, **info}
 
     def _weightsync_adapter(self, pull: "_Pull", version: Any, options: dict) -> dict:
-        from weightsync.rollout.vllm.apply import write_adapter
+        """Receive the whole adapter, then hold it in this worker's memory
+        (:func:`weightsync.rollout.vllm.lora.register`); the driver loads it through
+        vLLM's ``add_lora`` with the returned ``adapter_path``. No file is written."""
+        from weightsync.rollout.vllm import lora
 
-        folder, config = options.get("adapter_dir"), options.get("adapter_config")
-        if not isinstance(folder, str) or not isinstance(config, dict):
-            raise ValueError("an adapter sync needs options adapter_dir (str) and "
+        name, config = options.get("adapter_name"), options.get("adapter_config")
+        if not isinstance(name, str) or not isinstance(config, dict):
+            raise ValueError("an adapter sync needs options adapter_name (str) and "
                              "adapter_config (PEFT's JSON)")
+        lora.install()
         tensors, nbytes, start = {}, 0, time.perf_counter()
-        for name, t in pull:
-            tensors[name] = t.clone()
+        for tname, t in pull:
+            tensors[tname] = t.clone()
             nbytes += t.numel() * t.element_size()
         transport = time.perf_counter() - start
-        if int(getattr(self, "rank", 0)) == 0:
-            write_adapter(folder, tensors, config)
+        keep = max(lora.KEEP, 2 * int(getattr(self.vllm_config.lora_config, "max_cpu_loras",
+                                              0) or 0))
+        path = lora.register(name, version, tensors, config, keep=keep)
         return {"tensors": len(tensors), "bytes": nbytes, "transport_seconds": transport,
-                "adapter_dir": folder}
+                "adapter_path": path}
+
+    @_guard
+    def weightsync_adapter_digests(self, path: str) -> dict:
+        """Digests of the adapter this worker holds in memory under ``path``."""
+        from weightsync.rollout.vllm import lora
+
+        return lora.adapter_digests(path)
 
 
 def _drain(queue: "collections.deque") -> Any:

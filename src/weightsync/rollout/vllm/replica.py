@@ -30,11 +30,13 @@ the rollout adapter protocol (:mod:`weightsync.rollout.protocol`):
 * **Sleep/wake**: vLLM's sleep mode where the platform has it (``enable_sleep_mode``,
   CUDA); elsewhere (CPU) ``sleep`` pauses generation and drops the prefix cache but frees
   no memory, and :meth:`capabilities` says so.
-* **LoRA**: adapter-only syncs through vLLM's LoRA support (``enable_lora=True``): the
-  worker writes the received adapter as a PEFT folder (a temp dir), the driver loads it with
+* **LoRA**: adapter-only syncs through vLLM's LoRA support (``enable_lora=True``): each
+  worker holds the received adapter in memory under its version (no PEFT folder is
+  written, :mod:`weightsync.rollout.vllm.lora`), the driver loads it with
   ``add_lora(load_inplace=True)`` and passes the ``LoRARequest`` with every generation.
-  Without LoRA support an adapter sync is refused with a clear error, never merged or
-  dropped silently.
+  vLLM builds the new adapter before it drops the old one, so the old adapter serves until
+  the new version is complete; a failed adapter sync leaves it serving. Without LoRA
+  support an adapter sync is refused with a clear error, never merged or dropped silently.
 
 Used directly or hosted by :class:`~weightsync.integrations.ray.vllm_workers.VLLMRolloutWorker`
 (the manager reaches it through that worker's ``ws_*`` calls).
@@ -43,9 +45,6 @@ Used directly or hosted by :class:`~weightsync.integrations.ray.vllm_workers.VLL
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from typing import Any, Optional, Sequence
 
 from weightsync.core.errors import WeightSyncError
@@ -103,11 +102,9 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
         self._record(f"load:{kind}:{version}")
         options: dict[str, Any] = {"apply": self.options.apply, "loader": self.options.loader,
                                    "digests": self.options.digests}
-        folder = None
         if kind == "adapter":
-            folder, reject = self._adapter_target(adapter_config)
-            options.update(adapter_dir=folder, adapter_config=self._adapter_config_for(
-                adapter_config), reject=reject)
+            options.update(adapter_name=_LORA_NAME, adapter_config=self._adapter_config_for(
+                adapter_config), reject=self._adapter_reject(adapter_config))
         elif self.weights_asleep:
             options["reject"] = f"{self.name}: wake_up(['weights']) before loading weights"
         paused_here = not self.gate.paused
@@ -122,7 +119,7 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
                                 version=version, timeout=self._sync_timeout)
             applied = kind != "adapter"
             if kind == "adapter":
-                self._activate_adapter(folder, adapter_config, version)
+                self._activate_adapter(replies[0]["adapter_path"], adapter_config, version)
                 applied = True
             else:
                 self._after_base_load(kind, version)
@@ -136,7 +133,7 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
                 self._fence.tear(f"version {version!r} was loaded, then "
                                  f"{type(exc).__name__}: {exc}")
             else:
-                self._after_failure(kind, version, previous_tear, folder)
+                self._after_failure(kind, version, previous_tear)
             raise
         finally:
             if paused_here:
@@ -147,52 +144,38 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
     def _adapter_config_for(self, config: Optional[dict]) -> Optional[dict]:
         return dict(config) if isinstance(config, dict) else self._adapter_cfg
 
-    def _adapter_target(self, config: Optional[dict]) -> tuple[Optional[str], Optional[str]]:
-        """A fresh folder for the adapter, and a reason to refuse the sync (or None)."""
+    def _adapter_reject(self, config: Optional[dict]) -> Optional[str]:
+        """A reason to refuse an adapter sync, or None."""
         reason = self._lora_unsupported()
         if reason is None and self._adapter_config_for(config) is None:
             reason = f"{self.name}: an adapter sync needs the PEFT config first"
-        if reason is not None:
-            return None, reason
-        self._adapter_seq += 1
-        return os.path.join(self._lora_root(), f"v{self._adapter_seq}"), None
+        return reason
 
-    def _lora_root(self) -> str:
-        if self._lora_dir is None:
-            self._lora_dir = tempfile.mkdtemp(prefix="wsvllm-lora-")
-        return self._lora_dir
-
-    def _activate_adapter(self, folder: Optional[str], config: Optional[dict],
-                          version: Any) -> None:
+    def _activate_adapter(self, path: str, config: Optional[dict], version: Any) -> None:
+        """Load the adapter the workers hold under ``path`` (a memory path) in place of
+        the current one; vLLM builds it before it drops the old one."""
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest(_LORA_NAME, _LORA_ID, folder, load_inplace=True)
+        request = LoRARequest(_LORA_NAME, _LORA_ID, path, load_inplace=True)
         # a bad adapter raises here (the engine lives on), not later inside a request
         self._call(lambda: self.llm.llm_engine.add_lora(request), "add_lora", "load", version)
-        old = self._lora_request.lora_path if self._lora_request is not None else None
-        self._lora_request = LoRARequest(_LORA_NAME, _LORA_ID, folder)
+        self._lora_request = LoRARequest(_LORA_NAME, _LORA_ID, path)
         self._adapter_cfg = self._adapter_config_for(config)
-        if old and old != folder:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _after_base_load(self, kind: str, version: Any) -> None:
         self._discarded = False
         if self._lora_request is None:
             return
         if kind == "full":           # merged weights replace base + adapter
-            old, self._lora_request, self._adapter_cfg = self._lora_request, None, None
+            self._lora_request, self._adapter_cfg = None, None
             self._call(lambda: self.llm.llm_engine.remove_lora(_LORA_ID), "remove_lora",
                        "load", version)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
         else:                        # the reload dropped the adapter: load it on the new base
             self._activate_adapter(self._lora_request.lora_path, self._adapter_cfg, version)
 
-    def _after_failure(self, kind: str, version: Any, previous_tear: Optional[str],
-                       folder: Optional[str]) -> None:
+    def _after_failure(self, kind: str, version: Any, previous_tear: Optional[str]) -> None:
         """A round failed before vLLM held it: the fence is torn if a worker reports its
         model torn (a streamed load stopped half way), else as it was before the round."""
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
         if kind == "adapter":
             return                   # the base weights and the old adapter are untouched
         try:
