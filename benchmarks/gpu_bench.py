@@ -192,8 +192,10 @@ class Worker:
         return {"t0": t0, "ms": ms, "bad": bad[:5], "log": self.log}
 
     def op_close(self) -> dict:
+        import gc
         self.engine.finalize()
         self.engine = None
+        gc.collect()                   # the codec's base copies go before the next row
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.ipc_collect()
