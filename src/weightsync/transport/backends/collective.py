@@ -75,7 +75,8 @@ logger = logging.getLogger(__name__)
 _CAUSE_GRACE_S = 2.0  # how long a broken broadcast waits to learn from whom (see below)
 _CHECK_EVERY_S = 0.05  # how often a broadcast's wait looks at the control channel
 
-#: ``direct_min_bytes``'s default (docs/benchmarks.md compares it with bigger ones).
+#: ``direct_min_bytes``'s default: contiguous CPU tensors this big are broadcast as they
+#: are, without the bucket copies.
 COLLECTIVE_DIRECT_MIN = 8 << 20
 #: Broadcasts a CPU receiver has in flight at once (gloo runs a group's operations on two
 #: threads): the next one is posted while the last one's bytes arrive.
