@@ -298,3 +298,29 @@ def refuse_rollout_1(engine, role, rank):
         return refused()
 
     engine.receive_weights = wrapped
+
+
+def refuse_rollout_1_while_0_confirms(engine, role, rank):
+    """``refuse_rollout_1``, and rollout rank 0 confirms the first sync a moment late (its
+    consumer holds the last tensor 1 s; the spec's ``tiny`` must be 50): rollout rank 1's
+    report of the second sync reaches the trainer while it still waits for that one."""
+    refuse_rollout_1(engine, role, rank)
+    if role != "rollout" or rank != 0:
+        return
+    from weightsync.testing.harness import make_tensors
+
+    total = len(make_tensors(0, bucket_size=engine.config.bucket_size, tiny=50))
+    orig = engine.receive_weights
+    syncs = {"n": 0}
+
+    async def wrapped(version=None):
+        import asyncio
+        syncs["n"] += 1
+        count = 0
+        async for item in orig(version):
+            count += 1
+            yield item
+            if syncs["n"] == 1 and count == total:
+                await asyncio.sleep(1.0)      # before asking on: its confirmation is late
+
+    engine.receive_weights = wrapped

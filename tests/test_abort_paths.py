@@ -59,9 +59,9 @@ def test_manager_replica_that_fails_before_reading_is_isolated_at_once(backend):
 @pytest.mark.timeout(120)
 def test_verl_stream_dropped_before_reading_ends_the_update_at_once():
     """verl's worker hands the stream to its server adapter, whose ``update_weights`` may
-    fail before it reads (the server is gone): the stream, dropped with that failed call,
-    tells the trainer rank, and the next update (re-joined, as verl's cycle does) is
-    exact."""
+    fail before it reads (the server is gone): the stream, dropped with that failed call
+    (or, if something still holds it, at the rollout's next ``prepare``), tells the
+    trainer rank, and the next update (re-joined, as verl's cycle does) is exact."""
     import asyncio
     import threading
 
@@ -100,6 +100,8 @@ def test_verl_stream_dropped_before_reading_ends_the_update_at_once():
                                                     fail and j == 1))
             except Exception as exc:  # noqa: BLE001 - what each side saw is checked
                 out[j] = (type(exc), str(exc))    # the failed call's frames are dropped
+                if fail:          # verl's next update begins with prepare() everywhere
+                    rollouts[j].prepare()
 
         threads = [threading.Thread(target=receive, args=(j,)) for j in range(2)]
         for t in threads:

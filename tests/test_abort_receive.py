@@ -41,6 +41,21 @@ def test_a_rollout_that_fails_before_reading_ends_the_sync_for_everyone(backend)
         assert r0["origins"][0] == "rollout rank 1", r0
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["shm", "collective"])
+def test_a_report_of_the_next_sync_read_while_confirming_this_one_is_kept(backend):
+    """Rollout rank 1 confirms sync 1, then refuses sync 2 at once, while the trainer still
+    waits for rollout rank 0's (late) confirmation of sync 1: sync 1 completes everywhere,
+    and sync 2 fails at its start with rollout rank 1's error (not at the timeout)."""
+    spec = GroupSpec(backend=backend, hook="faults:refuse_rollout_1_while_0_confirms",
+                     tiny=50, steps=3, receivers=2, timeout=150,
+                     engine_kwargs={"bucket_size": 64 * 1024, "timeout": TIMEOUT})
+    trainer, r0, r1 = run_group(spec)
+    assert len(r0["steps"]) >= 1 and len(r1["steps"]) == 1, (r0, r1)
+    assert len(trainer["steps"]) == 1 and faults.REFUSAL in trainer["errors"][0], trainer
+    assert trainer["failed_after_s"] < TIMEOUT / 8, trainer
+
+
 @pytest.mark.timeout(60)
 def test_inproc_rollout_that_fails_before_reading_ends_the_sync_for_everyone():
     kw = {"bucket_size": 1 << 16, "timeout": TIMEOUT}

@@ -164,6 +164,7 @@ class WeightsyncVerlEngine(_VerlEngine):
         self._active = False                             # between init and finalize
         self._dirty = False                              # an update failed: release
         self._in_flight = 0                              # running send/receive calls
+        self._stream: Optional[weakref.ref] = None       # the last receive_weights stream
         self._stats = {"prepare_s": 0.0, "init_s": 0.0, "finalize_s": 0.0, "reused": False,
                        "joins": 0, "reuses": 0, "releases": 0}
         _live.add(self)
@@ -171,6 +172,9 @@ class WeightsyncVerlEngine(_VerlEngine):
     # -- verl lifecycle ------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         start = time.perf_counter()
+        stream = self._stream() if self._stream is not None else None
+        if stream is not None:   # the last update's stream, still held but never read
+            stream._abandon()
         if self._active:   # verl finalizes every update that succeeded everywhere
             self._dirty = True
         if self._in_flight:
@@ -247,7 +251,9 @@ class WeightsyncVerlEngine(_VerlEngine):
         adapter. One dropped or closed before it was read tells the group (see
         :class:`WeightStream`)."""
         self._check_active("receive_weights")
-        return WeightStream(self, global_steps)
+        stream = WeightStream(self, global_steps)
+        self._stream = weakref.ref(stream)
+        return stream
 
     def _abandoned(self, global_steps: Any) -> None:
         """The stream of this update was dropped before it was read: tell the trainer ranks
@@ -333,9 +339,10 @@ class WeightStream:
     one update, begun at the first item (an async iterator with ``aclose``). verl hands it
     to its server adapter, whose ``update_weights`` may fail before it reads a byte (the
     server is gone, its own sender cannot start): the stream is then dropped unread, and
-    when it is collected (or closed) it makes the engine tell the trainer ranks at once
-    (``abort_receive``), so that they and every other peer of the update end now instead of
-    at their timeout."""
+    when it is collected or closed, or at the latest at the next ``prepare()`` of its
+    engine (verl's next update), it makes the engine tell the trainer ranks
+    (``abort_receive``), so that they and every other peer of the update end then instead
+    of at their timeout."""
 
     def __init__(self, owner: WeightsyncVerlEngine, global_steps: Any) -> None:
         self._owner, self._steps = owner, global_steps

@@ -364,6 +364,8 @@ class CollectiveEngine(StoreGroupMixin, ReceiverMixin, DirectTensors, BucketedEn
             if isinstance(msg, ErrorMsg) and msg.seq in (self._seq, 0):
                 self._abort_groups()
                 raise_remote(msg, phase="broadcast")
+            if isinstance(msg, ErrorMsg):
+                self._hold_error(msg, self._seq)
             if isinstance(msg, AckMsg):
                 self._acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
 

@@ -96,6 +96,7 @@ class StoreGroupMixin:
         self.config.role = role
         self._rank, self._world, self._num_receivers = rank, world, num_receivers
         self._seq = 0
+        self._errors_ahead: dict = {}   # receivers' reports of the old group
         self._token = token
         self._clients: list[ControlClient] = []
         self.reset_plan()

@@ -341,6 +341,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
         start = time.perf_counter()
         try:
             self._check_usable(version)
+            self._raise_held(state.seq)
             await self._tx_begin(state)
             async for name, tensor in aiter_items(named_tensors):
                 if self._world > 1:
@@ -515,6 +516,7 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
             if isinstance(msg, ErrorMsg):
                 if msg.seq == state.seq or msg.seq == 0:
                     raise_remote(msg, phase="send")
+                self._hold_error(msg, state.seq)
             elif isinstance(msg, AckMsg) and msg.seq == state.seq:
                 acks.add((msg.seq, -1 if msg.final else msg.index, msg.rank))
             else:
@@ -548,6 +550,8 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                                   phase="send", version=state.version) from None
             if isinstance(msg, ErrorMsg) and msg.seq in (state.seq, 0):
                 raise_remote(msg, phase="send")
+            elif isinstance(msg, ErrorMsg):
+                self._hold_error(msg, state.seq)
             elif isinstance(msg, LandMsg):
                 if msg.seq == state.seq:
                     got[msg.rank] = msg
@@ -562,6 +566,23 @@ class BucketedEngine(CheckpointEngine, abc.ABC):
                                    peer=f"rollout rank {rank}", phase="send",
                                    version=state.version)
         return tuple(self._land_digest.get(r) for r in range(self._num_receivers))
+
+    def _hold_error(self, msg: ErrorMsg, seq: int) -> None:
+        """A receiver's report of a later sync than ``seq``, read while this rank still
+        waits on ``seq`` (it skipped the next one, ``abort_receive``, right after it
+        confirmed this one): kept, and raised when that sync starts (:meth:`_raise_held`)."""
+        if msg.seq > seq:
+            self.__dict__.setdefault("_errors_ahead", {})[msg.seq] = msg
+
+    def _raise_held(self, seq: int) -> None:
+        """At the start of sync ``seq``: raise a receiver's report of it read earlier."""
+        held = self.__dict__.get("_errors_ahead")
+        if held:
+            for old in [k for k in held if k < seq]:
+                del held[old]
+            msg = held.pop(seq, None)
+            if msg is not None:
+                raise_remote(msg, phase="send")
 
     def _tx_stash(self, msg: Any) -> None:
         """Hook: a message from a receiver that is not for the wait at hand (a backend

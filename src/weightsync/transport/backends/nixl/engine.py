@@ -138,6 +138,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         require_nixl()
+        self._errors_ahead: dict[int, ErrorMsg] = {}   # receivers' reports of later syncs
         self._serve_mode = self.options.serve
         self._lease_poller: Optional[Poller] = None
         self._seq, self._rank, self._world, self._num_receivers = 0, -1, 0, 0
@@ -267,6 +268,10 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
         loop = asyncio.get_running_loop()
         pool = self._executor()
         try:
+            held = self._errors_ahead.pop(seq, None)
+            self._errors_ahead = {k: m for k, m in self._errors_ahead.items() if k > seq}
+            if held is not None:              # a receiver skipped this sync, read earlier
+                raise_remote(held, phase="send")
             if self._leases:                  # a joiner still reads the last version
                 await loop.run_in_executor(pool, self._wait_leases, version)
             self._served = False              # the arena is about to be written
@@ -379,8 +384,10 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             try:
                 msg = self._hub.pop(timeout=left, peer=f"rollout rank {missing[0]}",
                                     phase="send", version=version)
-                if isinstance(msg, ErrorMsg) and msg.seq >= seq:
+                if isinstance(msg, ErrorMsg) and msg.seq == seq:
                     raise_remote(msg, phase="send")
+                if isinstance(msg, ErrorMsg) and msg.seq > seq:   # a later sync's, kept
+                    self._errors_ahead[msg.seq] = msg
             except WeightSyncError as exc:
                 if exc.confirmed is None:
                     exc.confirmed = tuple(served)
@@ -770,6 +777,7 @@ class NixlEngine(StoreGroupMixin, CheckpointEngine):
             joined[s] = (normalize_version(offer["version"]), float(offer["lease_s"]))
         self.config.role = "rollout"
         self._rank, self._world, self._num_receivers, self._seq = rank, world, num_receivers, 0
+        self._errors_ahead = {}
         self._token = secrets.token_hex(16)
         self.reset_plan()
         self._agent = self._reader_agent(f"ws-join-{self._token[:12]}-r{rank}")
