@@ -55,6 +55,36 @@ def test_inproc_end_to_end_three_steps():
         assert [r.version for r in report.replicas] == [3, 3]
 
 
+def test_backend_options_reach_every_workers_engine(monkeypatch):
+    """A backend's own options (keywords or ``options=``) go through the manager."""
+    from weightsync import ShmOptions
+    from weightsync.transport.backends.shm.engine import ShmEngine
+    seen = []
+    prepare = ShmEngine.prepare
+
+    def spy(self):
+        seen.append(self.options)
+        return prepare(self)
+
+    monkeypatch.setattr(ShmEngine, "prepare", spy)
+    trainer = _trainer()
+    replicas = [HFRolloutWorker(CFG, seed=5)]
+    with pytest.raises(ValueError, match="direct"):
+        CheckpointEngineManager("shm", [trainer], replicas, direct="sometimes")
+    with pytest.raises(ValueError, match="unknown engine option.*zero_copy"):
+        CheckpointEngineManager("shm", [trainer], replicas, zero_copy=True)
+    with CheckpointEngineManager("shm", [trainer], replicas, bucket_size=1 << 20, timeout=30,
+                                 options=ShmOptions(direct=False, copy_threads=1)) as manager:
+        _run_steps(manager, trainer, replicas, steps=1)
+    assert len(seen) >= 2 and all(o.direct is False and o.copy_threads == 1 for o in seen)
+    seen.clear()
+    trainer, replicas = _trainer(), [HFRolloutWorker(CFG, seed=5)]
+    with CheckpointEngineManager("delta+shm", [trainer], replicas, bucket_size=1 << 20,
+                                 timeout=30, direct=False) as manager:
+        _run_steps(manager, trainer, replicas, steps=2)
+    assert len(seen) >= 2 and all(o.direct is False for o in seen)
+
+
 class StaleWorker(HFRolloutWorker):
     """Negative control: receives every sync but keeps its old weights."""
 

@@ -71,7 +71,7 @@ from weightsync.orchestration.checks import run_validate, run_verify
 from weightsync.orchestration.join import JOIN_FROM, can_join, join_replica
 from weightsync.orchestration.replicas import ReplicaSet
 from weightsync.core.remote import normalize_version
-from weightsync.core.config import EngineConfig, env_value, parse_bool
+from weightsync.core.config import EngineConfig, build_options, env_value, option_names, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry
 from weightsync.transport.codec import codec_options, resolve_backend
 from weightsync.core.errors import PlanMismatch, WeightSyncError
@@ -130,13 +130,27 @@ class CheckpointEngineManager:
             raise ValueError("replicas must be a list of rollout worker handles")
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
-        unknown = sorted(set(engine_kwargs) - set(_ENGINE_KEYS))
+        # the backend's own options (e.g. zero_copy=, direct=, serve=, or options=) travel
+        # to every worker's engine as they are; the engine validates them
+        backend_keys = set(option_names(engine_cls.options_cls)) | {"options"}
+        inner = getattr(engine_cls, "inner_cls", None)     # a codec engine's backend
+        if inner is not None:
+            backend_keys |= set(option_names(inner.options_cls))
+        unknown = sorted(set(engine_kwargs) - set(_ENGINE_KEYS) - backend_keys)
         if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; known: "
-                             f"{['bucket_size', 'timeout', *_ENGINE_KEYS]}")
+            raise ValueError(f"unknown engine option(s) {unknown} for backend {backend!r}; known: "
+                             f"{['bucket_size', 'timeout', *_ENGINE_KEYS, *sorted(backend_keys)]}")
         given = {k: v for k, v in (("bucket_size", bucket_size), ("timeout", timeout))
                  if v is not None}   # left out: WEIGHTSYNC_* or the defaults, as engines do
-        config = EngineConfig(**given, **engine_kwargs)
+        config = EngineConfig(**given, **{k: v for k, v in engine_kwargs.items()
+                                          if k in _ENGINE_KEYS})
+        # a wrong backend option is a ValueError here, not on every worker later
+        opts_cls = inner.options_cls if inner is not None else engine_cls.options_cls
+        own = {k: v for k, v in engine_kwargs.items() if k in option_names(opts_cls)}
+        given_opts = engine_kwargs.get("options")
+        if own or given_opts is not None:
+            build_options(opts_cls, given_opts if opts_cls is None or isinstance(given_opts, opts_cls)
+                          else None, own, owner=backend)
         self.atomic = bool(env_value("ATOMIC", parse_bool, False) if atomic is None else atomic)
         self._replicas = ReplicaSet()
         self._group = ReplicaGroup(
