@@ -8,8 +8,11 @@
   method (``_sync_weight`` -> ``_sync_weight_merged``) on a plain and a PEFT LoRA model; a
   stream cut half way and an export that hangs past ``weight_sync_timeout`` both raise a
   ``WeightSyncError`` and leave the old weights serving; the next sync lands.
+* ``weightsync.integrations.trl.AsyncGRPOTrainer`` on a PEFT model: TRL's adapter-only
+  syncs land in vLLM's LoRA manager from memory (no file written), versioned, atomic.
 * Bad input: a server without a weightsync backend (a stub answering TRL's probes), a
-  wrong token, a model that does not fit: clear errors, nothing changed on the server.
+  wrong token, a model that does not fit, an adapter above ``max_lora_rank``: clear
+  errors, nothing changed on the server.
 
 The server starts with LoRA enabled (``--enable-lora``), which the adapter tests use too.
 """
@@ -123,8 +126,10 @@ def dataset(n: int = 8):
                                          for i in range(n)]})
 
 
-def length_reward(completions, **kwargs):
-    return [float(len(c)) for c in completions]
+def token_reward(completions, **kwargs):
+    """Differs between completions (so GRPO's advantages, and the gradients, are not 0)."""
+    return [float(sum(int(w[1:]) for w in c.split() if w[1:].isdigit()) % 97)
+            for c in completions]
 
 
 # -- GRPOTrainer, server mode -----------------------------------------------------------------
@@ -142,7 +147,7 @@ def test_grpo_trainer_syncs_through_weightsync(server, home, tokenizer, tmp_path
                             use_cpu=True, bf16=False, report_to=[], save_strategy="no",
                             learning_rate=5e-2, vllm_importance_sampling_correction=False)
         model = AutoModelForCausalLM.from_pretrained(home, dtype=torch.float32)
-        trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=config,
+        trainer = GRPOTrainer(model=model, reward_funcs=token_reward, args=config,
                               train_dataset=dataset(), processing_class=tokenizer)
         gen = trainer.vllm_generation
         assert type(gen.vllm_client).__name__ == "WeightsyncVLLMClient"
@@ -210,7 +215,7 @@ def async_trainer(home, tokenizer, tmp_path, url, *, peft=False, timeout=60, **k
     # TRL 1.16 asks torch.cuda for the device name in __init__ (MFU metrics), which raises
     # on a CPU-only torch; the metric is off for an unknown device anyway
     with mock.patch.object(async_grpo_trainer, "get_peak_flops_per_device", lambda *a: None):
-        trainer = AsyncGRPOTrainer(home, reward_funcs=length_reward, args=config,
+        trainer = AsyncGRPOTrainer(home, reward_funcs=token_reward, args=config,
                                    train_dataset=dataset(), peft_config=peft_config,
                                    processing_class=tokenizer,
                                    rollout_worker=StubRollouts(), weight_transfer=transfer)
@@ -325,7 +330,7 @@ def test_async_grpo_adapter_only_in_memory(server, home, tokenizer, tmp_path):
     with mock.patch("trl.experimental.async_grpo.async_grpo_trainer."
                     "get_peak_flops_per_device", lambda *a: None):     # see async_trainer
         trainer = ws_trl.AsyncGRPOTrainer(
-            home, reward_funcs=length_reward, args=config, train_dataset=dataset(),
+            home, reward_funcs=token_reward, args=config, train_dataset=dataset(),
             processing_class=tokenizer, rollout_worker=StubRollouts(),
             peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                    target_modules=["q_proj", "v_proj"]),
@@ -472,6 +477,23 @@ def test_wrong_token_and_model_that_does_not_fit(server, home, tmp_path):
         sync.send([(n, p.dtype, p.shape) for n, p in bad.named_parameters()],
                   iter(list(bad.named_parameters())))
     assert f"kept serving weight version {version!r}" in said(info.value)
+    assert server.client.weight_version() == version and served(server) == good
+
+    # an adapter of rank 16 on a server started with --max-lora-rank 8: refused at check
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from weightsync.trainer.lora import lora_config_dict
+
+    peft = get_peft_model(build_causal_lm(CFG, seed=1),
+                          LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj"]))
+    def models():
+        return sorted(m["id"] for m in server.client.request("GET", "/v1/models")["data"])
+
+    before = models()
+    with pytest.raises(WeightSyncError, match="rank") as info:
+        sync.send_adapter(get_peft_model_state_dict(peft), lora_config_dict(peft), name="big")
+    assert "nothing was sent" in said(info.value)
+    assert models() == before
     assert server.client.weight_version() == version and served(server) == good
 
     model.load_state_dict(build_causal_lm(CFG, seed=23).state_dict())
