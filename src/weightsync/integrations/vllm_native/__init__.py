@@ -14,6 +14,7 @@ and drives vLLM's documented sequence from the trainer (:mod:`.trainer`)::
         client=OfflineLLMClient(llm),     # or HTTPWeightSyncClient("http://host:port")
         source=ModuleSource(model))
     engine.send_weights(weight_version="step-1")   # init / start / update / finish
+    engine.send_adapter(lora_tensors, peft_config, name="policy")   # LoRA, from memory
 
 Modules: :mod:`.info` (the typed init/update infos), :mod:`.engine` (the worker side:
 validation before bytes, all-or-nothing apply), :mod:`.trainer` (the trainer side),

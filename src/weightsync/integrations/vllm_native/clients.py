@@ -10,6 +10,9 @@
   the HTTP status, the server's message and the fields of weightsync's error marker
   (vLLM's own client raises a bare status). It lives in
   :mod:`weightsync.rollout.vllm.serve` (plain ``urllib``), shared with the server replica.
+* :func:`load_adapter` and :func:`reset_prefix_cache` load a LoRA adapter (a folder or a
+  weightsync memory path) and drop the prefix cache through either client (offline
+  ``add_lora``; ``/v1/load_lora_adapter`` and ``/reset_prefix_cache`` over HTTP).
 """
 
 from __future__ import annotations
