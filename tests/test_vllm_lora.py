@@ -160,7 +160,6 @@ def test_failed_adapter_syncs_keep_the_old_adapter(setup):
                 raise ConnectionResetError("the trainer went away half way")
             yield item
 
-    _, other, _ = peft_adapter(13)
     with pytest.raises(WeightSyncError):
         push(rep, cut(), 4, config, timeout=10.0)
     assert served(rep) == good and rep.current_version() == 3
