@@ -6,8 +6,8 @@ Measures in one run, on a synthetic bf16 model of Llama-3-8B layer shapes
     pageable memory (CUDA events, median of 5);
 (b) ``shm`` syncs from CUDA tensors of the trainer into a CPU receiver that lands them
     with ``receive_into`` (the README's consumer, torch's default threads), warm median of
-    ``--warm``, with the ring registered as pinned memory (``WEIGHTSYNC_SHM_PIN=1``) and
-    without (``0``); every sync is checked (per-tensor sums);
+    ``--warm``; the trainer, using CUDA, registers the ring as pinned memory; every sync is
+    checked (per-tensor sums);
 (b') the same with the receiver's tensors in torch's shared memory (``--consumers
     shared``: ``model.share_memory()`` on the receiver), which the trainer then copies
     device-to-host straight into (no ring, no landing copy);
@@ -17,7 +17,7 @@ Measures in one run, on a synthetic bf16 model of Llama-3-8B layer shapes
     receiver host's own copy rate of the model's bytes (one ``copy_`` of a pageable buffer,
     torch's default threads): the limit of the landing copy.
 Usage: ``python benchmarks/shm_d2h.py --out DIR [--layers 8 --bucket-mb 512 --warm 5
---consumers into,shared,views --pins 1,0]``.
+--consumers into,shared,views]``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,6 @@ def worker(role, args, conn):
             if cmd["op"] == "quit":
                 return
             if cmd["op"] == "engine":
-                os.environ["WEIGHTSYNC_SHM_PIN"] = cmd["pin"]
                 engine = CheckpointEngineRegistry.new(
                     "shm", role=role, device="cpu", bucket_size=args["bucket_mb"] << 20,
                     timeout=120)
@@ -147,7 +146,6 @@ def main():
                     "shared (receive_into of tensors the receiver put in shared memory: the "
                     "trainer writes into them), views (receive_weights, no copy); "
                     "comma-separated")
-    ap.add_argument("--pins", default="1,0", help="WEIGHTSYNC_SHM_PIN values to run")
     args = vars(ap.parse_args())
     os.makedirs(args["out"], exist_ok=True)
     from weightsync.transport.base import worker_kwargs
@@ -168,11 +166,9 @@ def main():
             raise RuntimeError(msg["error"])
         return msg
     res = {"args": args, "trainer": get("trainer"), "rollout": get("rollout"), "runs": []}
-    import torch
-    pins = args["pins"].split(",") if torch.cuda.is_available() else ["0"]
-    for pin, consumer in [(p, c) for p in pins for c in args["consumers"].split(",")]:
+    for consumer in args["consumers"].split(","):
         for r in conns:
-            conns[r].send({"op": "engine", "pin": pin})
+            conns[r].send({"op": "engine"})
         metas = [get("trainer")["meta"], get("rollout")["meta"]]
         tk, rk = ShmEngine.build_topology(1, 1, metas)
         conns["trainer"].send(worker_kwargs(tk, 0))
@@ -195,7 +191,7 @@ def main():
         for r in conns:
             conns[r].send({"op": "close"})
             get(r)
-        run = {"pin": pin, "consumer": consumer, "pinned_segments": pinned, "cold_ms": ms[0],
+        run = {"consumer": consumer, "pinned_segments": pinned, "cold_ms": ms[0],
                "warm_ms": ms[1:], "median_ms": statistics.median(ms[1:]),
                "receiver_median_ms": statistics.median(rx_ms[1:]), "all_ok": ok,
                "pushed_tensors": pushed}
@@ -212,7 +208,7 @@ def main():
           f"receiver host copy {rx['host_copy_ms']:.1f} ms "
           f"({gb / rx['host_copy_ms'] * 1e3:.1f} GB/s, {rx['threads']} threads)")
     for run in res["runs"]:
-        print(f"shm WEIGHTSYNC_SHM_PIN={run['pin']} {run['consumer']} "
+        print(f"shm {run['consumer']} "
               f"({run['pinned_segments']} segments pinned): "
               f"warm {run['median_ms']:.1f} ms ({gb / run['median_ms'] * 1e3:.1f} GB/s) = "
               f"{t['d2h_pinned_ms'] / run['median_ms']:.2f} x the pinned D2H; checks "
