@@ -49,7 +49,7 @@ VERL_PKGS    := verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 \
 # fsspec are here already). No narrower import path reaches the manager. datasets 4.8.4 is
 # the newest ms-swift allows (<4.8.5); its huggingface-hub<2 / fsspec caps are not needed
 # for that import (pip check lists them).
-SWIFT_PKGS   := ms-swift==4.6.0 modelscope==1.40.2 modelscope_hub==0.5.1 datasets==4.8.4 \
+SWIFT_PKGS   := ms-swift==4.6.0 json_repair==0.64.9 modelscope==1.40.2 modelscope_hub==0.5.1 datasets==4.8.4 \
                 multiprocess==0.70.19 pyarrow==26.0.1 pandas==3.1.1
 
 # TRL 1.16.0: install it with --no-deps. Its `vllm` extra pins vllm<=0.31 (and would replace

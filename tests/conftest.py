@@ -4,6 +4,9 @@ import tempfile
 import pytest
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# vLLM loads only weightsync's plugin, not the test venv's other vllm.general_plugins
+# (ms-swift's takes seconds to import in every vLLM process and is not under test there)
+os.environ.setdefault("VLLM_PLUGINS", "weightsync")
 
 
 def pytest_collection_modifyitems(config, items):
