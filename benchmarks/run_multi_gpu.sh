@@ -2,14 +2,12 @@
 # One device call on a machine of 2+ GPUs (issue: multi-GPU runs). Everything lands in $OUT:
 #   env.txt         GPUs, links (nvidia-smi topo -m), torch/NCCL/NIXL versions
 #   nixl_multi.txt  nixl across GPUs: 1 -> 1 whole, 2 -> 2 TP-2 slices (full and Shard(0)
-#                   trainers; full also with box-by-box staging off and consumed as the
-#                   README's receive_weights loop), each beside a raw
-#                   NIXL READ of the same bytes and a raw NCCL broadcast
+#                   trainers; full also consumed as the README's receive_weights loop),
+#                   each beside a raw NIXL READ of the same bytes and a raw NCCL broadcast
 #                   (benchmarks/nixl_multi.py; one JSON line per case)
 #   collective.txt  collective on NCCL, 1 -> 1: conformance cases, then 16 GB bf16 with
 #                   receive_into and with the README's loop beside a raw NCCL broadcast
-#                   (benchmarks/multi_gpu.py; multi_gpu.json holds the same); the bench
-#                   again under WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS=1 in rx_stream_waits/
+#                   (benchmarks/multi_gpu.py; multi_gpu.json holds the same)
 #   gpu_tests.txt   tests/test_gpu_multi.py (every GPU backend across GPUs, a rollout
 #                   killed mid-sync) and the VRAM tests of tests/test_nixl.py
 # NIXL: carry .wheels-device (nixl + nixl-cu13 wheels); without it the nixl steps skip.
@@ -31,12 +29,10 @@ fi
   $PY -c 'import nixl; print("nixl ok")'; } > "$OUT/env.txt" 2>&1
 tail -8 "$OUT/env.txt"
 if [ -z "${SKIP_NIXL:-}" ] && $PY -c 'import nixl' 2>/dev/null; then
-  # the TP cases twice: box-by-box staging on (default) and off (WEIGHTSYNC_NIXL_CUT=0)
-  for args in "1 --trainers 1 --tp 1" "1 --trainers 2 --tp 2" "0 --trainers 2 --tp 2" \
-              "1 --trainers 2 --tp 2 --shards" "1 --trainers 2 --tp 2 --consume copy"; do
-    cut=${args%% *}; args=${args#* }
-    echo "== nixl_multi $args (WEIGHTSYNC_NIXL_CUT=$cut)" | tee -a "$OUT/nixl_multi.txt"
-    WEIGHTSYNC_NIXL_CUT=$cut timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_multi.py \
+  for args in "--trainers 1 --tp 1" "--trainers 2 --tp 2" "--trainers 2 --tp 2 --shards" \
+              "--trainers 2 --tp 2 --consume copy"; do
+    echo "== nixl_multi $args" | tee -a "$OUT/nixl_multi.txt"
+    timeout "${NIXL_TIMEOUT:-150}" $PY benchmarks/nixl_multi.py \
       --gib "${NIXL_GIB:-4}" --warm 5 --devices 0,1 --out /tmp/nixl_multi $args 2>&1 \
       | grep -v "NIXL INFO" | tee -a "$OUT/nixl_multi.txt" | tail -3
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/nixl_multi.txt"
@@ -47,12 +43,6 @@ if [ -z "${SKIP_COLLECTIVE:-}" ]; then
     --consume into,copy --warm 5 --cases plain,cast_bf16,version_mismatch 2>&1 \
     | tee "$OUT/collective.txt" | grep -v "^plain\|^cast" | cut -c1-600
   echo "collective exit ${PIPESTATUS[0]}"
-  # the same bench with the receivers' stream-ordered waits (off by default until measured)
-  mkdir -p "$OUT/rx_stream_waits"
-  WEIGHTSYNC_COLLECTIVE_RX_STREAM_WAITS=1 timeout "${COLL_TIMEOUT:-200}" $PY benchmarks/multi_gpu.py \
-    --out "$OUT/rx_stream_waits" --gb 16 --buckets 1024 --consume into,copy --warm 5 --cases "" \
-    2>&1 | tee "$OUT/rx_stream_waits/collective.txt" | cut -c1-600
-  echo "collective (rx stream waits) exit ${PIPESTATUS[0]}"
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider -rfE -m gpu \
