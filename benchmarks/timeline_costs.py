@@ -21,12 +21,7 @@ the least-squares line of the host time against the number of buckets, and
 ``handoff_us`` is the slot waits per bucket at the smallest bucket size timed. A run that
 printed several syncs of a configuration gives one point per bucket size: the median of
 its syncs' host times and of their slot waits and publishes (one slow sync, a stall of
-the host, then moves no cost). This is how the GPU presets' costs were read. Where the
-runs also timed host-ordered syncs (``sync="host"``: the trainer synchronizes its stream
-inside each publish), ``pack_wait_x`` is what those publishes take beyond the event-ordered
-ones at the same bucket size, over one flat copy of the model (the run's ``d2d``
-``flat_ms``): the trainer's wait for its packs in multiples of those copies alone, the mean
-over the bucket sizes timed both ways.
+the host, then moves no cost). This is how the GPU presets' costs were read.
 
 ``finish_us`` is what a sync takes outside the trainer's loop (before its first slot wait
 and after its last publish: the closing message, the receivers' last bucket and their
@@ -159,9 +154,8 @@ def run_info(run_dir: str) -> tuple[int, float, int]:
 def host_costs(run_dirs: list[str]) -> dict[str, float]:
     """``software.tensor_us`` / ``bucket_us`` / ``handoff_us`` / ``finish_us`` (us) from the
     event-ordered plain ring syncs (:func:`_plain_ring`) of ``--timeline`` runs of one code
-    on one host, and ``software.pack_wait_x`` where a run timed host-ordered ones too;
-    raises ``ValueError`` unless the event-ordered syncs span two bucket sizes."""
-    points, tensors, waits, outside = [], set(), [], []
+    on one host; raises ``ValueError`` unless the event-ordered syncs span two bucket sizes."""
+    points, tensors, outside = [], set(), []
     for d in run_dirs:
         ring = [s for s in syncs(os.path.join(d, "gpu_bench.txt")) if _plain_ring(s.cfg)]
         event = median_syncs([s for s in ring if s.cfg.get("sync") == "event"])
@@ -173,9 +167,6 @@ def host_costs(run_dirs: list[str]) -> dict[str, float]:
         # outside the trainer's loop, beyond one bucket's pack and unpack: (size, ms)
         outside += [(b, s.sync_ms - s.host_ms - s.wait_ms - 2 * flat_ms * min(b, nbytes) / nbytes)
                     for b, s in event.items()]
-        for b, s in median_syncs([s for s in ring if s.cfg.get("sync") == "host"]).items():
-            if b in event:
-                waits.append((s.publish_ms - event[b].publish_ms) / flat_ms)
     if len({b for b, _ in points}) < 2 or len(tensors) != 1:
         raise ValueError(f"need event ring syncs at two bucket sizes of one model, got "
                          f"{sorted({b >> 20 for b, _ in points})} MiB of {sorted(tensors)} tensors")
@@ -192,8 +183,6 @@ def host_costs(run_dirs: list[str]) -> dict[str, float]:
            "software.bucket_us": round(slope * 1e3, 1),
            "software.handoff_us": round(handoff * 1e3, 1),
            "software.finish_us": round(max(0.0, sum(finish) / len(finish)) * 1e3, 1)}
-    if waits:
-        out["software.pack_wait_x"] = round(sum(waits) / len(waits), 2)
     return out
 
 

@@ -550,9 +550,9 @@ def test_a_hosts_software_time_is_core_time_beside_its_copies():
 
 def test_collective_direct_size_is_the_engines_and_moves_the_cpu_broadcast(capsys):
     """``collective_direct_min`` defaults to the engine's own
-    (``WEIGHTSYNC_COLLECTIVE_DIRECT_MIN``): 12 MiB tensors go as their own broadcasts at the
-    default, unpacked, so the 2-core host does not pay their pack and unpack copies; at 16
-    MiB (the default before 2026-12-05) it does. ``--collective-direct-mb`` sets it, and a
+    (``CollectiveOptions.direct_min_bytes``, default ``COLLECTIVE_DIRECT_MIN``): 12 MiB
+    tensors go as their own broadcasts at the default, unpacked, so the 2-core host does not
+    pay their pack and unpack copies; at 16 MiB it does. ``--collective-direct-mb`` sets it, and a
     negative one is refused naming the field."""
     from weightsync.transport.backends.collective import COLLECTIVE_DIRECT_MIN
     model = model_from_tensors("mid", [(f"l{i}.w", (3072, 2048)) for i in range(32)])

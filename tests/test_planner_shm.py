@@ -184,10 +184,13 @@ def test_cli_options_and_their_errors(capsys):
                "--placement", "colocated", "--strategies", "ring"])
     out, err = capsys.readouterr()
     assert rc == 0 and "cuda_ipc zero-copy" in out
-    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--ring-sync", "host",
-               "--placement", "colocated", "--strategies", "ring", "--json", "-"])
+    rc = main(["plan", "--model", "bench:synthetic-16MiB", "--placement", "colocated",
+               "--strategies", "ring", "--json", "-"])
     out, err = capsys.readouterr()
-    assert rc == 0 and '"ring_sync": "host"' in out and "sync=host: the trainer waits" in out
+    assert rc == 0 and '"ring_sync"' not in out and "sync=host" not in out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", "bench:synthetic-16MiB", "--ring-sync", "host"])
+    assert exc.value.code == 2 and "--ring-sync" in capsys.readouterr().err
     rc = main(["plan", "--model", "bench:synthetic-16MiB", "--trainer-device", "gpu"])
     out, err = capsys.readouterr()
     assert rc == 2 and "weightsync plan: error: trainer.device:" in err
@@ -378,31 +381,17 @@ def test_a_cuda_ipc_ring_adds_the_syncs_end_once():
     assert exc.value.field == "links.software.finish_us"
 
 
-def test_a_host_ordered_cuda_ipc_ring_waits_for_each_pack_on_the_trainer():
-    """Scenario.ring_sync "host" (cuda_ipc's sync="host"): the trainer synchronizes before
-    each publish, so each bucket's pack (its bytes at device_mem's copy rate) joins the
-    trainer's serial host work. Where that work is the limit, the sync takes exactly those
-    copies longer than with "event"; where the GPU's copies are, no longer than the slower
-    of the two; zero-copy and pushes have no pack. Other values are refused, naming the
-    field; software.pack_wait_x scales the wait (the pack shares the GPU with the copy of
-    the bucket before)."""
+def test_a_cuda_ipc_ring_is_ordered_by_events_only():
+    """cuda_ipc orders each bucket's copies with CUDA events (its host-ordered ``sync`` is
+    gone): the trainer's packs never join its host work, so where that work is the limit
+    the sync takes what the host work takes, and the planner has no other ordering to
+    ask for. A links file that still names software.pack_wait_x loads; the number is not
+    used."""
     slow = gpu_links(tensor_us=2000)                  # the trainer's host work is the limit
     event = gpu_ring("none", links=slow)
-    host = gpu_ring("none", links=slow, ring_sync="host")
     assert "software of trainer rank 0" in event.bottleneck.limit
-    assert host.seconds - event.seconds == pytest.approx((BIG + SMALL) / 100e9, rel=1e-6)
-    shared = gpu_ring("none", links=gpu_links(tensor_us=2000, pack_wait_x=1.5), ring_sync="host")
-    assert shared.seconds - event.seconds == pytest.approx(1.5 * (BIG + SMALL) / 100e9, rel=1e-6)
-    with pytest.raises(PlannerError, match="> 0") as exc:
-        load_links(gpu_links(pack_wait_x=0))
-    assert exc.value.field == "links.software.pack_wait_x"
-    fast_e = gpu_ring("none", links=gpu_links(tensor_us=1))
-    fast_h = gpu_ring("none", links=gpu_links(tensor_us=1), ring_sync="host")
-    assert "device_mem" in fast_e.bottleneck.limit
-    assert fast_h.seconds == pytest.approx(fast_e.seconds, rel=1e-9)    # copies still limit
-    for shared in ("trainer", "receivers"):
-        assert gpu_ring(shared, links=slow, ring_sync="host").seconds == \
-            gpu_ring(shared, links=slow).seconds
-    with pytest.raises(PlannerError, match="event, host") as exc:
-        gpu_ring("none", ring_sync="stream")
-    assert exc.value.field == "ring_sync"
+    assert gpu_ring("none", links=gpu_links(tensor_us=2000, pack_wait_x=1.5)).seconds == \
+        event.seconds
+    assert "pack_wait_x" not in load_links(gpu_links(pack_wait_x=1.5)).software
+    with pytest.raises(TypeError, match="ring_sync"):
+        gpu_ring("none", ring_sync="host")

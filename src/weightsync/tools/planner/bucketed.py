@@ -30,11 +30,8 @@ collective) per bucket or direct tensor. A ``cuda_ipc`` ring adds ``handoff_us``
 one after another (the slot's trip from trainer to receiver and back, which the copies of
 the other slot do not hide; its owners hand off at once), and ``finish_us`` once at the
 end of the sync (the trainer's closing message and the receivers' last acknowledgement,
-beyond the last bucket's copies). With ``Scenario.ring_sync``
-``"host"`` (``cuda_ipc``'s ``sync="host"``) the trainer synchronizes its stream before each
-publish, so its wait for each bucket's pack (``pack_wait_x`` times a copy of the bucket's
-bytes at ``device_mem``'s rate: the pack shares the GPU with the receivers' copy of the
-bucket before) is part of the trainer's own serial work instead of overlapping it.
+beyond the last bucket's copies). The ring orders each bucket's copies on the GPU with
+CUDA events, so the trainer's packs overlap its host work.
 
 ``shm`` on a host, as :mod:`weightsync.transport.backends.shm.engine` runs it:
 
@@ -487,9 +484,6 @@ def _deliver(sc, pl, strategy, pts, step, owners, streams, kept,
         if strategy == "ring" and not pl.host:
             handoff = max(handoff, buckets * sw["handoff_us"])
             slots_used = slots_used or buckets > 0
-            if sc.ring_sync == "host":  # the trainer waits for each pack before its publish
-                loads.work(f"trainer rank {o}", sw["pack_wait_x"] * nb
-                           / pl.links_of(src).link("device_mem").rate)
         ops = buckets + len(direct) + len({s["zc_batch_of"][i] for i in idx if i in zc})
         extra = sw["op_us"] if strategy == "broadcast" else 0.0
         loads.work(f"trainer rank {o}",
@@ -686,9 +680,6 @@ def _shm_note(sc: Scenario, pl: Placement, strategy: str) -> str:
         if sc.shared == "trainer":
             return ("cuda_ipc zero-copy: receivers copy every tensor sent as it is kept "
                     "straight out of the trainer's memory, no ring")
-        if sc.ring_sync == "host":
-            return ("cuda_ipc ring, sync=host: the trainer waits for each bucket's pack "
-                    "before it publishes it (its copies join the trainer's host work)")
         return ""
     gpu = sc.trainer_device == "gpu"
     src = "GPU trainer (device-to-host over links.d2h)" if gpu else "CPU trainer"

@@ -92,10 +92,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "file (cuda_ipc): trainer is zero-copy (receivers read the trainer's "
                          "tensors in place; WEIGHTSYNC_CUDA_IPC_ZERO_COPY), receivers or both "
                          "are pushes (the trainer writes into the receivers' tensors)")
-    lk.add_argument("--ring-sync", choices=("event", "host"), default="event",
-                    help="ring on a gpu links file (cuda_ipc): how a bucket's copies are "
-                         "ordered: event (default, on the GPU) or "
-                         "host (the trainer waits for each bucket's pack before publishing it)")
     lk.add_argument("--trainer-device", choices=("cpu", "gpu"), default="cpu",
                     help="host links file only: cpu (default) or gpu (the trainer's tensors "
                          "are on a GPU of the host, copied device-to-host over links.d2h; "
@@ -155,7 +151,7 @@ def scenario_from_args(args: argparse.Namespace):
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
                     pipelined=not args.no_pipeline, serve=args.serve,
                     shared=args.shared, trainer_device=args.trainer_device,
-                    ring_sync=args.ring_sync, delta=args.delta, **direct,
+                    delta=args.delta, **direct,
                     strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                     label=args.label)
 

@@ -34,10 +34,7 @@ YAML/JSON file). A links file describes one kind of node:
   (a slot handed from trainer to receiver and back: the header, the receiver's event wait,
   its release; default 0), ``finish_us``: what a ``cuda_ipc`` ring's sync adds once at its
   end beyond the last bucket's copies (the trainer's closing message and the receivers'
-  last acknowledgement; default 0) and ``pack_wait_x``: with ``cuda_ipc``'s ``sync="host"``
-  (``Scenario.ring_sync``), how long the trainer waits for each bucket's pack, in multiples
-  of that copy alone at ``device_mem``'s rate (the pack shares the GPU with the receivers'
-  copy of the bucket before; a factor, not microseconds; default 1);
+  last acknowledgement; default 0);
 * ``codec`` (optional; needed by delta, ``Scenario.delta``): per side, a rate and/or a
   cost per changed element: ``encode_GBps`` (bytes of weights a trainer rank diffs into
   records per second) and ``encode_ns`` (what each changed element adds: gathering it,
@@ -206,8 +203,6 @@ def parse_links(doc: Any, name: str = "links") -> Links:
         software["control_us"] + software["tensor_us"]) * 1e6) * 1e-6
     software["handoff_us"] = _num(sw, "handoff_us", "links.software", default=0.0) * 1e-6
     software["finish_us"] = _num(sw, "finish_us", "links.software", default=0.0) * 1e-6
-    software["pack_wait_x"] = _num(sw, "pack_wait_x", "links.software", positive=True,
-                                   default=1.0)
     window = _num(ring, "direct_window", "links.ring", positive=True, default=2)
     if window != int(window):
         raise PlannerError("links.ring.direct_window",

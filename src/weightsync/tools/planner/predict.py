@@ -137,7 +137,7 @@ def _to_dict(p: Prediction) -> dict:
                                  "tp": sc.trainer_tp, "ep": sc.trainer_ep,
                                  "layout": sc.trainer_layout,
                                  "device": sc.trainer_device},
-                     "shared": sc.shared, "ring_sync": sc.ring_sync, "delta": sc.delta,
+                     "shared": sc.shared, "delta": sc.delta,
                      "rollout": {"replicas": sc.replicas, "tp": sc.tp, "ep": sc.ep,
                                  "workers": sc.workers, "placement": sc.placement},
                      "links": links.name,

@@ -40,10 +40,6 @@ TRAINER_DEVICES = ("cpu", "gpu")
 Device = tuple[int, int]          # (node, index in node)
 
 
-#: ``cuda_ipc``'s orderings of a bucket's copies (its ``sync`` option)
-RING_SYNCS = ("event", "host")
-
-
 def _positive(v, field_name: str, low: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise PlannerError(field_name, f"must be an integer >= {low}, got {v!r}")
@@ -90,9 +86,6 @@ class Scenario:
     collective_direct_min: int = COLLECTIVE_DIRECT_MIN
     #: buckets of a trainer rank's ring (``WEIGHTSYNC_NUM_SLOTS``)
     num_slots: int = DEFAULT_NUM_SLOTS
-    #: ring on GPUs (``cuda_ipc``'s ``sync``): ``"event"`` (default) orders the copies on the
-    #: GPU; ``"host"``: the trainer waits for each bucket's pack before it publishes it
-    ring_sync: str = "event"
     #: ``delta+<backend>`` (:mod:`.delta`): the fraction of each tensor's elements that
     #: changed since the last sync (e.g. 0.005), warm; None: dense (the default)
     delta: Optional[float] = None
@@ -120,9 +113,6 @@ class Scenario:
         if self.placement not in PLACEMENTS:
             raise PlannerError("rollout.placement", f"must be one of {', '.join(PLACEMENTS)}, "
                                f"got {self.placement!r}")
-        if self.ring_sync not in RING_SYNCS:
-            raise PlannerError("ring_sync", f"must be one of {', '.join(RING_SYNCS)}, got "
-                                            f"{self.ring_sync!r}")
         self._check_shm()
         if self.delta is not None and (isinstance(self.delta, bool) or not isinstance(
                 self.delta, (int, float)) or not 0.0 <= self.delta <= 1.0):
