@@ -100,6 +100,25 @@ def test_each_field_reads_its_variable_when_built(monkeypatch, cls, field, raw, 
             c()
 
 
+def test_the_engine_device_reads_weightsync_device(monkeypatch):
+    """``WEIGHTSYNC_DEVICE`` (ms-swift's ``install`` hook gives engines no keywords) sets
+    every engine's ``device`` when none is passed; a keyword wins; a value that is no torch
+    device is a ValueError naming the variable."""
+    assert {r[0]: r[1] for r in option_rows(EngineConfig)}["device"] == "WEIGHTSYNC_DEVICE"
+    monkeypatch.setenv("WEIGHTSYNC_DEVICE", "cuda:1")
+    assert EngineConfig().device == "cuda:1"           # torch.device checks no GPU
+    assert EngineConfig(device="cpu").device == "cpu"
+    engine = CheckpointEngineRegistry.new("collective", role="rollout", timeout=5)
+    assert engine.config.device == "cuda:1"
+    monkeypatch.setenv("WEIGHTSYNC_DEVICE", " cpu ")
+    assert CheckpointEngineRegistry.new("shm", role="rollout").config.device == "cpu"
+    monkeypatch.setenv("WEIGHTSYNC_DEVICE", "gpu0")
+    with pytest.raises(ValueError, match="WEIGHTSYNC_DEVICE"):
+        EngineConfig()
+    monkeypatch.delenv("WEIGHTSYNC_DEVICE")
+    assert EngineConfig().device == "cpu"
+
+
 def test_every_backend_field_with_a_variable_is_tested_here():
     tested = {(c, f) for c, f, _, _ in ENV}
     for name in OPTIONS:

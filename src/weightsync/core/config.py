@@ -57,6 +57,15 @@ def parse_auto_bool(raw: str) -> Optional[bool]:
     return None if raw.strip().lower() == "auto" else parse_bool(raw)
 
 
+def _parse_device(raw: str) -> str:
+    """A torch device string (``cpu``, ``cuda``, ``cuda:1``); anything else is a
+    ``ValueError``."""
+    try:
+        return str(torch.device(raw.strip()))
+    except (RuntimeError, TypeError):
+        raise ValueError(raw) from None
+
+
 def option(env: Optional[str], cast: Callable[[str], Any], default: Any, doc: str) -> Any:
     """A field of an options dataclass.
 
@@ -134,7 +143,8 @@ class EngineConfig:
                               "Bytes per bucket (a multiple of the alignment, 256 bytes).")
     timeout: float = option("TIMEOUT", float, DEFAULT_TIMEOUT,
                             "Seconds any blocking step may wait for a peer.")
-    device: str = option(None, str, "cpu", "Where buffers and received tensors live.")
+    device: str = option("DEVICE", _parse_device, "cpu",
+                         "Where buffers and received tensors live (cpu, cuda, cuda:1).")
     dtype: Optional[torch.dtype] = option(
         None, str, None, "Cast floating tensors to this dtype on send (e.g. torch.bfloat16).")
     num_slots: int = option("NUM_SLOTS", int, DEFAULT_NUM_SLOTS,
