@@ -242,3 +242,21 @@ def test_nixl_and_its_raw_read_limit(tmp_path):
         assert row["warm_median_s"] > 0 and len(row["warm_s"]) == 2
     assert rows["nixl"]["paired"]["method"] == "nixl-raw"
     assert len(rows["nixl"]["paired"]["warm_s"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+def test_verl_baseline_script_syncs_bit_exact_on_one_gpu(tmp_path):
+    """benchmarks/verl_baseline.py, the baseline docs/benchmarks.md quotes: a trainer and a
+    rollout process on one GPU, tensors bigger than the bucket chunked across buckets;
+    every sync checked against the trainer's checksums, timed beside a flat copy."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "verl_baseline.py"
+    done = subprocess.run([sys.executable, str(script), "--layers", "2", "--scale", "8",
+                           "--bucket-mib", "8", "--warm", "2", "--timeout", "120",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads((tmp_path / "verl_baseline.json").read_text())
+    assert res["all_ok"] and len(res["warm_ms"]) == 2 and res["flat_ms"] > 0
+    assert res["bytes"] > 8 << 20 and "checks ok" in done.stdout
