@@ -12,7 +12,7 @@ import torch
 from weightsync.testing import run_group
 from weightsync.testing.harness import same_bytes
 from syncchecks import assert_clean
-from test_codec import BUCKET, CodecSpec, Inproc, Weights, device_kernel_checks
+from test_codec import BUCKET, CodecSpec, Inproc, Weights, device_kernel_checks, many_records_commit
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -41,6 +41,11 @@ def test_fp8_block_on_cuda_equals_cpu(shape):
 @pytest.mark.timeout(120)
 def test_device_kernels_make_and_check_the_hosts_records():
     device_kernel_checks(_codec(), torch.device("cuda"))
+
+
+@pytest.mark.timeout(120)
+def test_one_flush_commits_more_records_than_one_launch_finds():
+    many_records_commit(_codec(), torch.device("cuda"))
 
 
 @pytest.mark.timeout(300)

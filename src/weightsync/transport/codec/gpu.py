@@ -422,7 +422,11 @@ class Decoder:
             classes.setdefault((s.dest.element_size(), _delta.index_width(s.dest.numel())),
                                []).append(i)
         base = self._arena.data_ptr()
-        for (k, iw), idx in classes.items():
+        # the kernels find a program's record by a binary search over at most
+        # GROUP_TENSORS of them: one launch per GROUP_TENSORS records
+        chunks = [((k, iw), idx[at: at + GROUP_TENSORS])
+                  for (k, iw), idx in classes.items() for at in range(0, len(idx), GROUP_TENSORS)]
+        for (k, iw), idx in chunks:
             rows, blocks = [], []
             for i in idx:
                 s = staged[i]
