@@ -223,3 +223,38 @@ def test_a_receiver_that_reported_and_left_is_not_a_failed_push(family):
         hub.close()
         for link in (a, b):
             link.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_a_push_to_a_receiver_that_reported_its_failure_and_left_raises_that_report(family):
+    """A rollout that fails before it reads (``abort_receive``) reports and closes its
+    link; the trainer, still pushing to it, raises that report (its peer, its text), not
+    "lost the control link"; a report of another kind read off the closed link is still
+    returned by the next ``pop``."""
+    from weightsync.core.wire import ErrorMsg, PulledMsg, StagedMsg
+
+    hub, (a, b) = _hub_and_links(family)
+    try:
+        staged = StagedMsg(seq=3, stream=0, blocks=("b0",))
+        b.push("t", ErrorMsg(version=3, seq=3, error="PeerFailed", message="the loader refuses",
+                             peer="rollout rank 1", phase="receive"))
+        b.close()
+        time.sleep(0.3)
+        with pytest.raises(PeerFailed) as info:
+            for _ in range(3):                   # TCP may take one write before it tells
+                hub.push("r1", staged)
+        err = info.value
+        assert "the loader refuses" in str(err) and err.origin == "rollout rank 1", err
+        a.push("t", PulledMsg(seq=3, stream=0, rank=0, nbytes=8, plan="p"))
+        a.close()
+        time.sleep(0.3)
+        with pytest.raises(PeerFailed, match="lost the control link"):
+            for _ in range(3):
+                hub.push("r0", staged)
+        got = hub.pop(timeout=5, peer="rollout rank 0", phase="send")
+        assert isinstance(got, PulledMsg) and got.rank == 0
+    finally:
+        hub.close()
+        for link in (a, b):
+            link.close()

@@ -27,7 +27,8 @@ import time
 from typing import Any, Optional
 
 from weightsync.core.errors import PeerFailed, SyncTimeout, WireError
-from weightsync.core.wire import MAX_MESSAGE_BYTES, Message, decode, encode
+from weightsync.core.remote import raise_remote
+from weightsync.core.wire import MAX_MESSAGE_BYTES, ErrorMsg, Message, decode, encode
 
 __all__ = ["LinkHub", "Link", "unix_address"]
 
@@ -117,6 +118,7 @@ class LinkHub:
         self._next = 0
         self._closed: set[int] = set()
         self._expect: Optional[set[int]] = None
+        self._left: dict[int, list] = {}     # (msg, aux) read off a closed link, not popped
         self.last_aux = 0
 
     def expect(self, ranks: set[int]) -> None:
@@ -186,8 +188,26 @@ class LinkHub:
         except (OSError, TimeoutError) as exc:
             if gone_ok and isinstance(exc, (BrokenPipeError, ConnectionResetError)):
                 return      # the peer closed its end: it reads nothing more from this link
+            self._raise_last_report(rank, conn)
             raise PeerFailed(f"lost the control link to rollout rank {rank} ({exc})",
                              peer=f"rollout rank {rank}", phase="send") from None
+
+    def _raise_last_report(self, rank: int, conn: socket.socket) -> None:
+        """A receiver that failed (``abort_receive``) reports, then closes its link; a push
+        that finds the link closed raises that report, which names the failure, rather
+        than the closed link (what is left on the link is read, briefly)."""
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            try:
+                if not select.select([conn], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    return
+                data, aux = _read_frame(conn, deadline)
+                msg = decode(data)
+            except (OSError, TimeoutError, WireError, ValueError):
+                return
+            if isinstance(msg, ErrorMsg):
+                raise_remote(msg, phase="send")
+            self._left.setdefault(rank, []).append((msg, aux))   # pop returns it later
 
     def pop(self, *, timeout: Optional[float] = None, peer: str, phase: str,
             version: object = None) -> Message:
@@ -196,6 +216,9 @@ class LinkHub:
         deadline = time.monotonic() + t
         expect, self._expect = self._expect, None
         while True:
+            for rank in [r for r in self._order if self._left.get(r)]:
+                msg, self.last_aux = self._left[rank].pop(0)   # read by a failed push
+                return msg
             order = [r for r in self._order if r not in self._closed]
             left = deadline - time.monotonic()
             if not order:
