@@ -36,9 +36,10 @@ def test_a_rollout_that_fails_before_reading_ends_the_sync_for_everyone(backend)
     assert trainer["failed_after_s"] < TIMEOUT / 8, trainer
     if len(r0["steps"]) > 1:    # nixl: each receiver pulls on its own; it got all of it
         assert backend == "nixl" and not any(r0["steps"][1][k] for k in ("missing", "bad"))
-    else:                       # told, not left waiting
+    else:                       # told, not left waiting: by the trainer's relay of the
+        # report, or by the trainer ending the sync (its closed link) when that comes first
         assert r0["errors"] and r0["failed_after_s"] < TIMEOUT / 8, r0
-        assert r0["origins"][0] == "rollout rank 1", r0
+        assert r0["origins"][0] in ("rollout rank 1", "trainer rank 0"), r0
 
 
 @pytest.mark.timeout(180)

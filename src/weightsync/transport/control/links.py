@@ -249,6 +249,16 @@ class LinkHub:
         return msg
 
     def close(self) -> None:
+        """Close every link. Each is shut for writing and its unread bytes drained first:
+        closing a TCP socket with unread bytes sends a reset, which can discard the last
+        report this side sent (why a sync failed) before its receiver reads it."""
+        for conn in self._conns.values():
+            try:
+                conn.shutdown(socket.SHUT_WR)
+                while conn.recv(1 << 16):
+                    pass
+            except OSError:          # nothing (more) to read now, or already gone
+                pass
         for conn in list(self._conns.values()) + [self._lsock]:
             try:
                 conn.close()

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Mapping, Optional
 
 import torch
 
-from weightsync.core.errors import (IntegrityError, PlanMismatch, SyncTimeout, VersionMismatch,
+from weightsync.core.errors import (IntegrityError, PeerFailed, PlanMismatch, SyncTimeout, VersionMismatch,
                       WeightSyncError)
 from weightsync.core.plan import (Bucket, TensorMeta, bucket_digest, dtype_from_name, dtype_name,
                                   itemsize, plan_signature)
@@ -27,6 +27,7 @@ __all__ = ["ReceiverMixin", "IntoProgram"]
 logger = logging.getLogger(__name__)
 _SLICE = 0.05          # how often a pump's wait looks at its sync's ``stop``
 _REAP_S = 2.0          # how long a new receive waits for the pumps of the one before
+_REPORT_GRACE_S = 0.5  # how long a receiver that lost its link looks for the trainer's report
 
 
 class _Handoff:
@@ -168,7 +169,10 @@ class ReceiverMixin:
                 async for pair in self._handle(state, item):
                     yield pair
         except BaseException as exc:
-            self._abort_receive(state, exc)
+            reported = await self._reported_failure(state, exc)
+            self._abort_receive(state, reported or exc)
+            if reported is not None:
+                raise reported from exc
             raise
         finally:
             state.stop.set()   # every pump wait looks at it; the next receive reaps them
@@ -181,6 +185,29 @@ class ReceiverMixin:
                     "in %.4f s (%.2f GB/s)", self.backend_name, self._rank, version,
                     state.tensors, state.nbytes, seconds,
                     state.nbytes / seconds / 1e9 if seconds > 0 else 0.0)
+
+    async def _reported_failure(self, state: _RecvState,
+                                exc: BaseException) -> Optional[PeerFailed]:
+        """A trainer that ends a sync (a peer failed) reports why, then closes its links; a
+        receiver whose ack finds the link closed first raises that report, which names the
+        failure, once its pump has it (waited for briefly), rather than the closed link."""
+        if not (isinstance(exc, PeerFailed) and exc.origin is None
+                and str(exc.peer or "").startswith("trainer rank")):
+            return None
+        deadline = time.monotonic() + _REPORT_GRACE_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                kind, _, msg, _ = await state.q.get(left)
+            except asyncio.TimeoutError:
+                return None
+            if kind == "exc":
+                return None
+            if isinstance(msg, ErrorMsg):
+                try:
+                    raise_remote(msg, phase="receive")
+                except PeerFailed as err:
+                    return err
+        return None
 
     async def _reap_pumps(self, state: _RecvState) -> None:
         """The pumps of the previous receive have ended (they stop within ``_SLICE`` once
