@@ -32,6 +32,8 @@ from weightsync.core.wire import MAX_MESSAGE_BYTES, ErrorMsg, Message, decode, e
 
 __all__ = ["LinkHub", "Link", "unix_address"]
 
+_DRAIN_READS = 64      # reads of unread bytes a closing trainer drains per link (4 MiB)
+
 _HDR = struct.Struct("!IQ")
 _HELLO = struct.Struct("!4s32sI")
 _MAGIC = b"WSL1"
@@ -255,8 +257,9 @@ class LinkHub:
         for conn in self._conns.values():
             try:
                 conn.shutdown(socket.SHUT_WR)
-                while conn.recv(1 << 16):
-                    pass
+                for _ in range(_DRAIN_READS):     # bounded: a peer that keeps writing
+                    if not conn.recv(1 << 16):    # cannot hold the close (non-blocking)
+                        break
             except OSError:          # nothing (more) to read now, or already gone
                 pass
         for conn in list(self._conns.values()) + [self._lsock]:
