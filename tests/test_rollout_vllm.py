@@ -9,7 +9,6 @@ in the worker process. Everything runs in float32, where vLLM's greedy tokens eq
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
 import threading
@@ -23,8 +22,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from syncchecks import assert_changed, assert_matches  # noqa: E402
-from weightsync.transport import CheckpointEngineRegistry  # noqa: E402
-from weightsync.transport.base import worker_kwargs  # noqa: E402
 from weightsync.core.errors import PlanMismatch, WeightSyncError  # noqa: E402
 from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
 from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
@@ -33,17 +30,13 @@ from weightsync.rollout.vllm.replica import VLLMOptions  # noqa: E402
 from weightsync.integrations.ray.vllm_workers import VLLMRolloutWorker  # noqa: E402
 from weightsync.testing.toymodel import lora_config, random_prompts, tiny_qwen2_config  # noqa: E402
 from weightsync.trainer import export_weights  # noqa: E402
+from vllmhelpers import CFG, VOCAB, push_weights  # noqa: E402
 
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 # vLLM caches small model metadata here; one directory per machine, not ~/.cache
 os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "wsvllm-cache"))
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
-VOCAB = 1000
-# hidden 128 / 4 heads: head_dim 32, the smallest the CPU attention kernel takes;
-# initializer_range 0.2 gives peaky logits, so greedy comparisons mean something.
-CFG = {**tiny_qwen2_config(vocab_size=VOCAB), "max_position_embeddings": 512,
-       "initializer_range": 0.2}
 PROMPTS = random_prompts(2, 6, vocab_size=VOCAB)
 NEW = 6
 
@@ -90,38 +83,9 @@ def test_mixed_fleet_three_syncs_vllm_equals_hf(vllm_worker):
 
 
 def _push(replica, items, version, *, backend="shm", timeout=30.0):
-    """Send ``items`` from an engine in this process into the replica's workers."""
-    sender = CheckpointEngineRegistry.new(backend, role="trainer", bucket_size=1 << 20,
-                                          timeout=timeout)
-    try:
-        metas = [sender.prepare()] + replica.engine_prepare(backend, {"bucket_size": 1 << 20,
-                                                                      "timeout": timeout})
-        tk, rk = type(sender).build_topology(1, 1, metas)
-        t = threading.Thread(target=replica.engine_init, args=([worker_kwargs(rk, 0)],))
-        t.start()
-        sender.init_process_group(**worker_kwargs(tk, 0))
-        t.join(timeout)
-        result: dict = {}
-
-        def receive():
-            try:
-                result["stats"] = replica.engine_receive(version)
-            except BaseException as exc:  # re-raised below
-                result["error"] = exc
-
-        t = threading.Thread(target=receive)
-        t.start()
-        try:
-            asyncio.run(sender.send_weights(list(items), version=version))
-        except WeightSyncError as exc:
-            result.setdefault("send_error", exc)
-        t.join(2 * timeout + 30)
-        assert not t.is_alive(), "the receive did not end"
-        if "error" in result:
-            raise result["error"]
-        return result["stats"]
-    finally:
-        sender.finalize()
+    """Send ``items`` (gathered into a list first) from an engine in this process into the
+    replica's workers."""
+    return push_weights(replica, list(items), version, backend=backend, timeout=timeout)
 
 
 def _hf_ref(model, prompts=PROMPTS, n=NEW):

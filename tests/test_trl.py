@@ -41,7 +41,7 @@ from weightsync.rollout.hf import build_causal_lm, greedy_generate  # noqa: E402
 from weightsync.rollout.vllm.serve import VLLMServer, VLLMServerError, free_port  # noqa: E402
 from weightsync.testing.toymodel import random_prompts  # noqa: E402
 from weightsync.transport.rendezvous import connect  # noqa: E402
-from vllmhelpers import CFG, VOCAB, vllm_home  # noqa: E402
+from vllmhelpers import CFG, VOCAB, files_under, vllm_home  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 NEW = 5
@@ -89,14 +89,6 @@ def server(home, tokenizer):
 
 def served(server, prompts=PROMPTS, n=NEW, model=None):
     return [server.client.complete(p, n, model=model)["tokens"] for p in prompts]
-
-
-def files_under(*roots):
-    out = set()
-    for root in roots:
-        for d, _, names in os.walk(root):
-            out.update(os.path.join(d, n) for n in names)
-    return out
 
 
 def hf_tokens(model, prompts=PROMPTS, n=NEW):

@@ -11,10 +11,8 @@ a stream cut half way and an adapter vLLM refuses leave the previous adapter ser
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
-import threading
 
 import pytest
 
@@ -30,21 +28,11 @@ from weightsync.rollout.vllm import VLLMOptions, VLLMRolloutReplica  # noqa: E40
 from weightsync.rollout.vllm.lora import SCHEME  # noqa: E402
 from weightsync.testing.toymodel import lora_config, random_prompts  # noqa: E402
 from weightsync.trainer.lora import lora_config_dict  # noqa: E402
-from weightsync.transport import CheckpointEngineRegistry  # noqa: E402
-from weightsync.transport.base import worker_kwargs  # noqa: E402
-from vllmhelpers import CFG, VOCAB, vllm_home  # noqa: E402
+from vllmhelpers import CFG, VOCAB, files_under, push_weights, vllm_home  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 PROMPTS = random_prompts(2, 6, vocab_size=VOCAB, seed=5)
 NEW = 6
-
-
-def files_under(*roots):
-    out = set()
-    for root in roots:
-        for d, _, names in os.walk(root):
-            out.update(os.path.join(d, n) for n in names)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -92,38 +80,8 @@ def served(rep):
 
 def push(rep, items, version, config, *, timeout=30.0):
     """Send ``items`` (an adapter) from an engine here into the replica's workers."""
-    sender = CheckpointEngineRegistry.new("shm", role="trainer", bucket_size=1 << 20,
-                                          timeout=timeout)
-    try:
-        metas = [sender.prepare()] + rep.engine_prepare("shm", {"bucket_size": 1 << 20,
-                                                                "timeout": timeout})
-        tk, rk = type(sender).build_topology(1, 1, metas)
-        t = threading.Thread(target=rep.engine_init, args=([worker_kwargs(rk, 0)],))
-        t.start()
-        sender.init_process_group(**worker_kwargs(tk, 0))
-        t.join(timeout)
-        result: dict = {}
-
-        def receive():
-            try:
-                result["stats"] = rep.engine_receive(version, kind="adapter",
-                                                     adapter_config=config)
-            except BaseException as exc:  # re-raised below
-                result["error"] = exc
-
-        t = threading.Thread(target=receive)
-        t.start()
-        try:
-            asyncio.run(sender.send_weights(items, version=version))
-        except Exception as exc:
-            result.setdefault("send_error", exc)
-        t.join(2 * timeout + 30)
-        assert not t.is_alive(), "the receive did not end"
-        if "error" in result:
-            raise result["error"]
-        return result["stats"]
-    finally:
-        sender.finalize()
+    return push_weights(rep, items, version, timeout=timeout, kind="adapter",
+                        adapter_config=config)
 
 
 def test_adapter_in_memory_used_and_replaced(setup):
