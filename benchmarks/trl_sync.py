@@ -50,18 +50,6 @@ SRC = os.path.realpath(os.path.join(HERE, "..", "src"))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != SRC] + [SRC]
 
 
-def word_tokenizer(folder: str, vocab: int = 1000):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
-    raw = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", pad_token="<pad>")
-    tok.save_pretrained(folder)
-    return tok
-
-
 def flip(model) -> None:
     import torch
 
@@ -97,12 +85,13 @@ def run_model(name: str, args, root: str) -> dict:
 
     from weightsync.rollout.hf import build_causal_lm
     from weightsync.rollout.vllm.serve import VLLMServer
+    from weightsync.testing.toymodel import word_tokenizer
 
     folder = os.path.join(root, name)
     cfg = _config(name)
     model = build_causal_lm(cfg, seed=1).to(getattr(torch, args.dtype))
     model.save_pretrained(folder)
-    tok = word_tokenizer(folder)
+    tok = word_tokenizer(folder, vocab_size=1000)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     out: dict = {"model": name, "mib": round(nbytes / 2**20, 1), "dtype": args.dtype}

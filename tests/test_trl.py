@@ -39,7 +39,7 @@ from weightsync.integrations.trl import (SyncAborted, WeightsyncWeightTransfer, 
                                          patch_vllm_client, unpatch_vllm_client)
 from weightsync.rollout.hf import build_causal_lm, greedy_generate  # noqa: E402
 from weightsync.rollout.vllm.serve import VLLMServer, VLLMServerError, free_port  # noqa: E402
-from weightsync.testing.toymodel import random_prompts  # noqa: E402
+from weightsync.testing.toymodel import random_prompts, word_tokenizer  # noqa: E402
 from weightsync.transport.rendezvous import connect  # noqa: E402
 from vllmhelpers import CFG, VOCAB, files_under, vllm_home  # noqa: E402
 
@@ -50,19 +50,6 @@ LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
 
 
-def word_tokenizer(folder: str, vocab: int = VOCAB):
-    """A word-level tokenizer (``w<id>`` is token id, 0 pad, 1 eos) saved into ``folder``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
-    raw = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", pad_token="<pad>")
-    tok.save_pretrained(folder)
-    return tok
-
-
 @pytest.fixture(scope="module")
 def home():
     with vllm_home(CFG, seed=1, prefix="wsvllm-trl-") as folder:
@@ -71,7 +58,7 @@ def home():
 
 @pytest.fixture(scope="module")
 def tokenizer(home):
-    return word_tokenizer(home)
+    return word_tokenizer(home, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")

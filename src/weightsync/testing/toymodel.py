@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["tiny_qwen2_config", "random_batch", "random_prompts", "lora_config"]
+__all__ = ["tiny_qwen2_config", "random_batch", "random_prompts", "lora_config", "word_tokenizer"]
 
 
 def tiny_qwen2_config(*, vocab_size: int = 2048, hidden_size: int = 128, layers: int = 2,
@@ -43,3 +43,19 @@ def lora_config(*, r: int = 8, alpha: int = 16, targets: Optional[list[str]] = N
     return {"r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
             "target_modules": targets or ["q_proj", "k_proj", "v_proj", "o_proj"],
             "init_lora_weights": not random_init}
+
+
+def word_tokenizer(folder: str, *, vocab_size: int):
+    """A word-level tokenizer saved into ``folder`` (no download): the word ``w<id>`` is token
+    ``id`` (2 to ``vocab_size - 1``), 0 is ``<pad>`` (also the unknown word), 1 is ``<eos>``.
+    Returns the ``PreTrainedTokenizerFast``; what TRL and ``vllm serve`` need beside a model
+    folder built from :func:`tiny_qwen2_config`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    raw = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", pad_token="<pad>")
+    tok.save_pretrained(folder)
+    return tok
