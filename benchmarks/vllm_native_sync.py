@@ -41,7 +41,6 @@ first round left out. *Sync time* is ``report.total_seconds`` (the whole call), 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -52,7 +51,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from vllm_sync import MODELS, _config, _connect, _one_sync  # noqa: E402
+from vllm_sync import MODELS, _config, _connect, _one_sync, save_results  # noqa: E402
 
 # vllm_sync puts src/ first on sys.path; vLLM's processes inherit it, and a stale
 # src/weightsync.egg-info there would hide the installed package's entry points (so the
@@ -75,6 +74,17 @@ def _source(tensors: dict):
             return iter(tensors.items())
 
     return DictSource()
+
+
+def release(steps) -> None:
+    """Call each of ``steps`` (None is skipped); a failing one is printed and the rest still
+    run, so one failure leaves no server or vLLM process behind."""
+    for step in steps:
+        try:
+            if step is not None:
+                step()
+        except Exception as exc:  # keep going: the rest must still be released
+            print(f"  close: {exc}", file=sys.stderr)
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -152,12 +162,7 @@ class Bench:
                  getattr(self.sender, "finalize", None), getattr(self.replica, "close", None),
                  self.llm and self.llm.llm_engine.engine_core.shutdown,
                  getattr(self.server, "stop", None)]
-        for step in steps:
-            try:
-                if step is not None:
-                    step()
-            except Exception as exc:  # keep going: the rest must still be released
-                print(f"  close: {exc}", file=sys.stderr)
+        release(steps)
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict:
@@ -253,13 +258,8 @@ class ManagerBench:
                 "bytes": report.bytes}
 
     def close(self) -> None:
-        for step in [getattr(m, "shutdown", None) for m in self.managers.values()] + \
-                [getattr(w, "close", None) for w in self.workers.values()]:
-            try:
-                if step is not None:
-                    step()
-            except Exception as exc:  # keep going: the rest must still be released
-                print(f"  close: {exc}", file=sys.stderr)
+        release([getattr(m, "shutdown", None) for m in self.managers.values()]
+                + [getattr(w, "close", None) for w in self.workers.values()])
 
 
 def run_manager(name: str, args: argparse.Namespace) -> dict:
@@ -352,9 +352,7 @@ def main(argv=None) -> int:
     else:
         results = [run_model(m, args) for m in models]
         _table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1)
+    save_results(args.json, results)
     return 0
 
 

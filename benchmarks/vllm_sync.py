@@ -135,6 +135,14 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def save_results(path, results: list) -> None:
+    """Write this run's command-line arguments and ``results`` to ``path`` as JSON; no path,
+    nothing written."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1)
+
+
 def _row(r: dict) -> str:
     cold, warm = r["runs"][0], r["runs"][1:] or r["runs"]
 
@@ -171,9 +179,7 @@ def main(argv=None) -> int:
         print(_row(r))
     print("(wall/transport/load: median of the warm syncs; transport + load = the worker's "
           "time; wall adds the RPC and the prefix-cache reset)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1)
+    save_results(args.json, results)
     return 0
 
 
