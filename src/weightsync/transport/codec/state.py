@@ -50,8 +50,24 @@ def new_id() -> str:
     return secrets.token_hex(8)
 
 
+class _Laps:
+    """What the send and receive stats share: ``lap(name)`` adds the seconds since the last
+    lap to ``phases[name]``; ``_public()`` is every field whose name has no leading ``_``."""
+
+    phases: dict
+    _mark: float
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._mark
+        self._mark = now
+
+    def _public(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
 @dataclass
-class SendStats:
+class SendStats(_Laps):
     tensors: int = 0
     delta: int = 0             # sent as a record
     dense: int = 0             # sent as they are
@@ -68,19 +84,14 @@ class SendStats:
     phases: dict = field(default_factory=dict)      # seconds per step of the sync
     _mark: float = field(default_factory=time.perf_counter)
 
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self._mark
-        self._mark = now
-
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        out = self._public()
         out["changed_fraction"] = self.changed / self.compared if self.compared else None
         return out
 
 
 @dataclass
-class ReceiveStats:
+class ReceiveStats(_Laps):
     applied: int = 0           # delta records applied and verified
     dense: int = 0
     no_base: int = 0           # a record for a tensor this receiver holds no base of
@@ -92,13 +103,8 @@ class ReceiveStats:
     phases: dict = field(default_factory=dict)
     _mark: float = field(default_factory=time.perf_counter)
 
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self._mark
-        self._mark = now
-
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        out = self._public()
         out["needs"] = len(self.needs)
         return out
 
