@@ -50,7 +50,8 @@ from typing import Any, Optional, Sequence
 from weightsync.core.errors import WeightSyncError
 from weightsync.rollout.vllm.checks import VLLMChecks
 from weightsync.rollout.vllm.driver import VLLMDriver
-from weightsync.rollout.vllm.util import EXTENSION, VLLMOptions, model_folder_from_config
+from weightsync.rollout.vllm.util import (EXTENSION, VLLMOptions, check_may_generate,
+                                          model_folder_from_config)
 from weightsync.rollout.protocol import SLEEP_LEVELS, WEIGHT_KINDS, Generation, check_tags
 
 __all__ = ["VLLMRolloutReplica", "VLLMOptions", "model_folder_from_config", "EXTENSION"]
@@ -268,12 +269,7 @@ class VLLMRolloutReplica(VLLMChecks, VLLMDriver):
         return self._rpc("weightsync_state", phase="state")
 
     def _check_ready(self) -> None:
-        if any(self._asleep.values()):
-            raise WeightSyncError(f"{self.name} is asleep ({self._asleep}); wake_up first",
-                                  phase="generate", version=self._version)
-        if self._fence.blocked:
-            raise WeightSyncError(f"{self.name} refuses to generate: {self._fence.blocked}",
-                                  phase="generate", version=self._version)
+        check_may_generate(self.name, self._asleep, self._fence, self._version)
         if self._discarded:
             raise WeightSyncError(f"{self.name}: weights discarded by sleep(level=2) were "
                                   "not restored by a sync", phase="generate",

@@ -96,7 +96,8 @@ from weightsync.rollout.protocol import (SLEEP_LEVELS, WEIGHT_KINDS, Generation,
 from weightsync.rollout.vllm.serve import (HTTPWeightSyncClient, VLLMServer, VLLMServerError,
                                            error_fields)
 from weightsync.rollout.vllm.checks import merge_problems, normalize_offered
-from weightsync.rollout.vllm.util import EXTENSION, check_prompts, max_positions
+from weightsync.rollout.vllm.util import (EXTENSION, check_may_generate, check_prompts,
+                                          max_positions)
 from weightsync.transport.rendezvous import RolloutRelay
 
 __all__ = ["VLLMServerReplica", "VLLMServerOptions", "PREFIX", "BACKENDS"]
@@ -751,12 +752,7 @@ class VLLMServerReplica(ReplicaControls):
         if self._dead:
             raise PeerFailed(f"{self._who()} is dead ({self._dead})", phase="generate",
                              version=self._version)
-        if any(self._asleep.values()):
-            raise WeightSyncError(f"{self.name} is asleep ({self._asleep}); wake_up first",
-                                  phase="generate", version=self._version)
-        if self._fence.blocked:
-            raise WeightSyncError(f"{self.name} refuses to generate: {self._fence.blocked}",
-                                  phase="generate", version=self._version)
+        check_may_generate(self.name, self._asleep, self._fence, self._version)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16,
                  return_logits: bool = False, timeout: Optional[float] = None

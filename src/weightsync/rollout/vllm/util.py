@@ -12,10 +12,10 @@ import torch
 
 from weightsync.core import errors as _errors
 from weightsync.core.config import option, parse_bool
-from weightsync.core.errors import PeerFailed
+from weightsync.core.errors import PeerFailed, WeightSyncError
 
 __all__ = ["EXTENSION", "VLLMOptions", "check_prompts", "error_from_reply", "model_folder_from_config", "env_set",
-           "host_process_kept", "max_positions"]
+           "host_process_kept", "max_positions", "check_may_generate"]
 
 _APPLY = ("stream", "staged")
 _LOADERS = ("auto", "layerwise", "direct")
@@ -135,6 +135,18 @@ def env_set(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+def check_may_generate(name: str, asleep: dict, fence: Any, version: Any) -> None:
+    """A ``WeightSyncError`` (phase ``generate``) when the replica ``name`` must not generate
+    now: any of ``asleep`` (sleep tag -> asleep) is true, or ``fence`` (its
+    :class:`~weightsync.rollout.protocol.SyncFence`) is blocked."""
+    if any(asleep.values()):
+        raise WeightSyncError(f"{name} is asleep ({asleep}); wake_up first",
+                              phase="generate", version=version)
+    if fence.blocked:
+        raise WeightSyncError(f"{name} refuses to generate: {fence.blocked}",
+                              phase="generate", version=version)
 
 
 def check_prompts(prompts: Any, max_new_tokens: int, *, vocab_size: int,
