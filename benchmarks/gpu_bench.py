@@ -10,6 +10,11 @@ median of ``--warm`` warm syncs after a cold one:
 * ``weights``: the same, the rollout ``receive_weights`` + ``params[name].copy_(t)``;
 * ``delta``: ``connect("cuda_ipc", delta=True)``, ``receive_into``; one row per fraction of
   ``--changed``;
+* ``kernels``: the codec's device kernels alone, in the trainer process, at each fraction
+  of ``--changed`` and each ``--kernel-configs`` (elements per diff program x warps): the
+  diff's GPU time (CUDA events, the GPU kept busy while the host queues each launch), the
+  whole encode as a sync runs it (launch a group, finish the one before) and the
+  receiver's verify and commit of the records, each checked bit for bit;
 * ``ring`` (``--rows ring`` or ``--ring-probe``): ``zero_copy=False``, ``receive_into``, at
   each ``--ring-buckets`` size; with ``--timeline`` every warm sync's engine steps are
   printed (``benchmarks/timeline_costs.py`` reads them: ``weightsync plan``'s ring costs).
@@ -53,7 +58,7 @@ import torch.multiprocessing  # noqa: E402,F401  (pipes share tensors instead of
 
 MiB, GiB = 1 << 20, 1 << 30
 DENSE_CHANGED = 0.005
-ROWS = ("copy", "into", "weights", "delta")
+ROWS = ("copy", "kernels", "into", "weights", "delta")
 #: The engine steps a --timeline prints (what timeline_costs.py reads).
 STEPS = ("_publish", "_publish_refs", "_tx_wait_free", "_finish_stream", "_await_acks",
          "_rx_fetch", "_layout", "_rx_program", "_rx_release", "_rx_finish_stream")
@@ -118,6 +123,102 @@ class Worker:
         del src, dst
         torch.cuda.empty_cache()
         return {"bytes": nbytes, "flat_ms": statistics.median(times), "flat_all_ms": times}
+
+    def op_kernels(self, fracs: list, configs: list, reps: int) -> dict:
+        """The codec's kernels alone on this process's model (the ``kernels`` row)."""
+        from collections import deque
+        from weightsync.transport.codec import delta, gpu
+        from weightsync.transport.codec.state import SMALL
+        if not gpu.available(torch.device(self.dev)):
+            return {"skipped": "no Triton for this device (CPU: TRITON_INTERPRET=1)"}
+        names = [n for n, p in self.params.items()
+                 if p.numel() * p.element_size() > SMALL and delta.deltable(p)]
+        groups, cur, size = [], [], 0          # as EncodeRun groups the caller's tensors
+        for n in names:
+            cur.append(n)
+            size += self.params[n].numel() * 2
+            if size >= gpu.GROUP_BYTES or len(cur) >= gpu.GROUP_TENSORS:
+                groups.append(cur)
+                cur, size = [], 0
+        groups += [cur] if cur else []
+        nbytes = sum(self.params[n].numel() * 2 for n in names)
+        base = {n: self.params[n].clone() for n in names}
+        target = {n: torch.empty_like(base[n]) for n in names}
+        saved = (gpu.BLOCK, gpu.WARPS)
+        rows = []
+        try:
+            for frac in fracs:
+                for block, warps in configs:
+                    gpu.BLOCK, gpu.WARPS = block, warps
+                    runs = [self._kernel_run(groups, base, target, frac, gpu, deque)
+                            for _ in range(reps + 1)][1:]
+                    row = {"changed": frac, "block": block, "warps": warps, "bytes": nbytes,
+                           "ok": all(r["ok"] for r in runs),
+                           "record_bytes": runs[-1]["record_bytes"],
+                           "dense": runs[-1]["dense"]}
+                    for key in ("diff_ms", "encode_ms", "apply_ms"):
+                        row[key] = statistics.median(r[key] for r in runs)
+                    rows.append(row)
+                    print("kernels", json.dumps(row), flush=True)
+        finally:
+            gpu.BLOCK, gpu.WARPS = saved
+            del base, target
+            if self.cuda:
+                torch.cuda.empty_cache()
+        return {"rows": rows, "groups": len(groups)}
+
+    def _kernel_run(self, groups, base, target, frac, gpu, deque) -> dict:
+        self.changed = frac
+        self.op_prep()                       # new = params; base holds the last ones
+        for n in base:
+            target[n].copy_(base[n])         # the receiver holds the last version
+        self.sync()
+        diff_ms = 0.0
+        enc = gpu.Encoder()
+        for names in groups:                 # the diff alone, per group, on copies
+            scratch = [base[n].clone() for n in names]
+            self.sync()
+            start = time.perf_counter()
+            if self.cuda:
+                torch.cuda._sleep(1 << 21)   # busy while the host queues the launch
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            g = enc.launch([(n, self.params[n], c) for n, c in zip(names, scratch)])
+            if self.cuda:
+                b.record()
+                b.synchronize()
+                diff_ms += a.elapsed_time(b)
+            else:
+                diff_ms += (time.perf_counter() - start) * 1e3
+            enc.finish(g)
+            del scratch
+        self.sync()
+        start, pending, recs = time.perf_counter(), deque(), []
+        for names in groups:                 # the encode as a sync runs it
+            pending.append(enc.launch([(n, self.params[n], base[n]) for n in names]))
+            while len(pending) > 1:
+                recs += enc.finish(pending.popleft())
+        while pending:
+            recs += enc.finish(pending.popleft())
+        self.sync()
+        encode_ms = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        dec, dense = gpu.Decoder(torch.device(self.dev)), 0
+        for r in recs:
+            if r.record is None:             # goes dense: its bytes are in its base
+                dense += 1
+                target[r.key].copy_(base[r.key])
+            else:
+                dec.add(r.key, r.record, target[r.key])
+        results = dec.results()
+        self.sync()
+        apply_ms = (time.perf_counter() - start) * 1e3
+        ok = all(v for _, v in results) and all(
+            torch.equal(target[n].view(torch.int16), self.params[n].view(torch.int16))
+            for n in target)
+        return {"diff_ms": diff_ms, "encode_ms": encode_ms, "apply_ms": apply_ms, "ok": ok,
+                "dense": dense,
+                "record_bytes": sum(r.record.numel() for r in recs if r.record is not None)}
 
     def op_connect(self, cfg: dict, address: str, token: str) -> dict:
         import weightsync
@@ -189,7 +290,8 @@ class Worker:
         ms = (time.perf_counter() - t0) * 1e3
         bad = [n for n, p in self.params.items()
                if not torch.equal(p.view(torch.int16), self.ref[n].view(torch.int16))]
-        return {"t0": t0, "ms": ms, "bad": bad[:5], "log": self.log}
+        return {"t0": t0, "ms": ms, "bad": bad[:5], "log": self.log,
+                "rx": dict(getattr(self.engine, "last_receive", None) or {})}
 
     def op_close(self) -> dict:
         import gc
@@ -281,7 +383,7 @@ def run_row(d: Driver, name: str, cfg: dict, warm: int, version: int) -> dict:
     for k in range(warm + 1):
         d.call("trainer", "prep")
         ts, rs = d.both("sync", version=version + k)
-        runs.append({"ms": rs["ms"], "host_ms": ts["host_ms"], "bad": rs["bad"],
+        runs.append({"ms": rs["ms"], "host_ms": ts["host_ms"], "bad": rs["bad"], "rx": rs["rx"],
                      "bytes": int(ts["metrics"].get("bytes", 0)), "metrics": ts["metrics"],
                      "log": [(x, "T " + e) for x, e in ts["log"]] +
                             [(x, "R " + e) for x, e in rs["log"]]})
@@ -296,7 +398,7 @@ def run_row(d: Driver, name: str, cfg: dict, warm: int, version: int) -> dict:
             "cold_bytes": runs[0]["bytes"], "all_ok": not any(x["bad"] for x in runs),
             "bad": [x["bad"] for x in runs if x["bad"]][:3],
             "added_bytes": t["added_bytes"] + r["added_bytes"],
-            "metrics": warm_runs[-1]["metrics"],
+            "metrics": warm_runs[-1]["metrics"], "rx_metrics": warm_runs[-1]["rx"],
             "timelines": [{"ms": x["ms"], "log": sorted(x["log"])} for x in warm_runs]}
 
 
@@ -334,7 +436,7 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
                 out.append((f"ring {b} MiB, zero_copy=False, receive_into",
                             {"bucket_size": b * MiB, "num_slots": 2, "zero_copy": False,
                              "sync": "event", "consume": "into"}))
-        elif row != "copy":
+        elif row not in ("copy", "kernels"):
             raise SystemExit(f"unknown row {row!r}")
     return out
 
@@ -353,6 +455,18 @@ def report(out: dict) -> str:
         lines.append(f"| {e['row']} | {e['median_ms']:.2f} | {e['median_ms'] / a:.2f} | "
                      f"{e['host_ms']:.2f} | {e['bytes'] / 1e6:,.1f} MB | {fewer} | "
                      f"{'yes' if e['all_ok'] else 'NO'} |")
+    kern = out.get("kernels", {}).get("rows", [])
+    if kern:
+        lines += ["", "codec kernels alone (trainer process): diff GPU ms (CUDA events), "
+                  "encode and apply wall ms", "| changed | elements x warps | diff ms | "
+                  "diff x flat copy | diff GB/s read | encode ms | apply ms | record MB | "
+                  "dense | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for k in kern:
+            lines.append(f"| {k['changed']:.1%} | {k['block']} x {k['warps']} | "
+                         f"{k['diff_ms']:.2f} | {k['diff_ms'] / a:.2f} | "
+                         f"{2 * k['bytes'] / k['diff_ms'] / 1e6:,.0f} | {k['encode_ms']:.2f} | "
+                         f"{k['apply_ms']:.2f} | {k['record_bytes'] / 1e6:,.1f} | "
+                         f"{k['dense']} | {'yes' if k['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -363,6 +477,8 @@ def main() -> None:
                     help="comma-separated: copy, into, weights, delta, ring")
     ap.add_argument("--changed", default="0.005,0.05",
                     help="fractions of elements changed between syncs (delta rows)")
+    ap.add_argument("--kernel-configs", default="2048x8,1024x8,4096x8,2048x4,4096x4",
+                    help="elements per diff program x warps (kernels row)")
     ap.add_argument("--ring-buckets", default="256,512,1024,4096", help="MiB (ring rows)")
     ap.add_argument("--bucket-mib", type=int, default=None,
                     help="bucket size of the into / weights / delta rows (default: the "
@@ -387,6 +503,11 @@ def main() -> None:
     try:
         out["d2d"] = d.call("trainer", "d2d")
         print("d2d", json.dumps(out["d2d"]), flush=True)
+        if "kernels" in args.rows.split(","):
+            cfgs = [tuple(int(x) for x in c.split("x")) for c in args.kernel_configs.split(",")
+                    if c]
+            out["kernels"] = d.call("trainer", "kernels", reps=min(args.warm, 3), configs=cfgs,
+                                    fracs=[float(x) for x in args.changed.split(",") if x])
         version = 1
         for name, cfg in configs(args):
             res = run_row(d, name, cfg, args.warm, version)

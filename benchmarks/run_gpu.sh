@@ -24,7 +24,7 @@ if [ -z "${SKIP_SMOKE:-}" ]; then
   echo "smoke bench exit ${PIPESTATUS[0]}"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 \
+  timeout "${BENCH_TIMEOUT:-420}" $PY benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 \
     | tee "$OUT/gpu_bench.txt" | tail -9
   echo "bench exit ${PIPESTATUS[0]}"
 fi

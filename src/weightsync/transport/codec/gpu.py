@@ -53,7 +53,8 @@ GROUP_TENSORS = 128
 _LOG = 7                              # 2**_LOG >= GROUP_TENSORS
 #: Receiver: bytes of records verified and committed per flush.
 ARENA_BYTES = 256 << 20
-BLOCK = 4096                          # elements per diff program
+BLOCK = 2048                          # elements per diff program
+WARPS = 8                             # warps per program of every kernel here
 EB = 2048                             # record entries per pack / verify / commit program
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -89,38 +90,43 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _diff(tab, starts, T, counts, ELEM: tl.constexpr, POS: tl.constexpr,
+    def _diff(tab, starts, T, counts, ELEM: tl.constexpr, IW: tl.constexpr,
               BLOCK: tl.constexpr, LOG: tl.constexpr, ALIGNED: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
+        # lane offsets are 32-bit from the block's start (64-bit lanes spill registers)
+        pid = tl.program_id(0)
         t = _find(starts, T, pid, LOG)
         row = tab + t * 8
-        new = tl.load(row).to(tl.pointer_type(ELEM))
-        base = tl.load(row + 1).to(tl.pointer_type(ELEM))
         n = tl.load(row + 2)
-        pos_out = tl.load(row + 3).to(tl.pointer_type(POS))
-        new_out = tl.load(row + 4).to(tl.pointer_type(ELEM))
-        old_out = tl.load(row + 5).to(tl.pointer_type(ELEM))
         cap = tl.load(row + 6)
+        start = (pid - tl.load(starts + t)).to(tl.int64) * BLOCK
+        new = tl.load(row).to(tl.pointer_type(ELEM)) + start
+        base = tl.load(row + 1).to(tl.pointer_type(ELEM)) + start
         if ALIGNED:
             new = tl.multiple_of(new, 16)
             base = tl.multiple_of(base, 16)
-        start = (pid - tl.load(starts + t)) * BLOCK
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.arange(0, BLOCK)
         if start + BLOCK <= n:
             a = tl.load(new + offs)
             c = tl.load(base + offs)
             ne = a != c
         else:
-            live = offs < n
+            live = offs < (n - start).to(tl.int32)
             a = tl.load(new + offs, mask=live, other=0)
             c = tl.load(base + offs, mask=live, other=0)
             ne = (a != c) & live
         cnt = tl.sum(ne.to(tl.int32), axis=0)
         if cnt > 0:
             at = tl.atomic_add(counts + t, cnt.to(tl.int64))
-            dst = at + tl.cumsum(ne.to(tl.int32), axis=0).to(tl.int64) - 1
-            keep = ne & (dst < cap)
-            tl.store(pos_out + dst, offs.to(POS), mask=keep)
+            dst = tl.cumsum(ne.to(tl.int32), axis=0) - 1
+            keep = ne & (dst < tl.minimum(tl.maximum(cap - at, 0), BLOCK).to(tl.int32))
+            if IW == 4:
+                pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int32)) + at
+                tl.store(pos_out + dst, offs + start.to(tl.int32), mask=keep)
+            else:
+                pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int64)) + at
+                tl.store(pos_out + dst, offs.to(tl.int64) + start, mask=keep)
+            new_out = tl.load(row + 4).to(tl.pointer_type(ELEM)) + at
+            old_out = tl.load(row + 5).to(tl.pointer_type(ELEM)) + at
             tl.store(new_out + dst, a, mask=keep)
             tl.store(old_out + dst, c, mask=keep)
             tl.store(base + offs, a, mask=ne)
@@ -317,7 +323,7 @@ class Encoder:
                                                                     device=device)
             starts, grid = _starts(blocks, device)
             _diff[(grid,)](_table(rows, 8, device), starts, len(idx), sub, ELEM=_ELEM[k],
-                           POS=_POS[iw], BLOCK=BLOCK, LOG=_LOG, ALIGNED=aligned)
+                           IW=iw, BLOCK=BLOCK, LOG=_LOG, ALIGNED=aligned, num_warps=WARPS)
             if sub is not counts:
                 counts[torch.tensor(idx, device=device)] = sub
             staged[(k, iw)] = (idx, pos, vals, olds, offsets)
@@ -356,7 +362,8 @@ class Encoder:
             starts, grid = _starts(blocks, device)
             if grid:
                 _pack[(grid,)](_table(rows, 8, device), starts, len(rows), digs, ELEM=_ELEM[k],
-                               UELEM=_UELEM[k], POS=_POS[iw], IW=iw, EB=EB, LOG=_LOG)
+                               UELEM=_UELEM[k], POS=_POS[iw], IW=iw, EB=EB, LOG=_LOG,
+                               num_warps=WARPS)
             _heads[(len(rows),)](_table(heads, 9, device), digs)
         return [Encoded(key, out[starts_of[i]: starts_of[i] + sizes[i]] if sizes[i] else None,
                         m) for i, ((key, _, _), m) in enumerate(zip(items, counts))]
@@ -441,7 +448,7 @@ class Decoder:
             digs = torch.zeros(len(idx), dtype=torch.int64, device=device)
             bad = torch.zeros(len(idx), dtype=torch.int32, device=device)
             sub = torch.zeros(len(idx), dtype=torch.int32, device=device)
-            kw = dict(ELEM=_ELEM[k], POS=_POS[iw], IW=iw, EB=EB, LOG=_LOG)
+            kw = dict(ELEM=_ELEM[k], POS=_POS[iw], IW=iw, EB=EB, LOG=_LOG, num_warps=WARPS)
             _verify[(grid,)](tab, starts, len(idx), digs, bad, UELEM=_UELEM[k], **kw)
             _judge[(len(idx),)](tab, digs, bad, sub)
             _commit[(grid,)](tab, starts, len(idx), sub, **kw)
