@@ -252,6 +252,60 @@ def many_records_commit(codec, device):
         assert same_bytes(t.cpu(), new)
 
 
+def _sm90_usage(fn, signature: dict, constexprs: dict, warps: int) -> dict:
+    """Registers, stack and local bytes per thread of ``fn`` compiled for an H100 (sm_90)
+    by Triton's own compiler and tools, no GPU needed."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ASTSource/GPUTarget")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("Triton ships no cuobjdump here")
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
+                             text=True, timeout=60).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out)}
+
+
+@pytest.mark.timeout(300)
+def test_device_kernels_fit_an_h100s_registers_without_spilling():
+    """The diff reads every weight once: its lanes must not spill (64-bit lane offsets took
+    all 255 registers and spilled), and the record kernels stay as lean."""
+    from weightsync.transport.codec import gpu
+    if gpu.triton is None:
+        pytest.skip("no Triton")
+    tl = gpu.tl
+    common = {"tab": "*i64", "starts": "*i64", "T": "i32"}
+    rec = {"ELEM": tl.int16, "POS": tl.int32, "IW": 4, "EB": gpu.EB, "LOG": gpu._LOG}
+    cases = {
+        "diff": (gpu._diff, dict(common, counts="*i64"),
+                 {"ELEM": tl.int16, "IW": 4, "BLOCK": gpu.BLOCK, "LOG": gpu._LOG,
+                  "ALIGNED": True}, 96),
+        "pack": (gpu._pack, dict(common, digs="*i64"), dict(rec, UELEM=tl.uint16), 128),
+        "verify": (gpu._verify, dict(common, digs="*i64", bad="*i32"),
+                   dict(rec, UELEM=tl.uint16), 128),
+        "commit": (gpu._commit, dict(common, ok="*i32"), rec, 128),
+    }
+    for name, (fn, sig, consts, most) in cases.items():
+        sig = dict(sig, **{k: "constexpr" for k in consts})
+        use = _sm90_usage(fn, sig, consts, gpu.WARPS)
+        assert use.get("STACK") == 0 and use.get("LOCAL") == 0 and 0 < use["REG"] <= most, \
+            (name, use)
+
+
 @pytest.mark.timeout(600)
 def test_device_kernels_through_the_interpreter(tmp_path):
     """The device path of the codec on the host: Triton's interpreter runs the kernels on
