@@ -276,22 +276,44 @@ class Worker:
             async for name, t in self.engine.receive_weights(version=version):
                 self.params[name].copy_(t)
 
-    def op_sync(self, version: int) -> dict:
+    def op_sync(self, version: int, profile: str = "") -> dict:
         self.sync()
         self.log = []
+        prof = None
+        if profile:                      # this sync under cProfile: the host's costs
+            import cProfile
+            prof = cProfile.Profile()
         self.barrier.wait()
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         if self.role == "trainer":
             metrics = self.loop.run_until_complete(self._send(version))
-            return {"t0": t0, "host_ms": (time.perf_counter() - t0) * 1e3,
-                    "metrics": metrics, "log": self.log}
+            host_ms = (time.perf_counter() - t0) * 1e3
+            self._dump(prof, profile)
+            return {"t0": t0, "host_ms": host_ms, "metrics": metrics, "log": self.log}
         self.loop.run_until_complete(self._receive(version))
         self.sync()
         ms = (time.perf_counter() - t0) * 1e3
+        self._dump(prof, profile)
         bad = [n for n, p in self.params.items()
                if not torch.equal(p.view(torch.int16), self.ref[n].view(torch.int16))]
         return {"t0": t0, "ms": ms, "bad": bad[:5], "log": self.log,
                 "rx": dict(getattr(self.engine, "last_receive", None) or {})}
+
+    def _dump(self, prof, path: str) -> None:
+        """Write the profiled sync's top functions (own time, then cumulative) to path."""
+        if prof is None:
+            return
+        import io
+        import pstats
+        prof.disable()
+        text = io.StringIO()
+        st = pstats.Stats(prof, stream=text)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(40)
+        with open(f"{path}-{self.role}.txt", "w") as f:
+            f.write(text.getvalue())
 
     def op_close(self) -> dict:
         import gc
@@ -375,8 +397,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_row(d: Driver, name: str, cfg: dict, warm: int, version: int) -> dict:
-    """One configuration: connect, a cold sync and ``warm`` timed ones, close."""
+def run_row(d: Driver, name: str, cfg: dict, warm: int, version: int,
+            profile: str = "") -> dict:
+    """One configuration: connect, a cold sync and ``warm`` timed ones, close; with
+    ``profile``, one more sync under cProfile (``profile``-trainer.txt / -rollout.txt),
+    left out of the timings."""
     t, r = d.both("connect", cfg=cfg, address=f"127.0.0.1:{_free_port()}",
                   token=secrets.token_hex(16))
     runs = []
@@ -387,6 +412,9 @@ def run_row(d: Driver, name: str, cfg: dict, warm: int, version: int) -> dict:
                      "bytes": int(ts["metrics"].get("bytes", 0)), "metrics": ts["metrics"],
                      "log": [(x, "T " + e) for x, e in ts["log"]] +
                             [(x, "R " + e) for x, e in rs["log"]]})
+    if profile:
+        d.call("trainer", "prep")
+        d.both("sync", version=version + warm + 1, profile=profile)
     d.call("rollout", "close")          # receivers let go first, then the trainer frees
     d.call("trainer", "close")
     warm_runs = runs[1:]
@@ -490,6 +518,9 @@ def main() -> None:
                     help="print the engine steps of every warm sync")
     ap.add_argument("--ring-probe", action="store_true",
                     help="the ring rows with --timeline only (benchmarks/timeline_costs.py)")
+    ap.add_argument("--profile", nargs="?", const="delta", default="",
+                    help="one more sync of each delta row (or 'all' rows) under cProfile in "
+                         "both processes: OUT/profile-<row>-<role>.txt")
     ap.add_argument("--cpu-smoke", action="store_true", help="plumbing check: shm on CPU")
     args = ap.parse_args()
     if args.ring_probe:
@@ -510,8 +541,12 @@ def main() -> None:
                                     fracs=[float(x) for x in args.changed.split(",") if x])
         version = 1
         for name, cfg in configs(args):
-            res = run_row(d, name, cfg, args.warm, version)
-            version += args.warm + 1
+            prof = ""
+            if args.profile and (cfg.get("delta") is not None or args.profile == "all"):
+                slug = "-".join("".join(c if c.isalnum() else " " for c in name).split())
+                prof = os.path.join(args.out, "profile-" + slug)
+            res = run_row(d, name, cfg, args.warm, version, prof)
+            version += args.warm + 2
             logged = res.pop("timelines")
             out["engine"].append(res)
             print("engine", json.dumps({k: v for k, v in res.items() if k != "metrics"}),
