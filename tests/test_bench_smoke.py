@@ -182,6 +182,28 @@ def test_gpu_bench_timeline_prints_every_warm_sync_on_cpu(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_gpu_bench_kernels_row_times_the_codec_kernels_alone_bit_exact(tmp_path):
+    """gpu_bench.py's kernels row on the host (Triton's interpreter): per fraction changed
+    and program shape, the diff, encode and apply times and bit-exact records."""
+    import os
+    from pathlib import Path
+    pytest.importorskip("triton")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "1",
+           "--scale", "128", "--warm", "1", "--rows", "kernels", "--changed", "0.01,0.05",
+           "--kernel-configs", "1024x4,2048x8", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["kernels"]["rows"]
+    assert [(r["changed"], r["block"], r["warps"]) for r in rows] == \
+        [(f, b, w) for f in (0.01, 0.05) for b, w in ((1024, 4), (2048, 8))]
+    assert all(r["ok"] and r["diff_ms"] > 0 and r["apply_ms"] > 0 for r in rows)
+    assert rows[0]["record_bytes"] < rows[2]["record_bytes"] < rows[2]["bytes"]
+    assert "codec kernels alone" in done.stdout
+
+
+@pytest.mark.timeout(180)
 def test_gpu_bench_delta_rows_send_records_and_the_plan_predicts_their_bytes(tmp_path):
     """gpu_bench.py's delta rows (plumbing checked with --cpu-smoke: delta+shm): the trainer
     changes --changed of its elements between syncs, every sync is bit-exact, warm syncs
@@ -192,11 +214,15 @@ def test_gpu_bench_delta_rows_send_records_and_the_plan_predicts_their_bytes(tmp
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
     cmd = [sys.executable, str(bench / "gpu_bench.py"), "--cpu-smoke", "--layers", "2",
            "--scale", "8", "--warm", "3", "--rows", "delta", "--bucket-mib", "8",
-           "--changed", "0.01", "--out", str(tmp_path)]
+           "--changed", "0.01", "--profile", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads((tmp_path / "gpu_bench.json").read_text())["engine"]
-    assert row["cfg"]["delta"] == 0.01 and row["all_ok"]
+    assert row["cfg"]["delta"] == 0.01 and row["all_ok"] and len(row["warm_ms"]) == 3
+    assert row["rx_metrics"]["applied"] > 0 and "round1" in row["rx_metrics"]["phases"]
+    for role in ("trainer", "rollout"):      # --profile: one more sync, its top functions
+        text = (tmp_path / f"profile-delta-True-1-0-changed-receive-into-{role}.txt").read_text()
+        assert "codec" in text and "Ordered by: cumulative time" in text
     codec = row["metrics"]["codec"]
     assert codec["mode"] == "delta" and codec["resent"] == 0
     assert 0 < codec["record_bytes"] < codec["dense_bytes"] / 20
