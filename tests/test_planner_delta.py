@@ -178,21 +178,21 @@ def test_the_cli_takes_delta_and_writes_its_figures(tmp_path, capsys):
     assert "delta" in capsys.readouterr().err
 
 
-def test_the_gpu_presets_price_the_codec_per_changed_element():
-    """On a GPU the codec's work per changed element sets the pace, not its bytes: both GPU
-    presets carry a cost per changed element and no byte rate, so ten times the changed
-    elements take several times as long (a byte rate alone would give both one time)."""
+def test_the_gpu_presets_price_the_codec_by_the_weights_it_reads():
+    """On a GPU the codec's diff reads the weights and the base once, and each changed
+    element adds a little: both GPU presets carry a byte rate for each side and a small cost
+    per change, so ten times the changed elements take more, but not twice as long."""
     for preset in ("h100-8gpu-400g", "h200-8gpu-400g"):
         codec = load_links(preset).codec
-        assert codec["encode"] == codec["apply"] == math.inf
-        assert codec["encode_ns"] > 0 and codec["apply_ns"] > 0
+        assert math.isfinite(codec["encode"]) and math.isfinite(codec["apply"])
+        assert codec["encode_ns"] > 0
     model = model_from_tensors("8b", [(f"model.layers.{i}.mlp.down_proj.weight", (4096, 14336))
                                       for i in range(8)])
     sc = Scenario(model=model, links=load_links("h100-8gpu-400g"), trainer_gpus=1,
                   replicas=1, placement="colocated", strategies=("ring",), delta=0.005)
     fast = predict(sc).delta["ring"]["codec_s"]
     slow = predict(dataclasses.replace(sc, delta=0.05)).delta["ring"]["codec_s"]
-    assert 6 * fast < slow <= 10.01 * fast     # records round their entries up (<= 1/8)
+    assert fast < slow < 2 * fast
 
 
 def test_a_codec_side_needs_a_rate_or_a_cost_per_change():
@@ -215,7 +215,7 @@ def test_workers_apply_at_their_own_nodes_codec_costs():
                                      for i in range(4)])
     base = Scenario(model=model, links=load_links("h100-8gpu-400g"), trainer_gpus=8,
                     replicas=2, strategies=("p2p",), delta=0.01)
-    slow = load_links("h200-8gpu-400g", {"codec.apply_ns": 359.0})
+    slow = load_links("h200-8gpu-400g", {"codec.apply_GBps": 42.6})
     a = predict(base).delta["p2p"]
     b = predict(dataclasses.replace(base, rollout_links=slow)).delta["p2p"]
     assert b["encode_s"] == pytest.approx(a["encode_s"])

@@ -17,8 +17,8 @@ as the codec runs it over the strategy's transport, warm (every receiver holds t
 * the codec's work, from ``links.codec``: each trainer rank encodes the bytes it sends
   (``encode_GBps``: the diff against its copy of the last sync; ``encode_ns`` for each of
   its changed elements: gathering it, its index, its digest), each worker applies every
-  tensor (``apply_GBps``: the digest of its base; ``apply_ns`` a changed element: the
-  scatter, the digest of the change). A receiver applies a record bucket once it has it
+  tensor (``apply_GBps``: the weights it checks and patches; ``apply_ns`` a changed
+  element: the scatter, the digest of the change). A receiver applies a record bucket once it has it
   while the trainer encodes the next: a two-stage pipeline over the record buckets, so a
   sync whose records fit one bucket encodes everything, then applies everything. On a
   host whose links give ``cores``, every process's codec work shares them.

@@ -39,8 +39,8 @@ YAML/JSON file). A links file describes one kind of node:
   cost per changed element: ``encode_GBps`` (bytes of weights a trainer rank diffs into
   records per second) and ``encode_ns`` (what each changed element adds: gathering it,
   its index, its digest), ``apply_GBps`` (bytes of weights a receiver checks and patches per
-  second) and ``apply_ns``; at least one of each side. On a CPU the diff over every byte
-  sets the pace, on a GPU the work per changed element does.
+  second) and ``apply_ns``; at least one of each side. The diff reads every byte, so the
+  rate sets the pace on CPUs and GPUs alike; each changed element adds a little.
 
 Every number is required where its link is used, and must be >= 0 (``GBps`` > 0,
 ``efficiency`` in (0, 1]); a bad one is a :class:`~.errors.PlannerError` naming it.
