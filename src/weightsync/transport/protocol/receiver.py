@@ -545,12 +545,19 @@ class ReceiverMixin:
         copies, given a function returning its ``(destination, source)`` pairs."""
         raise NotImplementedError
 
-    def _rx_drop_programs(self, stream: int, *, min_index: int = 0) -> None:
-        """Forget the programs of ``stream`` for buckets from ``min_index`` on, e.g. when
-        the memory they read changed."""
+    #: Bucket indexes from here on are not the stream's numbered buckets (a backend's own
+    #: batches, e.g. cuda_ipc's zero-copy ones); None: all are.
+    _rx_bucket_index_end: Optional[int] = None
+
+    def _rx_drop_programs(self, stream: int, *, min_index: int = 0,
+                          end_index: Optional[int] = None) -> None:
+        """Forget the programs of ``stream`` for buckets ``min_index`` to ``end_index``
+        (excluded; None: all from ``min_index``), e.g. when the memory they read changed,
+        or the stream sends fewer buckets now."""
         progs = self.__dict__.get("_rx_progs")
         if progs:
-            for key in [k for k in progs if k[0] == stream and k[1] >= min_index]:
+            for key in [k for k in progs if k[0] == stream and k[1] >= min_index
+                        and (end_index is None or k[1] < end_index)]:
                 del progs[key]
 
     def _layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
@@ -658,6 +665,9 @@ class ReceiverMixin:
             self._rx_plans.pop(stream, None)
             raise PlanMismatch("the replayed layout does not match the sender's plan "
                                "signature", peer=peer, phase="receive", version=msg.version)
+        # a layout that shrank: the programs of the buckets past its end go
+        self._rx_drop_programs(stream, min_index=msg.num_buckets,
+                               end_index=self._rx_bucket_index_end)
         state.remaining.discard(stream)
         if not state.remaining and state.partial:
             raise PlanMismatch(f"tensors left incomplete: {sorted(state.partial)[:10]}",

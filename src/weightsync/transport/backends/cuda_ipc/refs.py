@@ -73,6 +73,9 @@ class ZeroCopyMixin:
     (which provides ``options``, ``_ops``, ``_bufs``, ``_tx_done``, ``_open`` and the
     control channels)."""
 
+    #: the ring's buckets are numbered below the zero-copy batches
+    _rx_bucket_index_end = REF_INDEX_BASE
+
     def _init_refs(self) -> None:
         self._region_store: Any = None
         self._regions: dict[tuple, _Region] = {}
@@ -81,6 +84,7 @@ class ZeroCopyMixin:
         self._rx_ref_plans: dict[int, list[tuple[Bucket, str]]] = {}
         self._rx_regions: dict[int, dict[int, torch.Tensor]] = {}
         self._rx_used: dict[int, set[int]] = {}
+        self._rx_batches: dict[int, int] = {}     # zero-copy batches of this sync
         self._rx_region_store: dict[int, Any] = {}
         self._ref_prev: list = []  # per tensor of the last sync: its cached entry, or None
         self._asked: Optional[tuple] = None   # (tensor, whether it outlives its item)
@@ -258,6 +262,7 @@ class ZeroCopyMixin:
         self._tx_ref_plan = []
         self._ref_prev = []
         self._rx_ref_plans = {}
+        self._rx_batches = {}
 
     # -- zero-copy: receiver --------------------------------------------------------------------
     def _fetch_regions(self, stream: int, msg: BucketMsg) -> _RegionView:
@@ -290,6 +295,7 @@ class ZeroCopyMixin:
     def _ref_layout(self, stream: int, msg: BucketMsg) -> tuple[TensorMeta, ...]:
         peer = f"trainer rank {stream}"
         k = msg.index - REF_INDEX_BASE
+        self._rx_batches[stream] = max(self._rx_batches.get(stream, 0), k + 1)
         plan = self._rx_ref_plans.setdefault(stream, [])
         if msg.entries is None:
             if k >= len(plan) or plan[k][1] != msg.layout:
@@ -316,10 +322,11 @@ class ZeroCopyMixin:
 
     def _rx_finish_stream(self, state: Any, stream: int, msg: Any) -> None:
         used = self._rx_used.pop(stream, set())
+        batches = self._rx_batches.pop(stream, 0)
         regions = self._rx_regions.get(stream, {})
         dropped = [r for r in regions if r not in used]
         for rid in dropped:
             del regions[rid]  # releases the mapping (and the trainer's reference)
-        if dropped:
-            self._rx_drop_programs(stream, min_index=REF_INDEX_BASE)
+        # programs read mappings that went, or batches this sync no longer sent
+        self._rx_drop_programs(stream, min_index=REF_INDEX_BASE + (0 if dropped else batches))
         super()._rx_finish_stream(state, stream, msg)
