@@ -139,6 +139,22 @@ def fake_ops(monkeypatch):
     _EVENTS.clear()
 
 
+def test_the_device_comes_from_the_keyword_then_weightsync_device_then_cuda(
+        fake_ops, monkeypatch):
+    seen = []
+
+    def ops(device):
+        seen.append(device)
+        return FakeOps("cpu")
+    monkeypatch.setattr(CudaIpcEngine, "ops_factory", ops)
+    monkeypatch.setenv("WEIGHTSYNC_DEVICE", "cuda:1")
+    CudaIpcEngine(role="trainer")
+    CudaIpcEngine(role="trainer", device="cuda:2")
+    monkeypatch.delenv("WEIGHTSYNC_DEVICE")
+    CudaIpcEngine(role="trainer")
+    assert seen == ["cuda:1", "cuda:2", "cuda"]
+
+
 def _group(trainers, receivers, **kw):
     kw = {"bucket_size": BUCKET, "timeout": 30, "device": "cpu", **kw}
     ts = [CudaIpcEngine(role="trainer", **kw) for _ in range(trainers)]

@@ -53,6 +53,7 @@ current while it iterates ``receive_weights`` (the default stream, normally).
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -177,8 +178,8 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
     ops_factory: ClassVar[Callable[[str], IpcOps]] = CudaIpcOps
 
     def __init__(self, **kwargs: Any) -> None:
-        if kwargs.get("device") is None:
-            kwargs["device"] = "cuda"
+        if kwargs.get("device") is None and not os.environ.get("WEIGHTSYNC_DEVICE"):
+            kwargs["device"] = "cuda"          # else EngineConfig reads WEIGHTSYNC_DEVICE
         super().__init__(**kwargs)
         self._ops = type(self).ops_factory(self.config.device)
         self.config.device = str(self._ops.device)
