@@ -163,6 +163,18 @@ class _Actor(ws.WeightsyncCheckpointMixin):
     weightsync_options = {"timeout": 5.0}
 
 
+def test_host_auto_as_a_keyword_or_the_variable_is_this_nodes_ip(monkeypatch):
+    from weightsync.integrations.swift import engine as swift_engine
+    monkeypatch.setattr(swift_engine, "_node_ip", lambda: "10.1.2.3")   # what Ray would say
+    monkeypatch.setenv("WEIGHTSYNC_HOST", "auto")
+    for kw in ({}, {"host": "auto"}):
+        e = ws.WeightsyncSwiftEngine("shm", **kw)
+        try:
+            assert e.host == "10.1.2.3" and e.options["host"] == "10.1.2.3"
+        finally:
+            e.close()
+
+
 def test_call_shape_and_bad_input_before_anything_moves():
     assert NCCLCheckpointEngine.build_topology(2, 3, ["m"]) == \
         ws.WeightsyncSwiftEngine.build_topology(2, 3, ["m"])

@@ -68,6 +68,17 @@ def test_verl_call_shape_and_validation():
         VerlRegistry.new("weightsync-shm", bucket_size=1000)
 
 
+def test_host_auto_as_a_keyword_or_the_variable_is_this_nodes_ip(monkeypatch):
+    monkeypatch.setattr(wv, "_node_ip", lambda: "127.0.0.1")   # what Ray would say
+    monkeypatch.setenv("WEIGHTSYNC_HOST", "auto")
+    for kw in ({}, {"host": "auto"}):
+        engine = VerlRegistry.new("weightsync-shm", bucket_size=1 << 20, **KW, **kw)
+        try:
+            assert engine.engine.config.host == "127.0.0.1"
+        finally:
+            engine.close()
+
+
 def _meta(i: int, group=None) -> dict:
     return {"role": "trainer" if i < 1 else "rollout", "hostname": "h", "pid": i,
             "host": "127.0.0.1", "port": 1000 + i, "auth": "a" * 32, "backend": "shm",

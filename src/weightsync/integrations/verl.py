@@ -65,7 +65,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess test
         "omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0` (fastapi and uvicorn are needed "
         "too), or run `make verl` in the weightsync checkout.") from _exc
 
-from weightsync.core.config import option, parse_bool
+from weightsync.core.config import env_value, option, parse_bool
 from weightsync.transport.registry import CheckpointEngineRegistry as _WsRegistry
 from weightsync.transport.codec import split_backend_name
 from weightsync.core.errors import TopologyError, WeightSyncError
@@ -153,8 +153,8 @@ class WeightsyncVerlEngine(_VerlEngine):
             raise ValueError(f"is_master must be a bool, got {is_master!r}")
         self.options = VerlOptions(**{k: engine_kwargs.pop(k) for k in ("reuse",)
                                       if k in engine_kwargs})
-        if engine_kwargs.get("host") == "auto":
-            engine_kwargs["host"] = _node_ip()
+        if (engine_kwargs.get("host") or env_value("HOST", str, None)) == "auto":
+            engine_kwargs["host"] = _node_ip()     # as a keyword or WEIGHTSYNC_HOST=auto
         self.role = "rollout" if is_master is None else "trainer"
         self.is_master = bool(is_master)
         self.engine = _WsRegistry.new(self.weightsync_backend, bucket_size=bucket_size,

@@ -183,8 +183,8 @@ class WeightsyncSwiftEngine(SwiftCheckpointEngine):
         self.senders = options.pop("senders", env_value("SWIFT_SENDERS", str, "master"))
         if self.senders not in SENDERS:
             raise ValueError(f"senders must be one of {SENDERS}, got {self.senders!r}")
-        if options.get("host") == "auto":
-            options["host"] = _node_ip()
+        if (options.get("host") or env_value("HOST", str, None)) == "auto":
+            options["host"] = _node_ip()           # as a keyword or WEIGHTSYNC_HOST=auto
         try:
             cfg = EngineConfig(**{k: v for k, v in options.items() if v is not None})
         except TypeError as exc:
