@@ -87,3 +87,47 @@ def test_inproc_rollout_that_fails_before_reading_ends_the_sync_for_everyone():
     assert sent.origin == "rollout rank 1"
     for e in (tr, r0, r1):
         e.finalize()
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_that_raises_mid_loop_tells_the_trainer_what_happened_not_cancelled():
+    """A rollout's own code raises inside ``async for ... in receive_weights()``; the loop
+    ends (``asyncio.run`` cancels what the receive had pending). The trainer fails at once
+    naming that rollout and saying its caller left the loop, not a bare CancelledError."""
+    import socket
+    import threading
+
+    import weightsync
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    params = {f"w{i}": torch.randn(1000) for i in range(8)}
+    got: dict = {}
+
+    def trainer():
+        t = weightsync.connect("shm", role="trainer", address=address, token="t" * 16,
+                               timeout=TIMEOUT)
+        try:
+            t.send(params, version=1)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            got["trainer"] = exc
+        finally:
+            t.finalize()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    r = weightsync.connect("shm", role="rollout", address=address, token="t" * 16,
+                           timeout=TIMEOUT)
+
+    async def consume():
+        async for name, _ in r.receive_weights(version=1):
+            raise ValueError(f"loader bug at {name}")
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="loader bug"):
+        asyncio.run(consume())
+    thread.join(TIMEOUT)
+    r.finalize()
+    err = got["trainer"]
+    assert time.perf_counter() - start < TIMEOUT / 4
+    assert "rollout rank 0" in str(err) and "left the loop" in str(err), err
+    assert "CancelledError" not in str(err), err

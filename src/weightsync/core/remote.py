@@ -9,6 +9,7 @@ every backend that reads its peers' reports.
 
 from __future__ import annotations
 
+import asyncio
 import numbers
 import operator
 import re
@@ -37,9 +38,13 @@ def failure_origin(exc: BaseException) -> Optional[str]:
 
 def error_msg(exc: BaseException, *, seq: int, version: Any, peer: str, phase: str) -> ErrorMsg:
     name = type(exc).__name__ if isinstance(exc, WeightSyncError) else "PeerFailed"
-    return ErrorMsg(version=wire_version(version), seq=seq, error=name,
-                    message=f"{type(exc).__name__}: {exc}"[:60000], peer=peer, phase=phase,
-                    origin=failure_origin(exc))
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):   # says nothing by itself
+        text = (f"{peer} stopped in the middle of the sync: its caller left the loop over "
+                "the weights early (it raised or broke out), or its task was cancelled")
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return ErrorMsg(version=wire_version(version), seq=seq, error=name, message=text[:60000],
+                    peer=peer, phase=phase, origin=failure_origin(exc))
 
 
 def normalize_version(version: Any) -> Any:
