@@ -170,7 +170,7 @@ class WeightSyncWorkerExtension:
         ``report()`` (version, torn, an update open, digests of the last complete version),
         plus this worker's pid and what a client of the server must know of the engine
         (``config``: model, dtype, vocabulary size, max_model_len, sleep mode, logprobs
-        mode, the weight-transfer backend)."""
+        mode, the weight-transfer backend, the LoRA rank limit or None)."""
         engine = getattr(self, "weight_transfer_engine", None)
         report = getattr(engine, "report", None)
         if not callable(report):
@@ -179,12 +179,14 @@ class WeightSyncWorkerExtension:
                                "\"weightsync-shm\"}'), so it has no weightsync transfer state")
         out = dict(report())
         mc = self.model_config
+        lora = self.vllm_config.lora_config
         out.update(pid=os.getpid(), config={
             "model": str(mc.model), "dtype": str(mc.dtype).replace("torch.", ""),
             "vocab_size": int(mc.get_vocab_size()), "max_model_len": int(mc.max_model_len),
             "enable_sleep_mode": bool(mc.enable_sleep_mode),
             "logprobs_mode": str(mc.logprobs_mode), "max_logprobs": int(mc.max_logprobs),
-            "backend": str(self.vllm_config.weight_transfer_config.backend)})
+            "backend": str(self.vllm_config.weight_transfer_config.backend),
+            "max_lora_rank": None if lora is None else int(lora.max_lora_rank)})
         return out
 
     @_guard

@@ -51,7 +51,16 @@ pass through this process or the HTTP API.
   digests of embeddings and norms, as the in-process vLLM replica does;
 * generation: greedy ``/v1/completions`` on token ids (``return_token_ids``), raw logits of
   the whole vocabulary from ``logprobs`` (the server runs ``--logprobs-mode raw_logits
-  --max-logprobs -1``).
+  --max-logprobs -1``);
+* LoRA (a server with ``--enable-lora``, runtime adapter loading on:
+  ``VLLMServerOptions(lora_rank=r)`` starts one so): an adapter sync sends the adapter's
+  tensors and PEFT config through the backend, which checks them against the checkpoint
+  and vLLM's rules before a byte moves and holds the received adapter in the workers'
+  memory; ``/v1/load_lora_adapter`` then builds it from that memory (no file) in place of
+  the replica's adapter (:data:`LORA_NAME`, which its generation requests name), and only
+  then does ``/finish_weight_update`` move the version label. A failed adapter sync leaves
+  the old adapter serving. ``base`` syncs load the weights under the adapter; a ``full``
+  sync (merged weights) unloads it.
 
 The server must run in dev mode (``VLLM_SERVER_DEV_MODE=1``: the RL endpoints and
 ``/collective_rpc``) with weightsync's worker extension (``--worker-extension-cls``
@@ -67,9 +76,9 @@ peer of the transport (``trainer rank 0``, ``rollout rank 3``) keeps it, so a re
 was merely told of a trainer's failure is not blamed.
 
 **Not over this API** (raise, with the reason): ``execute_checkpoint_engine`` (vLLM's API
-exposes no call into the backend's engines), LoRA adapter syncs and ``"base"`` syncs (the
-native path has no LoRA), atomic syncs (the backend applies a version inside its own
-receive: no separate commit).
+exposes no call into the backend's engines), adapter and ``"base"`` syncs into a server
+without LoRA, atomic syncs (the backend applies a version inside its own receive: no
+separate commit).
 """
 
 from __future__ import annotations
@@ -96,11 +105,12 @@ from weightsync.rollout.protocol import (SLEEP_LEVELS, WEIGHT_KINDS, Generation,
 from weightsync.rollout.vllm.serve import (HTTPWeightSyncClient, VLLMServer, VLLMServerError,
                                            error_fields)
 from weightsync.rollout.vllm.checks import merge_problems, normalize_offered
+from weightsync.rollout.vllm.lora import memory_path
 from weightsync.rollout.vllm.util import (EXTENSION, check_may_generate, check_prompts,
                                           max_positions)
 from weightsync.transport.rendezvous import RolloutRelay
 
-__all__ = ["VLLMServerReplica", "VLLMServerOptions", "PREFIX", "BACKENDS"]
+__all__ = ["VLLMServerReplica", "VLLMServerOptions", "PREFIX", "BACKENDS", "LORA_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +123,8 @@ BACKENDS = ("shm", "collective", "nixl", "cuda_ipc")
 _ENGINE_OPTIONS = ("bucket_size", "timeout", "num_slots", "checksum", "host")
 _RELAYED = ("trainer rank", "rollout rank")     # peers of the transport: keep them
 _ABORTED = ("abort",)
+#: The name the replica loads its adapter under (what its generation requests name).
+LORA_NAME = "weightsync"
 
 
 def _positive(name: str, value: Any) -> None:
@@ -129,6 +141,8 @@ class VLLMServerOptions:
     (capped at the model's ``max_position_embeddings``),
     ``max_num_seqs``, ``extra_args`` (more ``vllm serve`` arguments), ``env``, ``log_path``:
     an owned server's start (``start_timeout``, ``stop_timeout`` bound its start and stop).
+    ``lora_rank``: an owned server runs LoRA adapters up to this rank (``--enable-lora
+    --max-lora-rank``, runtime adapter loading on), so adapter-only syncs can land in it.
     ``timeout``: seconds any HTTP call other than a sync's receive may take (a receive
     gets twice the engine timeout plus 30 s). ``digests``: the backend hashes every received
     tensor for ``verify`` (one pass over the weights per sync; off: ``verify`` reports an
@@ -149,6 +163,7 @@ class VLLMServerOptions:
     log_path: Optional[str] = None
     extra_args: tuple = ()
     env: dict = field(default_factory=dict)
+    lora_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -164,6 +179,9 @@ class VLLMServerOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("timeout", "start_timeout", "stop_timeout"):
             _positive(name, getattr(self, name))
+        if self.lora_rank is not None and (isinstance(self.lora_rank, bool) or not isinstance(
+                self.lora_rank, int) or self.lora_rank < 1):
+            raise ValueError(f"lora_rank must be None or an int >= 1, got {self.lora_rank!r}")
         if not isinstance(self.digests, bool):
             raise ValueError(f"digests must be a bool, got {self.digests!r}")
         if not isinstance(self.store_host, str) or not self.store_host:
@@ -231,7 +249,10 @@ class VLLMServerReplica(ReplicaControls):
         self._fence = SyncFence()
         self._version: Any = None
         self._versions: dict[str, Any] = {}
-        self._offered: Optional[list] = None     # the weight set the last check accepted
+        self._offered: dict[str, list] = {}      # per kind: the set the last check accepted
+        self._base_version: Any = None            # of the weights under the adapter
+        self._adapter: Optional[dict] = None      # {"path", "config"} of the active adapter
+        self._adapter_cfg: Optional[dict] = None  # the PEFT config of the last adapter
         self._pending: Optional[tuple] = None     # (relay, init call, timeout) of a join
         self._joined: Optional[str] = None        # backend of the group the workers joined
         self._dead: Optional[str] = None
@@ -258,12 +279,16 @@ class VLLMServerReplica(ReplicaControls):
         o = self.options
         extra = ["--logprobs-mode", "raw_logits", "--max-logprobs", "-1",
                  "--worker-extension-cls", EXTENSION, *o.extra_args]
+        env = dict(o.env)
+        if o.lora_rank is not None:
+            extra += ["--enable-lora", "--max-lora-rank", str(o.lora_rank)]
+            env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")   # /v1/load_lora_adapter
         max_len = min(o.max_model_len, max_positions(model) or o.max_model_len)
         server = VLLMServer(model, backend=PREFIX + o.backend, dtype=o.dtype,
                             kv_cache_bytes=o.kv_cache_bytes, max_model_len=max_len,
                             max_num_seqs=o.max_num_seqs, extra=extra,
                             start_timeout=o.start_timeout, stop_timeout=o.stop_timeout,
-                            log_path=o.log_path, env=dict(o.env), client_timeout=o.timeout)
+                            log_path=o.log_path, env=env, client_timeout=o.timeout)
         return server.start()
 
     def _read_server(self) -> None:
@@ -288,11 +313,12 @@ class VLLMServerReplica(ReplicaControls):
         self.vocab_size = int(config["vocab_size"])
         self.max_model_len = int(config["max_model_len"])
         self.sleep_mode = bool(config["enable_sleep_mode"])
+        self.max_lora_rank = config.get("max_lora_rank")      # None: no LoRA
         self.raw_logits = config["logprobs_mode"] == "raw_logits" and (
             config["max_logprobs"] == -1 or config["max_logprobs"] >= self.vocab_size)
         self.model_id = self._http(lambda: self.client.model_id(), "/v1/models", "start")
         served = self._served_version("start")
-        self._version = None if served == "default" else served
+        self._version = self._base_version = None if served == "default" else served
 
     @property
     def pid(self) -> Optional[int]:
@@ -499,41 +525,54 @@ class VLLMServerReplica(ReplicaControls):
         """Problems (``[name, why]``) of loading ``offered`` ([name, shape, dtype] per
         tensor), checked in every worker of the server; nothing is changed. The accepted
         description is what the next sync's check phase sends."""
-        if kind not in WEIGHT_KINDS:
-            raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
-        if kind != "full":
-            raise ValueError(f"{self.name}: only full syncs: {self._reasons()['lora']}")
+        self._check_kind(kind, adapter_config)
         offered = normalize_offered(offered)
         problems = merge_problems(self._rpc("weightsync_check", offered, kind, phase="validate"))
-        self._offered = None if problems else offered
+        if problems:
+            self._offered.pop(kind, None)
+        else:
+            self._offered[kind] = offered
         return problems
+
+    def _check_kind(self, kind: str, adapter_config: Optional[dict]) -> None:
+        if kind not in WEIGHT_KINDS:
+            raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
+        if kind != "full" and self.max_lora_rank is None:
+            raise ValueError(f"{self.name}: only full syncs: {self._reasons()['lora']}")
+        if kind == "adapter" and self._adapter_config_for(adapter_config) is None:
+            raise ValueError(f"{self.name}: an adapter sync needs the PEFT config first")
+
+    def _adapter_config_for(self, config: Optional[dict]) -> Optional[dict]:
+        return dict(config) if isinstance(config, dict) else self._adapter_cfg
 
     # -- a sync -------------------------------------------------------------------------
     def engine_receive(self, version: Any, *, kind: str = "full",
                        adapter_config: Optional[dict] = None) -> dict:
         """Receive ``version`` in the server (start, check, receive, finish; see the module
         docstring); fenced from here until it is complete."""
-        if kind not in WEIGHT_KINDS:
-            raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
-        if kind != "full":
-            raise ValueError(f"{self.name}: only full syncs: {self._reasons()['lora']}")
+        self._check_kind(kind, adapter_config)
         if self._dead:
             raise PeerFailed(f"{self._who()} is dead ({self._dead})", phase="receive",
                              version=version)
         if self._joined is None:
             raise RuntimeError(f"{self.name}: engine_receive before engine_init")
-        if self._offered is None:
-            raise ValueError(f"{self.name}: check_weights(offered) first: vLLM's weight-"
-                             "transfer API checks the weight set before any byte moves, and "
-                             "the replica sends the description its check accepted")
+        offered = self._offered.get(kind)
+        if offered is None:
+            raise ValueError(f"{self.name}: check_weights(offered, kind={kind!r}) first: "
+                             "vLLM's weight-transfer API checks the weight set before any "
+                             "byte moves, and the replica sends the description its check "
+                             "accepted")
         if self.sleep_mode and self._asleep["weights"]:
             raise WeightSyncError(f"{self.name}: wake_up(['weights']) before loading weights",
                                   phase="receive", version=version)
         self._record(f"load:{kind}:{version}")
-        names, shapes, dtypes = (list(x) for x in zip(*self._offered)) if self._offered \
-            else ([], [], [])
+        names, shapes, dtypes = (list(x) for x in zip(*offered)) if offered else ([], [], [])
         check = {"phase": "check", "version": version, "names": names, "shapes": shapes,
                  "dtypes": dtypes, "digests": self.options.digests}
+        config = self._adapter_config_for(adapter_config)
+        if kind == "adapter":     # held in the workers' memory, then loaded by vLLM's API
+            check.update(kind="adapter", adapter={"name": LORA_NAME, "config": config},
+                         digests=False)    # verify reads the held adapter's own digests
         paused_here = not self.gate.paused
         if paused_here:
             self.gate.pause(abort=False)
@@ -551,6 +590,10 @@ class VLLMServerReplica(ReplicaControls):
                 {"phase": "receive", "version": version}, timeout=self._sync_timeout),
                 "/update_weights (receive)", "receive", version)
             times["receive"] = time.perf_counter() - t
+            if kind == "adapter":    # live before the version label moves to it
+                t = time.perf_counter()
+                self._load_adapter(memory_path(LORA_NAME, version), version)
+                times["adapter"] = time.perf_counter() - t
             t = time.perf_counter()
             self._http(lambda: self.client.finish_weight_update(str(version)),
                        "/finish_weight_update", "receive", version)
@@ -567,6 +610,13 @@ class VLLMServerReplica(ReplicaControls):
                 self.gate.resume()
         self._version = version
         self._versions[str(version)] = version
+        if kind == "adapter":
+            self._adapter = {"path": memory_path(LORA_NAME, version), "config": config}
+            self._adapter_cfg = config
+        else:
+            self._base_version = version
+            if kind == "full" and self._adapter is not None:   # merged weights, no adapter
+                self._drop_adapter(version)
         self._fence.applied(version, kind)
         stats = {"kind": kind, "version": version, "workers": self.world_size,
                  "tensors": len(names), "bytes": _nbytes(shapes, dtypes),
@@ -574,6 +624,40 @@ class VLLMServerReplica(ReplicaControls):
                  **{f"{k}_seconds": v for k, v in times.items()}}
         logger.debug("weightsync: %s received version %r: %s", self.name, version, stats)
         return stats
+
+    def _load_adapter(self, path: str, version: Any) -> None:
+        """vLLM builds the adapter the workers hold under ``path`` in place of the one
+        named :data:`LORA_NAME` (the old one serves until then); a refusal closes the open
+        update without a version, so the server's label stays on the old adapter."""
+        try:
+            self._http(lambda: self.client.request(
+                "POST", "/v1/load_lora_adapter", {"lora_name": LORA_NAME, "lora_path": path,
+                                                  "load_inplace": True}),
+                "/v1/load_lora_adapter", "load", version)
+        except BaseException:
+            try:
+                self._http(lambda: self.client.finish_weight_update(None),
+                           "/finish_weight_update", "load", version)
+            except (ValueError, WeightSyncError) as exc:
+                logger.info("weightsync: %s: closing the update after a refused adapter: %s",
+                            self._who(), exc)
+            raise
+
+    def _drop_adapter(self, version: Any) -> None:
+        """After merged weights: generation names the base model again; vLLM's copy of the
+        adapter is unloaded (best effort: nothing of ours uses it any more)."""
+        self._adapter = None
+        try:
+            self._http(lambda: self.client.request("POST", "/v1/unload_lora_adapter",
+                                                   {"lora_name": LORA_NAME}),
+                       "/v1/unload_lora_adapter", "load", version)
+        except (ValueError, WeightSyncError) as exc:
+            logger.info("weightsync: %s: unloading the adapter after merged weights: %s",
+                        self._who(), exc)
+
+    def has_adapter(self) -> bool:
+        """Whether generation runs with a LoRA adapter this replica loaded."""
+        return self._adapter is not None
 
     def _start_update(self, version: Any) -> None:
         """``/start_weight_update``; one a timed-out call of ours left open is closed first
@@ -683,20 +767,26 @@ class VLLMServerReplica(ReplicaControls):
         return self._versions.get(served, served)
 
     def _reasons(self) -> dict:
-        out = {"lora": "vLLM's weight-transfer API syncs full weight sets only (no LoRA "
-                       "adapter or base-only syncs through weightsync's backend)",
-               "atomic": "weightsync's vLLM backend applies a version at the end of its own "
+        out = {"atomic": "weightsync's vLLM backend applies a version at the end of its own "
                          "/update_weights receive, so there is no separate commit that could "
                          "wait for the other replicas"}
         if not self.sleep_mode:
             out["sleep"] = ("the server has no sleep mode (vLLM on CPU has none): sleep() "
                             "refuses generation and drops the prefix cache but frees no memory")
+        if self.max_lora_rank is None:
+            out["lora"] = ("the server runs without LoRA, so adapter-only and base syncs "
+                           "cannot land in it: start it with --enable-lora --max-lora-rank "
+                           "<r> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                           "(VLLMServerOptions(lora_rank=r) for an owned server), or sync "
+                           "merged weights (merge_and_sync=True)")
         return out
 
     def capabilities(self) -> dict:
         return {"name": "vllm-server", "url": self.url, "backend": PREFIX + self.options.backend,
                 "sleep_levels": list(SLEEP_LEVELS), "sleep_frees_memory": self.sleep_mode,
-                "lora": False, "kinds": ["full"], "staged_kinds": [],
+                "lora": self.max_lora_rank is not None,
+                "kinds": list(WEIGHT_KINDS) if self.max_lora_rank is not None else ["full"],
+                "staged_kinds": [],
                 # a sleeping server's weights under the native path are untested here: the
                 # manager caps level 2 at 1 for a server with sleep mode
                 "full_sync_restores_discarded": not self.sleep_mode,
@@ -709,17 +799,18 @@ class VLLMServerReplica(ReplicaControls):
 
     def weight_digests(self, kind: str = "full") -> dict:
         """``{"digests", "dtypes", "version", "live"}``: what the server's backend received
-        in the last complete sync (hashed as it arrived, as the in-process vLLM replica
-        does), with live digests of the parameters that read back exactly."""
+        in the last complete sync of the weights (hashed as it arrived, as the in-process
+        vLLM replica does), with live digests of the parameters that read back exactly; for
+        ``kind="adapter"``, of the adapter the workers hold in memory."""
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"kind must be one of {WEIGHT_KINDS}, got {kind!r}")
         version = self.current_version()
-        if kind != "full":
-            raise WeightSyncError(f"{self.name} holds only full weight sets",
-                                  phase="verify", version=version)
         if self._fence.blocked:
             raise WeightSyncError(f"{self.name} holds no complete version: "
                                   f"{self._fence.blocked}", phase="verify", version=version)
+        if kind == "adapter":
+            return self._adapter_digests(version)
+        weights = self._base_version
         states = self._rpc("weightsync_transfer_state", phase="verify", version=version)
         digests: dict[str, str] = {}
         for rank, s in enumerate(states):
@@ -729,9 +820,9 @@ class VLLMServerReplica(ReplicaControls):
                                       "with digests completed since the server started, or "
                                       "VLLMServerOptions(digests=False))", phase="verify",
                                       version=version)
-            if str(d["version"]) != str(version):
+            if str(d["version"]) != str(weights):
                 raise WeightSyncError(f"{self._who()} worker {rank}: digests of version "
-                                      f"{d['version']!r}, the replica holds {version!r}",
+                                      f"{d['version']!r}, the replica loaded {weights!r}",
                                       phase="verify", version=version)
             for name, value in {**d["digests"], **d["live"]}.items():
                 if digests.setdefault(name, value) != value:
@@ -739,6 +830,20 @@ class VLLMServerReplica(ReplicaControls):
         live = sorted(set.intersection(*(set(s["digests"]["live"]) for s in states)))
         return {"digests": digests, "dtypes": dict(states[0]["digests"]["dtypes"]),
                 "version": version, "live": live}
+
+    def _adapter_digests(self, version: Any) -> dict:
+        if self._adapter is None:
+            raise WeightSyncError(f"{self.name} has no LoRA adapter to verify",
+                                  phase="verify", version=version)
+        path = self._adapter["path"]
+        replies = self._rpc("weightsync_adapter_digests", path, phase="verify",
+                            version=version)
+        first = replies[0]
+        if any(r["digests"] != first["digests"] for r in replies[1:]):
+            raise WeightSyncError(f"{self._who()}: the vLLM workers hold different adapters "
+                                  f"under {path}", phase="verify", version=version)
+        return {"digests": dict(first["digests"]), "dtypes": dict(first["dtypes"]),
+                "version": version, "live": []}
 
     # -- generation ---------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list:
@@ -787,7 +892,8 @@ class VLLMServerReplica(ReplicaControls):
         """One ``/v1/completions`` request for all prompts, in a helper thread; a pause
         that aborts makes it abort its requests (``/abort_requests``) and return."""
         rid = f"ws-{self.name}-{next(self._ids)}"
-        body: dict[str, Any] = {"model": self.model_id, "prompt": prompts,
+        model = LORA_NAME if self._adapter is not None else self.model_id
+        body: dict[str, Any] = {"model": model, "prompt": prompts,
                                 "max_tokens": max_new_tokens, "temperature": 0.0,
                                 "ignore_eos": True, "return_token_ids": True, "request_id": rid}
         if return_logits:
