@@ -24,10 +24,11 @@ engine ``timeout`` plus a margin); a failure on either side raises here with its
 Ranks other than 0 only walk their source (it may be a collective, e.g. FSDP gathers).
 
 ``send_adapter(tensors, config, name=...)`` syncs a LoRA adapter instead (vLLM started
-with ``--enable-lora``): the same check / receive / finish, then the adapter is loaded
-through vLLM's LoRA API from the workers' memory (``/v1/load_lora_adapter`` with
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, or ``add_lora`` offline) and the prefix cache is
-reset; no PEFT folder is written anywhere.
+with ``--enable-lora``): the same check and receive, then the adapter is loaded through
+vLLM's LoRA API from the workers' memory (``/v1/load_lora_adapter`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, or ``add_lora`` offline), and only then does
+``finish_weight_update`` move the weight version to it; the prefix cache is reset. A
+refused adapter closes the update without a version. No PEFT folder is written anywhere.
 """
 
 from __future__ import annotations
@@ -217,8 +218,15 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         checked = time.perf_counter()
         metrics = self._transfer(meta, version, _Pairs(pairs, meta))
         moved = time.perf_counter()
+        try:     # live before the version label moves to it
+            load_adapter(self.client, name, path)
+        except BaseException:
+            try:                       # close the update; the label stays where it was
+                self.client.finish_weight_update()
+            except Exception:  # noqa: BLE001 - the refusal is the error to see
+                pass
+            raise
         self.client.finish_weight_update(weight_version=str(version))
-        load_adapter(self.client, name, path)
         reset_prefix_cache(self.client)
         end = time.perf_counter()
         self.last = {**metrics, "version": version, "adapter": name, "adapter_path": path,
