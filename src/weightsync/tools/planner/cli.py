@@ -100,9 +100,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="delta+<backend>: the fraction of each tensor's elements that "
                          "change between syncs (e.g. 0.005); the codec's records on the "
                          "wire, its encode and apply priced from links.codec (default: dense)")
-    lk.add_argument("--no-pipeline", action="store_true",
-                    help="p2p: stage everything, then pull; "
-                         "default: each staging block is read once written")
     out = p.add_argument_group("output")
     out.add_argument("--label", default="", help="a title for the report")
     out.add_argument("--json", metavar="PATH", help="write the prediction as JSON ('-': stdout)")
@@ -149,7 +146,7 @@ def scenario_from_args(args: argparse.Namespace):
                     trainer_tp=args.trainer_tp, trainer_ep=args.trainer_ep,
                     placement=args.placement, bucket_size=bucket, num_slots=args.num_slots,
                     max_read_bytes=int(args.max_read_mb * 2**20) if args.max_read_mb else None,
-                    pipelined=not args.no_pipeline, serve=args.serve,
+                    serve=args.serve,
                     shared=args.shared, trainer_device=args.trainer_device,
                     delta=args.delta, **direct,
                     strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),

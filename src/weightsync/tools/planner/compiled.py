@@ -117,13 +117,12 @@ def rank_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") ->
     return tuple(out)
 
 
-def workers_cut(pt: PlannedTensor, cut: bool = True) -> Optional[tuple]:
+def workers_cut(pt: PlannedTensor) -> Optional[tuple]:
     """The boxes the ``nixl`` trainers stage ``pt`` by, or None: every worker keeps none of
     it or a box of it that is not one run (a row-parallel weight's columns; what its
     receivers tell the trainers), and together those boxes partition it
-    (:func:`~weightsync.core.xferplan.cut_boxes`). ``cut`` False: box-by-box staging off,
-    always None."""
-    if not cut or not pt.shape or not all(w == () or any(not box_is_run(pt.shape, b) for b in w)
+    (:func:`~weightsync.core.xferplan.cut_boxes`)."""
+    if not pt.shape or not all(w == () or any(not box_is_run(pt.shape, b) for b in w)
                                for w in pt.boxes):
         return None
     cut = tuple(sorted({b for w in pt.boxes for b in w}))
@@ -131,13 +130,12 @@ def workers_cut(pt: PlannedTensor, cut: bool = True) -> Optional[tuple]:
     return cut if cut_boxes(pt.shape, whole, cut) is not None else None
 
 
-def staged_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp",
-                 cut: bool = True) -> tuple:
+def staged_boxes(pt: PlannedTensor, rank: int, world: int, shard: str = "fsdp") -> tuple:
     """What trainer ``rank`` serves ``pt`` as: its :func:`rank_boxes`, each cut into the
     boxes of :func:`workers_cut` when there are some (as the ``nixl`` trainer stages it):
     each worker's box is then one read per rank."""
     boxes = rank_boxes(pt, rank, world, shard)
-    by = workers_cut(pt, cut)
+    by = workers_cut(pt)
     if by is None:
         return boxes
     out = []
@@ -183,11 +181,11 @@ def _signature(boxes: tuple) -> tuple:
 
 
 def _sources(pt: PlannedTensor, proto: tuple[int, ...], world: int,
-             shard: str, cut: bool = True) -> list[SourceLayout]:
+             shard: str) -> list[SourceLayout]:
     out = []
     for r in range(world):
         held, off = [], 0
-        for box in staged_boxes(pt, r, world, shard, cut) if proto else (((0, 1),) if r == 0 else ()):
+        for box in staged_boxes(pt, r, world, shard) if proto else (((0, 1),) if r == 0 else ()):
             rbox = _reduced_box(box, pt.shape, proto) if proto else ()
             n = math.prod(b - a for a, b in rbox)
             if n:
@@ -201,7 +199,7 @@ def _sources(pt: PlannedTensor, proto: tuple[int, ...], world: int,
 
 def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard: str,
                    replicas: int, expand: bool, sent: np.ndarray, mult: int,
-                   trainer: list, proto: tuple[int, ...], cut: bool = True):
+                   trainer: list, proto: tuple[int, ...]):
     """The compile of one class (``trainer``: every rank's boxes of it; ``proto``: its shape
     with the dims of rule 3 at 1): ``([(column compiled, columns it stands for, {rank:
     (bytes, reads)})], digest)``. Where every byte has one holder, workers that
@@ -231,7 +229,7 @@ def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard
             wants.append(Want(name="t", dtype=pt.dst_dtype, box=rbox, dest="d", offset=off))
             off += math.prod(b - a for a, b in rbox) * itemsize(pt.dst_dtype)
         dests.append((tuple(wants), gs))
-    sources = _sources(pt, proto, world, shard, cut)
+    sources = _sources(pt, proto, world, shard)
     if unique:
         plan = compile_plan(sources, [DestLayout(worker=f"g{gs[0]}", wants=w) for w, gs in dests],
                             max_read_bytes=max_read)
@@ -254,12 +252,11 @@ def _compile_class(pt: PlannedTensor, world: int, max_read: Optional[int], shard
 
 def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
                max_read_bytes: Optional[int] = None, shard: str = "fsdp",
-               replicas: int = 1, cut: bool = True) -> PullStats:
+               replicas: int = 1) -> PullStats:
     """Bytes/READs per (rank, worker) for all ``tensors`` (module doc): the workers of one
     replica, or, where some byte has several holders (replicated over DP, TP/EP trainer
     boxes), of every replica (``workers x replicas`` columns: replicas then read
-    differently, each receiver turning its ties by its rank). ``cut`` False: the trainers
-    stage no tensor box by box."""
+    differently, each receiver turning its ties by its rank)."""
     expand = shard != "fsdp" or any(pt.held is not None for pt in tensors)
     cols_n = workers * replicas if expand else workers
     classes: dict[tuple, list[PlannedTensor]] = defaultdict(list)
@@ -274,8 +271,8 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
     for members in order:
         t0 = time.perf_counter()
         pt = members[0]
-        staged = workers_cut(pt, cut) is not None
-        trainer = [b for r in range(world) for b in staged_boxes(pt, r, world, shard, cut)]
+        staged = workers_cut(pt) is not None
+        trainer = [b for r in range(world) for b in staged_boxes(pt, r, world, shard)]
         proto, factor = reduce_dims(pt.shape, pt.boxes, trainer)
         mult = len(members) * factor
         # staged box by box, a worker's piece is one run whatever the collapsed dims
@@ -283,7 +280,7 @@ def pull_stats(tensors: Sequence[PlannedTensor], world: int, workers: int,
         # them, only cut by the read limit at their full size
         read_mult = len(members) if staged else mult
         compiled, digest = _compile_class(pt, world, max_read_bytes, shard, replicas, expand,
-                                          pb, mult, trainer, proto, cut)
+                                          pb, mult, trainer, proto)
         n_reads = n_bytes = 0.0
         for rep, targets, by_rank in compiled:
             if not by_rank:

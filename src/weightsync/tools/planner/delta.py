@@ -109,7 +109,7 @@ def predict_delta(sc: Scenario, pl: Placement, pts: list[PlannedTensor], strateg
                                 serve="staging")
     if strategy == "p2p":
         stats = pull_stats(recs, inner.trainer_gpus, workers, inner.max_read_bytes,
-                           inner.trainer_shard, inner.replicas, inner.cut)
+                           inner.trainer_shard, inner.replicas)
         wire = predict_p2p(inner, pl, recs, stats)
         # the dense gather of a sharded trainer: the bucketed export's
         dense = predict_bucketed(dataclasses.replace(sc, delta=None), pl, pts, "broadcast")

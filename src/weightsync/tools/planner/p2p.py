@@ -43,12 +43,12 @@ __all__ = ["predict_p2p", "held_bytes"]
 
 
 def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
-               serve: str = "staging", shard: str = "fsdp", cut: bool = True) -> tuple:
+               serve: str = "staging", shard: str = "fsdp") -> tuple:
     """Per trainer rank: (bytes it serves, bytes its staging copy moves, tensors it puts).
     ``serve="auto"``: a tensor served in the model's own dtype is served from its own
     storage (an FSDP2 or TP shard, marked by the export), so only casts, FP8 and tensors
     staged box by box for the workers (:func:`~weightsync.tools.planner.compiled
-    .workers_cut`; none with ``cut`` False) are staged."""
+    .workers_cut`) are staged."""
     served, moved, count = np.zeros(world), np.zeros(world), np.zeros(world)
     elems_of: dict[tuple, tuple] = {}
     for pt in pts:
@@ -57,7 +57,7 @@ def held_bytes(pts: list[PlannedTensor], world: int, model_dtype: str,
             elems_of[key] = (np.array([sum(math.prod(b - a for a, b in box)
                                            for box in rank_boxes(pt, r, world, shard))
                                        for r in range(world)], np.float64),
-                             workers_cut(pt, cut) is not None)
+                             workers_cut(pt) is not None)
         elems, staged_by_box = elems_of[key]
         src = itemsize(model_dtype) if not pt.rule.endswith("_scale") else 0
         served += elems * itemsize(pt.src_dtype)
@@ -132,7 +132,7 @@ def _pipelined(pl: Placement, serve: Loads, pull: Loads, first_block: float) -> 
 def predict_p2p(sc: Scenario, pl: Placement, pts: list[PlannedTensor],
                 stats: PullStats) -> StrategyResult:
     res = StrategyResult("p2p")
-    held = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve, sc.trainer_shard, sc.cut)
+    held = held_bytes(pts, sc.trainer_gpus, sc.src_dtype, sc.serve, sc.trainer_shard)
     serve = _serve(sc, pl, held, res)
     pull = _pull(sc, pl, stats, res)
     # on a host the staging copy did not hide behind the pulls (see the module doc)

@@ -88,7 +88,7 @@ def predict(sc: Scenario) -> Prediction:
                 "(trainer.device gpu: ring, i.e. shm, only)"))
         elif strategy == "p2p":
             stats = pull_stats(pts, sc.trainer_gpus, sc.replica_size, sc.max_read_bytes,
-                               sc.trainer_shard, sc.replicas, sc.cut)
+                               sc.trainer_shard, sc.replicas)
             results[strategy] = predict_p2p(sc, pl, pts, stats)
         else:
             results[strategy] = predict_bucketed(sc, pl, pts, strategy)

@@ -72,7 +72,6 @@ class Scenario:
     max_read_bytes: Optional[int] = None
     pipelined: bool = True          # p2p: warm syncs stage and read at once (the engine's way)
     serve: str = "auto"             # p2p: WEIGHTSYNC_NIXL_SERVE ("auto" or "staging")
-    cut: bool = True                # p2p: box-by-box staging (the engine's way)
     #: p2p: TP/EP workers give ``receive_into`` tensors of their kept boxes' shapes, so
     #: slices land straight in them; False: the loader copies each slice (vLLM's)
     into_shards: bool = False
