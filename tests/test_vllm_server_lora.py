@@ -12,21 +12,17 @@ the adapter. A server without LoRA refuses adapter syncs with the reason.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
 
 from syncchecks import assert_matches  # noqa: E402
-from vllmhelpers import CFG, VOCAB, files_under, vllm_home  # noqa: E402
+from vllmhelpers import CFG, VOCAB, files_under, server_worker  # noqa: E402
 from weightsync.core.errors import PlanMismatch  # noqa: E402
-from weightsync.integrations.ray.vllm_workers import VLLMServerWorker  # noqa: E402
 from weightsync.integrations.ray.workers import ToyTrainerWorker  # noqa: E402
 from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
-from weightsync.rollout.vllm.server_replica import (LORA_NAME, VLLMServerOptions,  # noqa: E402
-                                                    VLLMServerReplica)
+from weightsync.rollout.vllm.server_replica import LORA_NAME, VLLMServerReplica  # noqa: E402
 from weightsync.testing.toymodel import lora_config, random_prompts  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -37,14 +33,8 @@ OPTS = dict(bucket_size=1 << 20, timeout=30)
 
 @pytest.fixture(scope="module")
 def server():
-    with vllm_home(CFG, prefix="wsvllm-srvlora-") as folder:
-        log = os.path.join(os.path.dirname(folder), "serve.log")
-        worker = VLLMServerWorker(CFG, seed=3, name="srv-lora", options=VLLMServerOptions(
-            timeout=30, start_timeout=280, log_path=log, lora_rank=8))
-        try:
-            yield worker, os.path.dirname(folder)
-        finally:
-            worker.close()
+    with server_worker("wsvllm-srvlora-", "srv-lora", lora_rank=8) as pair:
+        yield pair
 
 
 def _trainer(r=4):

@@ -17,7 +17,6 @@ version, and the manager isolating only it while the HF replica gets the version
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
@@ -27,9 +26,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from syncchecks import assert_matches  # noqa: E402
-from vllmhelpers import CFG, VOCAB, vllm_home  # noqa: E402
+from vllmhelpers import CFG, VOCAB, server_worker  # noqa: E402
 from weightsync.core.errors import PeerFailed, PlanMismatch, WeightSyncError  # noqa: E402
-from weightsync.integrations.ray.vllm_workers import VLLMServerWorker  # noqa: E402
 from weightsync.integrations.ray.workers import HFRolloutWorker, ToyTrainerWorker  # noqa: E402
 from weightsync.orchestration.manager import CheckpointEngineManager  # noqa: E402
 from weightsync.rollout.vllm.server_replica import VLLMServerOptions  # noqa: E402
@@ -46,15 +44,9 @@ OPTS = dict(bucket_size=1 << 20, timeout=30)
 
 @pytest.fixture(scope="module")
 def server():
-    with vllm_home(CFG, prefix="wsvllm-srvrep-") as folder:
-        log = os.path.join(os.path.dirname(folder), "serve.log")
-        worker = VLLMServerWorker(CFG, seed=3, name="srv", options=VLLMServerOptions(
-            timeout=30, start_timeout=280, log_path=log))
-        try:
-            yield worker
-        finally:
-            worker.close()
-            assert worker.rollout.server is None
+    with server_worker("wsvllm-srvrep-", "srv") as (worker, _):
+        yield worker
+    assert worker.rollout.server is None         # closed: the owned server is gone
 
 
 def _trainer(cfg=CFG, cls=ToyTrainerWorker):

@@ -2,7 +2,8 @@
 tensors from this process into a replica's workers, and a listing of the files under folders.
 
 vLLM writes caches under HOME (and XDG_CACHE_HOME); a module that starts vLLM points both at
-a temp folder for its lifetime (``vllm_home``), which also holds the model folder.
+a temp folder for its lifetime (``vllm_home``), which also holds the model folder;
+``server_worker`` starts an owned ``vllm serve`` there.
 """
 
 from __future__ import annotations
@@ -48,6 +49,25 @@ def vllm_home(config: dict = CFG, *, seed: int = 1, prefix: str = "wsvllm-") -> 
             else:
                 os.environ[k] = v
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def server_worker(prefix: str, name: str, **options: Any) -> Iterator[tuple[Any, str]]:
+    """A ``VLLMServerWorker`` (an owned ``vllm serve`` on the tiny model, weights of seed
+    3) inside :func:`vllm_home`, its log in the temp root; yields (worker, root) and
+    closes it after. ``options``: more ``VLLMServerOptions`` fields."""
+    from weightsync.integrations.ray.vllm_workers import VLLMServerWorker
+    from weightsync.rollout.vllm.server_replica import VLLMServerOptions
+
+    with vllm_home(CFG, prefix=prefix) as folder:
+        root = os.path.dirname(folder)
+        worker = VLLMServerWorker(CFG, seed=3, name=name, options=VLLMServerOptions(
+            timeout=30, start_timeout=280, log_path=os.path.join(root, "serve.log"),
+            **options))
+        try:
+            yield worker, root
+        finally:
+            worker.close()
 
 
 def files_under(*roots: str) -> set[str]:

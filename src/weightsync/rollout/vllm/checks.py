@@ -37,7 +37,8 @@ from weightsync.core.digests import check_weight_set, tensor_digest
 from weightsync.core.plan import dtype_name
 from weightsync.rollout.protocol import WEIGHT_KINDS, SyncFence
 
-__all__ = ["normalize_offered", "merge_problems", "check_offered", "calibrate_live", "live_digests", "VLLMChecks"]
+__all__ = ["normalize_offered", "merge_problems", "check_offered", "calibrate_live", "live_digests",
+           "adapter_digests", "VLLMChecks"]
 
 logger = logging.getLogger(__name__)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -151,6 +152,17 @@ def normalize_offered(offered: Any) -> list:
     return [[str(n), [int(d) for d in s], str(dt)] for n, s, dt in offered]
 
 
+def adapter_digests(replies: Sequence, who: str, path: str, version: Any) -> dict:
+    """``weight_digests("adapter")`` from every vLLM worker's digests of the adapter it holds
+    under ``path``: they must agree."""
+    first = replies[0]
+    if any(r["digests"] != first["digests"] for r in replies[1:]):
+        raise WeightSyncError(f"{who}: the vLLM workers hold different adapters under {path}",
+                              phase="verify", version=version)
+    return {"digests": dict(first["digests"]), "dtypes": dict(first["dtypes"]),
+            "version": version, "live": []}
+
+
 def merge_problems(replies: Sequence) -> list:
     """The workers' ``[name, why]`` problems, each once, in order."""
     problems, seen = [], set()
@@ -228,9 +240,4 @@ class VLLMChecks:
                                   phase="verify", version=version)
         replies = self._rpc("weightsync_adapter_digests", request.lora_path, phase="verify",
                             version=version)
-        first = replies[0]
-        if any(r["digests"] != first["digests"] for r in replies[1:]):
-            raise WeightSyncError(f"{self.name}: the vLLM workers hold different adapters "
-                                  f"under {request.lora_path}", phase="verify", version=version)
-        return {"digests": dict(first["digests"]), "dtypes": dict(first["dtypes"]),
-                "version": version, "live": []}
+        return adapter_digests(replies, self.name, request.lora_path, version)

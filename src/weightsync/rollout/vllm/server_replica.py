@@ -104,7 +104,7 @@ from weightsync.rollout.protocol import (SLEEP_LEVELS, WEIGHT_KINDS, Generation,
                                          check_tags)
 from weightsync.rollout.vllm.serve import (HTTPWeightSyncClient, VLLMServer, VLLMServerError,
                                            error_fields)
-from weightsync.rollout.vllm.checks import merge_problems, normalize_offered
+from weightsync.rollout.vllm.checks import adapter_digests, merge_problems, normalize_offered
 from weightsync.rollout.vllm.lora import memory_path
 from weightsync.rollout.vllm.util import (EXTENSION, check_may_generate, check_prompts,
                                           max_positions)
@@ -838,12 +838,7 @@ class VLLMServerReplica(ReplicaControls):
         path = self._adapter["path"]
         replies = self._rpc("weightsync_adapter_digests", path, phase="verify",
                             version=version)
-        first = replies[0]
-        if any(r["digests"] != first["digests"] for r in replies[1:]):
-            raise WeightSyncError(f"{self._who()}: the vLLM workers hold different adapters "
-                                  f"under {path}", phase="verify", version=version)
-        return {"digests": dict(first["digests"]), "dtypes": dict(first["dtypes"]),
-                "version": version, "live": []}
+        return adapter_digests(replies, self._who(), path, version)
 
     # -- generation ---------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list:
