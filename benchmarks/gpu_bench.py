@@ -505,7 +505,7 @@ def main() -> None:
                     help="comma-separated: copy, into, weights, delta, ring")
     ap.add_argument("--changed", default="0.005,0.05",
                     help="fractions of elements changed between syncs (delta rows)")
-    ap.add_argument("--kernel-configs", default="2048x8,1024x8,4096x8,2048x4,4096x4",
+    ap.add_argument("--kernel-configs", default="4096x4,2048x8,2048x4,1024x8,4096x8",
                     help="elements per diff program x warps (kernels row)")
     ap.add_argument("--ring-buckets", default="256,512,1024,4096", help="MiB (ring rows)")
     ap.add_argument("--bucket-mib", type=int, default=None,

@@ -53,8 +53,8 @@ GROUP_TENSORS = 128
 _LOG = 7                              # 2**_LOG >= GROUP_TENSORS
 #: Receiver: bytes of records verified and committed per flush.
 ARENA_BYTES = 256 << 20
-BLOCK = 2048                          # elements per diff program
-WARPS = 8                             # warps per program of every kernel here
+BLOCK = 4096                          # elements per diff program
+WARPS = 4                             # warps per program of every kernel here
 EB = 2048                             # record entries per pack / verify / commit program
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
