@@ -11,7 +11,8 @@ median of ``--warm`` warm syncs after a cold one:
 * ``delta``: ``connect("cuda_ipc", delta=True)``, ``receive_into``; one row per fraction of
   ``--changed``;
 * ``kernels``: the codec's device kernels alone, in the trainer process, at each fraction
-  of ``--changed`` and each ``--kernel-configs`` (elements per diff program x warps): the
+  of ``--changed`` and each ``--kernel-configs`` (the diff's elements per step x warps x
+  steps per program): the
   diff's GPU time (CUDA events, the GPU kept busy while the host queues each launch), the
   whole encode as a sync runs it (launch a group, finish the one before) and the
   receiver's verify and commit of the records, each checked bit for bit;
@@ -144,15 +145,16 @@ class Worker:
         nbytes = sum(self.params[n].numel() * 2 for n in names)
         base = {n: self.params[n].clone() for n in names}
         target = {n: torch.empty_like(base[n]) for n in names}
-        saved = (gpu.BLOCK, gpu.WARPS)
+        saved = (gpu.BLOCK, gpu.WARPS, gpu.SUB)
         rows = []
         try:
             for frac in fracs:
-                for block, warps in configs:
-                    gpu.BLOCK, gpu.WARPS = block, warps
+                for block, warps, sub in configs:
+                    gpu.BLOCK, gpu.WARPS, gpu.SUB = block, warps, sub
                     runs = [self._kernel_run(groups, base, target, frac, gpu, deque)
                             for _ in range(reps + 1)][1:]
-                    row = {"changed": frac, "block": block, "warps": warps, "bytes": nbytes,
+                    row = {"changed": frac, "block": block, "warps": warps, "sub": sub,
+                           "bytes": nbytes,
                            "ok": all(r["ok"] for r in runs),
                            "record_bytes": runs[-1]["record_bytes"],
                            "dense": runs[-1]["dense"]}
@@ -161,7 +163,7 @@ class Worker:
                     rows.append(row)
                     print("kernels", json.dumps(row), flush=True)
         finally:
-            gpu.BLOCK, gpu.WARPS = saved
+            gpu.BLOCK, gpu.WARPS, gpu.SUB = saved
             del base, target
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -486,11 +488,11 @@ def report(out: dict) -> str:
     kern = out.get("kernels", {}).get("rows", [])
     if kern:
         lines += ["", "codec kernels alone (trainer process): diff GPU ms (CUDA events), "
-                  "encode and apply wall ms", "| changed | elements x warps | diff ms | "
+                  "encode and apply wall ms", "| changed | elements x warps x steps | diff ms | "
                   "diff x flat copy | diff GB/s read | encode ms | apply ms | record MB | "
                   "dense | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|"]
         for k in kern:
-            lines.append(f"| {k['changed']:.1%} | {k['block']} x {k['warps']} | "
+            lines.append(f"| {k['changed']:.1%} | {k['block']} x {k['warps']} x {k['sub']} | "
                          f"{k['diff_ms']:.2f} | {k['diff_ms'] / a:.2f} | "
                          f"{2 * k['bytes'] / k['diff_ms'] / 1e6:,.0f} | {k['encode_ms']:.2f} | "
                          f"{k['apply_ms']:.2f} | {k['record_bytes'] / 1e6:,.1f} | "
@@ -505,8 +507,9 @@ def main() -> None:
                     help="comma-separated: copy, into, weights, delta, ring")
     ap.add_argument("--changed", default="0.005,0.05",
                     help="fractions of elements changed between syncs (delta rows)")
-    ap.add_argument("--kernel-configs", default="4096x4,2048x8,2048x4,1024x8,4096x8",
-                    help="elements per diff program x warps (kernels row)")
+    ap.add_argument("--kernel-configs", default="4096x4,2048x8,1024x4x4,2048x8x4,1024x4x8",
+                    help="diff shapes of the kernels row: elements per step x warps [x steps "
+                         "per program, default 1]")
     ap.add_argument("--ring-buckets", default="256,512,1024,4096", help="MiB (ring rows)")
     ap.add_argument("--bucket-mib", type=int, default=None,
                     help="bucket size of the into / weights / delta rows (default: the "
@@ -535,8 +538,8 @@ def main() -> None:
         out["d2d"] = d.call("trainer", "d2d")
         print("d2d", json.dumps(out["d2d"]), flush=True)
         if "kernels" in args.rows.split(","):
-            cfgs = [tuple(int(x) for x in c.split("x")) for c in args.kernel_configs.split(",")
-                    if c]
+            cfgs = [(tuple(int(x) for x in c.split("x")) + (1,))[:3]
+                    for c in args.kernel_configs.split(",") if c]
             out["kernels"] = d.call("trainer", "kernels", reps=min(args.warm, 3), configs=cfgs,
                                     fracs=[float(x) for x in args.changed.split(",") if x])
         version = 1

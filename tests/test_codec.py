@@ -157,9 +157,15 @@ def _interpreting() -> bool:
 
 @pytest.mark.skipif("not _interpreting()", reason="the device kernels run on the host only "
                     "under TRITON_INTERPRET=1 (test_device_kernels_through_the_interpreter)")
-def test_interp_device_kernels_make_and_check_the_hosts_records(codec):
+@pytest.mark.parametrize("shape", [None, (256, 3)])
+def test_interp_device_kernels_make_and_check_the_hosts_records(codec, shape, monkeypatch):
     """The device kernels, run by Triton's interpreter on host tensors (on a GPU:
-    test_gpu_codec.py)."""
+    test_gpu_codec.py); also with several diff steps per program (small steps, so every
+    test tensor spans programs, steps and a partial last step)."""
+    from weightsync.transport.codec import gpu
+    if shape is not None:
+        monkeypatch.setattr(gpu, "BLOCK", shape[0])
+        monkeypatch.setattr(gpu, "SUB", shape[1])
     device_kernel_checks(codec, torch.device("cpu"))
 
 
@@ -293,8 +299,8 @@ def test_device_kernels_fit_an_h100s_registers_without_spilling():
     rec = {"ELEM": tl.int16, "POS": tl.int32, "IW": 4, "EB": gpu.EB, "LOG": gpu._LOG}
     cases = {
         "diff": (gpu._diff, dict(common, counts="*i64"),
-                 {"ELEM": tl.int16, "IW": 4, "BLOCK": gpu.BLOCK, "LOG": gpu._LOG,
-                  "ALIGNED": True}, 255),
+                 {"ELEM": tl.int16, "IW": 4, "BLOCK": gpu.BLOCK, "SUB": gpu.SUB,
+                  "LOG": gpu._LOG, "ALIGNED": True}, 255),
         "pack": (gpu._pack, dict(common, digs="*i64"), dict(rec, UELEM=tl.uint16), 255),
         "verify": (gpu._verify, dict(common, digs="*i64", bad="*i32"),
                    dict(rec, UELEM=tl.uint16), 128),
@@ -322,7 +328,7 @@ def test_device_kernels_through_the_interpreter(tmp_path):
                            __file__, "-k", keys], env=env, capture_output=True, text=True,
                           timeout=560, cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "7 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-500:]
+    assert "8 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-500:]
 
 
 # -- FP8 ----------------------------------------------------------------------------------

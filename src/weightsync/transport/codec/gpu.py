@@ -1,7 +1,9 @@
 """Delta encode and apply as device kernels (Triton), many tensors per launch.
 
 Sender (:class:`Encoder`): one *diff* launch per group of tensors (up to
-:data:`GROUP_BYTES` of them) reads each new tensor and its base once, compares them
+:data:`GROUP_BYTES` of them) reads each new tensor and its base once (each program
+:data:`SUB` steps of :data:`BLOCK` elements of one tensor, the next step's loads issued
+before the current step's count goes out), compares them
 bitwise, and writes the changed positions, new values and old values into a staging area
 (at most :func:`~.delta.max_changes` per tensor), counting the changes per tensor; it
 updates the base where it changed, so the base equals the new tensor after it. One
@@ -53,7 +55,8 @@ GROUP_TENSORS = 128
 _LOG = 7                              # 2**_LOG >= GROUP_TENSORS
 #: Receiver: bytes of records verified and committed per flush.
 ARENA_BYTES = 256 << 20
-BLOCK = 4096                          # elements per diff program
+BLOCK = 4096                          # elements per diff step
+SUB = 1                               # diff steps per program (the next one's loads overlap)
 WARPS = 4                             # warps per program of every kernel here
 EB = 2048                             # record entries per pack / verify / commit program
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -91,45 +94,60 @@ if triton is not None:
 
     @triton.jit
     def _diff(tab, starts, T, counts, ELEM: tl.constexpr, IW: tl.constexpr,
-              BLOCK: tl.constexpr, LOG: tl.constexpr, ALIGNED: tl.constexpr):
-        # lane offsets are 32-bit from the block's start (64-bit lanes spill registers)
+              BLOCK: tl.constexpr, SUB: tl.constexpr, LOG: tl.constexpr,
+              ALIGNED: tl.constexpr):
+        # a program diffs SUB blocks of BLOCK elements of one tensor, loading block i + 1
+        # before it reports block i (the count's atomic round trip then overlaps the
+        # loads); lane offsets are 32-bit from the program's start (64-bit lanes spill)
         pid = tl.program_id(0)
         t = _find(starts, T, pid, LOG)
         row = tab + t * 8
         n = tl.load(row + 2)
         cap = tl.load(row + 6)
-        start = (pid - tl.load(starts + t)).to(tl.int64) * BLOCK
-        new = tl.load(row).to(tl.pointer_type(ELEM)) + start
-        base = tl.load(row + 1).to(tl.pointer_type(ELEM)) + start
+        first = (pid - tl.load(starts + t)).to(tl.int64) * (BLOCK * SUB)
+        new = tl.load(row).to(tl.pointer_type(ELEM)) + first
+        base = tl.load(row + 1).to(tl.pointer_type(ELEM)) + first
         if ALIGNED:
             new = tl.multiple_of(new, 16)
             base = tl.multiple_of(base, 16)
+        lim = tl.minimum(n - first, BLOCK * SUB).to(tl.int32)   # elements of this program
         offs = tl.arange(0, BLOCK)
-        if start + BLOCK <= n:
+        if BLOCK <= lim:                  # whole blocks load unmasked (vectorized)
             a = tl.load(new + offs)
             c = tl.load(base + offs)
-            ne = a != c
         else:
-            live = offs < (n - start).to(tl.int32)
-            a = tl.load(new + offs, mask=live, other=0)
-            c = tl.load(base + offs, mask=live, other=0)
-            ne = (a != c) & live
-        cnt = tl.sum(ne.to(tl.int32), axis=0)
-        if cnt > 0:
-            at = tl.atomic_add(counts + t, cnt.to(tl.int64))
-            dst = tl.cumsum(ne.to(tl.int32), axis=0) - 1
-            keep = ne & (dst < tl.minimum(tl.maximum(cap - at, 0), BLOCK).to(tl.int32))
-            if IW == 4:
-                pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int32)) + at
-                tl.store(pos_out + dst, offs + start.to(tl.int32), mask=keep)
-            else:
-                pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int64)) + at
-                tl.store(pos_out + dst, offs.to(tl.int64) + start, mask=keep)
-            new_out = tl.load(row + 4).to(tl.pointer_type(ELEM)) + at
-            old_out = tl.load(row + 5).to(tl.pointer_type(ELEM)) + at
-            tl.store(new_out + dst, a, mask=keep)
-            tl.store(old_out + dst, c, mask=keep)
-            tl.store(base + offs, a, mask=ne)
+            a = tl.load(new + offs, mask=offs < lim, other=0)
+            c = tl.load(base + offs, mask=offs < lim, other=0)
+        for i in tl.static_range(SUB):
+            at_ = i * BLOCK
+            nxt = offs + (at_ + BLOCK)
+            if i + 1 < SUB:
+                if at_ + 2 * BLOCK <= lim:
+                    a_next = tl.load(new + nxt)
+                    c_next = tl.load(base + nxt)
+                else:
+                    a_next = tl.load(new + nxt, mask=nxt < lim, other=0)
+                    c_next = tl.load(base + nxt, mask=nxt < lim, other=0)
+            ne = (a != c) & (offs + at_ < lim)
+            cnt = tl.sum(ne.to(tl.int32), axis=0)
+            if cnt > 0:
+                got = tl.atomic_add(counts + t, cnt.to(tl.int64))
+                dst = tl.cumsum(ne.to(tl.int32), axis=0) - 1
+                keep = ne & (dst < tl.minimum(tl.maximum(cap - got, 0), BLOCK).to(tl.int32))
+                if IW == 4:
+                    pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int32)) + got
+                    tl.store(pos_out + dst, offs + (first.to(tl.int32) + at_), mask=keep)
+                else:
+                    pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int64)) + got
+                    tl.store(pos_out + dst, offs.to(tl.int64) + (first + at_), mask=keep)
+                new_out = tl.load(row + 4).to(tl.pointer_type(ELEM)) + got
+                old_out = tl.load(row + 5).to(tl.pointer_type(ELEM)) + got
+                tl.store(new_out + dst, a, mask=keep)
+                tl.store(old_out + dst, c, mask=keep)
+                tl.store(base + at_ + offs, a, mask=ne)
+            if i + 1 < SUB:
+                a = a_next
+                c = c_next
 
     @triton.jit
     def _pack(tab, starts, T, digs, ELEM: tl.constexpr, UELEM: tl.constexpr,
@@ -316,14 +334,15 @@ class Encoder:
                 rows.append([_elem_view(new).data_ptr(), _elem_view(base).data_ptr(), n,
                              pos.data_ptr() + off * iw, vals.data_ptr() + off * k,
                              olds.data_ptr() + off * k, cap, 0])
-                blocks.append(math.ceil(n / BLOCK))
+                blocks.append(math.ceil(n / (BLOCK * SUB)))
                 aligned &= new.data_ptr() % 16 == 0 and base.data_ptr() % 16 == 0
             # the programs' counts go to the group's slots of these tensors
             sub = counts if len(idx) == len(items) else torch.zeros(len(idx), dtype=torch.int64,
                                                                     device=device)
             starts, grid = _starts(blocks, device)
             _diff[(grid,)](_table(rows, 8, device), starts, len(idx), sub, ELEM=_ELEM[k],
-                           IW=iw, BLOCK=BLOCK, LOG=_LOG, ALIGNED=aligned, num_warps=WARPS)
+                           IW=iw, BLOCK=BLOCK, SUB=SUB, LOG=_LOG, ALIGNED=aligned,
+                           num_warps=WARPS)
             if sub is not counts:
                 counts[torch.tensor(idx, device=device)] = sub
             staged[(k, iw)] = (idx, pos, vals, olds, offsets)
