@@ -34,7 +34,7 @@ from weightsync.rollout.vllm.server_replica import VLLMServerOptions  # noqa: E4
 from weightsync.testing.toymodel import random_prompts  # noqa: E402
 from weightsync.transport import CheckpointEngineRegistry  # noqa: E402
 from weightsync.transport.base import worker_kwargs  # noqa: E402
-from weightsync.transport.rendezvous import RolloutRelay, connect  # noqa: E402
+from weightsync.transport.rendezvous import TAKEN_OVER, RolloutRelay, connect  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 PROMPTS = random_prompts(2, 6, vocab_size=VOCAB)
@@ -227,6 +227,43 @@ def test_sleep_on_cpu_refuses_generation_and_frees_nothing(server):
     assert not any(g.aborted for g in _gen(server))
     with pytest.raises(NotImplementedError, match="no call into them"):
         rollout.execute_checkpoint_engine("state")
+
+
+def test_a_client_that_takes_the_server_over_is_named_in_the_first_ones_error(server):
+    """Two managers on one server (say a restarted trainer beside one still alive): the
+    second's join takes the server's weight transfer over; the first's next sync is
+    refused at its check, saying so, and its teardown leaves the second's group alone:
+    the second syncs on."""
+    from weightsync.integrations.ray.mixins import RolloutWorkerMixin
+    from weightsync.rollout.vllm.server_replica import VLLMServerReplica
+
+    class Attached(RolloutWorkerMixin):
+        def __init__(self, rollout):
+            self.rollout = rollout
+
+    other = Attached(VLLMServerReplica(url=server.rollout.url, name="second",
+                                       options=VLLMServerOptions(timeout=30)))
+    t1, t2 = _trainer(), _trainer()
+    try:
+        with CheckpointEngineManager("shm", [t1], [server], bucket_size=1 << 20,
+                                     timeout=8) as first:
+            t1.train_step(1)
+            assert first.update_weights(61).ok
+            with CheckpointEngineManager("shm", [t2], [other], **OPTS) as second:
+                t2.train_step(1)
+                assert second.update_weights(62).ok
+                t1.train_step(2)
+                with pytest.raises(WeightSyncError, match=TAKEN_OVER):
+                    first.update_weights(63)
+                t2.train_step(2)
+                assert second.update_weights(64).ok
+                assert_matches(_gen(other.rollout), t2.reference(PROMPTS, NEW), 64,
+                               exact=False, who="second")
+    finally:
+        other.rollout.close()
+    with CheckpointEngineManager("shm", [t1], [server], **OPTS) as again:   # takes it back
+        assert again.update_weights(65).ok
+    assert_matches(_gen(server), t1.reference(PROMPTS, NEW), 65, exact=False, who="server")
 
 
 def test_attach_to_a_running_server(server):

@@ -15,6 +15,7 @@ token) is readable by token holders only, and a worker with a wrong token joins 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -28,7 +29,7 @@ from weightsync.transport.base import validate_topology, worker_kwargs
 from weightsync.core.config import env_value
 from weightsync.core.errors import PeerFailed, SyncTimeout
 
-__all__ = ["connect", "RolloutRelay"]
+__all__ = ["connect", "RolloutRelay", "group_id", "TAKEN_OVER"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,16 @@ def _rendezvous(store: ControlClient, engine: CheckpointEngine, backend: str, ro
     engine.init_process_group(**kwargs)
     if master:  # keep the store up until everybody has read its entry
         _wait(store, [_key(backend, "joined", r, i) for r, i in workers], timeout, "joins")
+
+
+#: How a receiver whose group another client replaced refuses a sync of the old group.
+TAKEN_OVER = "another client re-initialized this receiver's weight transfer"
+
+
+def group_id(token: str) -> str:
+    """A name for the group joined with ``token`` that does not reveal the token (a
+    receiver that joined through a relay can be asked which group it is in)."""
+    return hashlib.sha256(f"weightsync-group:{token}".encode()).hexdigest()[:24]
 
 
 class RolloutRelay:

@@ -79,7 +79,7 @@ from weightsync.rollout.vllm.apply import (CheckedStream, apply_weights, checkpo
                                            pick_loader)
 from weightsync.rollout.vllm.checks import calibrate_live, check_offered, live_digests
 from weightsync.rollout.vllm.serve import mark_error
-from weightsync.transport.rendezvous import connect
+from weightsync.transport.rendezvous import TAKEN_OVER, connect, group_id
 
 __all__ = ["WeightsyncWeightTransferEngine", "WorkerView", "SessionStateError"]
 
@@ -145,6 +145,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
         super().__init__(config, vllm_config, device, model)
         self.backend = weightsync_backend(config.backend)
         self.transport: Any = None
+        self.group: Optional[str] = None     # group_id of the group joined
         self.runner = AsyncRunner("weightsync-vllm-native")
         self.session: Optional[_Session] = None
         self.version: Any = None
@@ -217,6 +218,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
                          address=init_info.address, token=init_info.token, **options)
         self._release()
         self.transport = joined
+        self.group = group_id(init_info.token)
         logger.info("weightsync: %s joined the %s group of %s", self.peer, self.backend,
                     init_info.address)
 
@@ -270,6 +272,11 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo,
     # -- check --------------------------------------------------------------------------
     def _check(self, session: _Session, info: WeightsyncUpdateInfo) -> None:
         """Validation before bytes: the described set against the checkpoint."""
+        if info.group is not None and info.group != self.group:
+            raise SessionStateError(
+                f"weightsync: {TAKEN_OVER} (/init_weight_transfer_engine) after yours "
+                "joined, so its engine is in that client's group now; initialize again "
+                "to take it back")
         offered = info.offered()
         seen: set = set()
         dupes = sorted({n for n, _, _ in offered if n in seen or seen.add(n)})

@@ -137,6 +137,7 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     digests: bool = False
     kind: str = "full"
     adapter: Optional[dict] = None
+    group: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -151,6 +152,8 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
                 raise ValueError("phase 'receive' takes only the version (the weight set "
                                  "was described by phase 'check')")
             return
+        if self.group is not None and not (isinstance(self.group, str) and self.group):
+            raise ValueError(f"group must be a non-empty str, got {self.group!r:.80}")
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r:.80}")
         if self.kind == "adapter":

@@ -108,7 +108,7 @@ from weightsync.rollout.vllm.checks import adapter_digests, merge_problems, norm
 from weightsync.rollout.vllm.lora import memory_path
 from weightsync.rollout.vllm.util import (EXTENSION, check_may_generate, check_prompts,
                                           max_positions)
-from weightsync.transport.rendezvous import RolloutRelay
+from weightsync.transport.rendezvous import TAKEN_OVER, RolloutRelay, group_id
 
 __all__ = ["VLLMServerReplica", "VLLMServerOptions", "PREFIX", "BACKENDS", "LORA_NAME"]
 
@@ -255,6 +255,7 @@ class VLLMServerReplica(ReplicaControls):
         self._adapter_cfg: Optional[dict] = None  # the PEFT config of the last adapter
         self._pending: Optional[tuple] = None     # (relay, init call, timeout) of a join
         self._joined: Optional[str] = None        # backend of the group the workers joined
+        self._group: Optional[str] = None         # its group_id (each check names it)
         self._dead: Optional[str] = None
         self._asleep = {"weights": False, "kv_cache": False}
         self._ids = itertools.count()
@@ -501,7 +502,7 @@ class VLLMServerReplica(ReplicaControls):
         finally:
             self._pending = None
             relay.close()
-        self._joined = self.options.backend
+        self._joined, self._group = self.options.backend, group_id(relay.token)
 
     def engine_finalize(self) -> None:
         """Release the workers' engines (``/shutdown_weight_transfer_engine``); nothing to
@@ -568,7 +569,7 @@ class VLLMServerReplica(ReplicaControls):
         self._record(f"load:{kind}:{version}")
         names, shapes, dtypes = (list(x) for x in zip(*offered)) if offered else ([], [], [])
         check = {"phase": "check", "version": version, "names": names, "shapes": shapes,
-                 "dtypes": dtypes, "digests": self.options.digests}
+                 "dtypes": dtypes, "digests": self.options.digests, "group": self._group}
         config = self._adapter_config_for(adapter_config)
         if kind == "adapter":     # held in the workers' memory, then loaded by vLLM's API
             check.update(kind="adapter", adapter={"name": LORA_NAME, "config": config},
@@ -602,7 +603,9 @@ class VLLMServerReplica(ReplicaControls):
             if served != str(version):
                 raise PeerFailed(f"{self._who()} reports weight version {served!r} after "
                                  f"finishing {version!r}", phase="receive", version=version)
-        except BaseException:
+        except BaseException as exc:
+            if TAKEN_OVER in str(exc):   # not ours to shut down at engine_finalize
+                self._joined = self._group = None
             self._after_failure(version)
             raise
         finally:
