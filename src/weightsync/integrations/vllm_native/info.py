@@ -14,7 +14,9 @@ methods), and the trainer-side init infos that select a backend in vLLM's
   against the checkpoint (``digests=True``: also hash every tensor of the version as it
   arrives, for ``verify``); ``phase="receive"`` then moves the bytes of that version.
   ``kind="adapter"`` (with ``adapter={"name", "config"}``) describes a LoRA adapter
-  instead, held in memory once received (see :mod:`.engine`).
+  instead, held in memory once received (see :mod:`.engine`). ``group`` (optional,
+  :func:`~weightsync.transport.rendezvous.group_id` of the init's token): the check is
+  refused if the workers joined another group since.
 * :class:`WeightsyncTrainerInitInfo` and its per-backend subclasses (trainer side).
 """
 
