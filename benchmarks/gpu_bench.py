@@ -80,6 +80,25 @@ def model_shapes(layers: int, scale: int = 1) -> list[tuple[str, tuple[int, ...]
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
+def flat_copy_times(nbytes: int, reps: int = 10) -> list[float]:
+    """Milliseconds of ``reps`` device-to-device copies of ``nbytes`` (CUDA events), after
+    two unmeasured ones: the physical limit each row is a multiple of."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
+    dst = torch.empty_like(src)
+    times = []
+    for k in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if k >= 2:
+            times.append(a.elapsed_time(b))
+    del src, dst
+    torch.cuda.empty_cache()
+    return times
+
+
 # -- worker side (one process per role) ------------------------------------------------
 class Worker:
     def __init__(self, role: str, args: dict, peer, barrier) -> None:
@@ -110,19 +129,7 @@ class Worker:
         nbytes = sum(p.numel() * 2 for p in self.params.values())
         if not self.cuda:
             return {"bytes": nbytes, "flat_ms": 1.0}
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
-        dst = torch.empty_like(src)
-        times = []
-        for k in range(reps + 2):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src)
-            b.record()
-            b.synchronize()
-            if k >= 2:
-                times.append(a.elapsed_time(b))
-        del src, dst
-        torch.cuda.empty_cache()
+        times = flat_copy_times(nbytes, reps)
         return {"bytes": nbytes, "flat_ms": statistics.median(times), "flat_all_ms": times}
 
     def op_kernels(self, fracs: list, configs: list, reps: int) -> dict:

@@ -128,27 +128,9 @@ def _checksum(params: dict[str, torch.Tensor]) -> list[int]:
     return [int(x) for x in torch.stack(sums).tolist()]
 
 
-def _flat_copy_ms(nbytes: int, reps: int = 10) -> float:
-    """Median milliseconds of one device-to-device copy of ``nbytes`` (CUDA events)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            times.append(a.elapsed_time(b))
-    del src, dst
-    torch.cuda.empty_cache()
-    return statistics.median(times)
-
-
 def _worker(role: str, args: dict, conn: Any, peer: Any) -> None:
     try:
-        from gpu_bench import model_shapes
+        from gpu_bench import flat_copy_times, model_shapes
         from weightsync.transport.backends.cuda_ipc.ops import CudaIpcOps
         torch.cuda.set_device(0)
         ops = CudaIpcOps("cuda")
@@ -158,7 +140,7 @@ def _worker(role: str, args: dict, conn: Any, peer: Any) -> None:
         nbytes = sum(p.numel() * p.element_size() for p in params.values())
         ready = {"bytes": nbytes, "gpu": torch.cuda.get_device_name()}
         if role == "trainer":
-            ready["flat_ms"] = _flat_copy_ms(nbytes)
+            ready["flat_ms"] = statistics.median(flat_copy_times(nbytes))
         conn.send(ready)
         while True:
             cmd = conn.recv()
