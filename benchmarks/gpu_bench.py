@@ -12,7 +12,7 @@ median of ``--warm`` warm syncs after a cold one:
   ``--changed``;
 * ``kernels``: the codec's device kernels alone, in the trainer process, at each fraction
   of ``--changed`` and each ``--kernel-configs`` (the diff's elements per step x warps x
-  steps per program): the
+  steps per program x MiB of tensors per launch): the
   diff's GPU time (CUDA events, the GPU kept busy while the host queues each launch), the
   whole encode as a sync runs it (launch a group, finish the one before) and the
   receiver's verify and commit of the records, each checked bit for bit;
@@ -141,26 +141,31 @@ class Worker:
             return {"skipped": "no Triton for this device (CPU: TRITON_INTERPRET=1)"}
         names = [n for n, p in self.params.items()
                  if p.numel() * p.element_size() > SMALL and delta.deltable(p)]
-        groups, cur, size = [], [], 0          # as EncodeRun groups the caller's tensors
-        for n in names:
-            cur.append(n)
-            size += self.params[n].numel() * 2
-            if size >= gpu.GROUP_BYTES or len(cur) >= gpu.GROUP_TENSORS:
-                groups.append(cur)
-                cur, size = [], 0
-        groups += [cur] if cur else []
+
+        def grouped(limit: int) -> list:       # as EncodeRun groups the caller's tensors
+            groups, cur, size = [], [], 0
+            for n in names:
+                cur.append(n)
+                size += self.params[n].numel() * 2
+                if size >= limit or len(cur) >= gpu.GROUP_TENSORS:
+                    groups.append(cur)
+                    cur, size = [], 0
+            return groups + ([cur] if cur else [])
         nbytes = sum(self.params[n].numel() * 2 for n in names)
         base = {n: self.params[n].clone() for n in names}
         target = {n: torch.empty_like(base[n]) for n in names}
-        saved = (gpu.BLOCK, gpu.WARPS, gpu.SUB)
+        saved = (gpu.BLOCK, gpu.WARPS, gpu.SUB, gpu.GROUP_BYTES)
         rows = []
         try:
             for frac in fracs:
-                for block, warps, sub in configs:
-                    gpu.BLOCK, gpu.WARPS, gpu.SUB = block, warps, sub
+                for block, warps, sub, group_mib in configs:
+                    group_bytes = group_mib * MiB if group_mib else saved[3]
+                    gpu.BLOCK, gpu.WARPS, gpu.SUB, gpu.GROUP_BYTES = block, warps, sub, group_bytes
+                    groups = grouped(group_bytes)
                     runs = [self._kernel_run(groups, base, target, frac, gpu, deque)
                             for _ in range(reps + 1)][1:]
                     row = {"changed": frac, "block": block, "warps": warps, "sub": sub,
+                           "group_mib": group_bytes // MiB, "groups": len(groups),
                            "bytes": nbytes,
                            "ok": all(r["ok"] for r in runs),
                            "record_bytes": runs[-1]["record_bytes"],
@@ -170,11 +175,11 @@ class Worker:
                     rows.append(row)
                     print("kernels", json.dumps(row), flush=True)
         finally:
-            gpu.BLOCK, gpu.WARPS, gpu.SUB = saved
+            gpu.BLOCK, gpu.WARPS, gpu.SUB, gpu.GROUP_BYTES = saved
             del base, target
             if self.cuda:
                 torch.cuda.empty_cache()
-        return {"rows": rows, "groups": len(groups)}
+        return {"rows": rows}
 
     def _kernel_run(self, groups, base, target, frac, gpu, deque) -> dict:
         self.changed = frac
@@ -516,7 +521,7 @@ def main() -> None:
                     help="fractions of elements changed between syncs (delta rows)")
     ap.add_argument("--kernel-configs", default="4096x4,2048x8,1024x4x4,2048x8x4,1024x4x8",
                     help="diff shapes of the kernels row: elements per step x warps [x steps "
-                         "per program, default 1]")
+                         "per program, default 1 [x MiB per launch, default the library's]]")
     ap.add_argument("--ring-buckets", default="256,512,1024,4096", help="MiB (ring rows)")
     ap.add_argument("--bucket-mib", type=int, default=None,
                     help="bucket size of the into / weights / delta rows (default: the "
@@ -545,7 +550,7 @@ def main() -> None:
         out["d2d"] = d.call("trainer", "d2d")
         print("d2d", json.dumps(out["d2d"]), flush=True)
         if "kernels" in args.rows.split(","):
-            cfgs = [(tuple(int(x) for x in c.split("x")) + (1,))[:3]
+            cfgs = [(tuple(int(x) for x in c.split("x")) + (1, 0)[len(c.split("x")) - 2:])[:4]
                     for c in args.kernel_configs.split(",") if c]
             out["kernels"] = d.call("trainer", "kernels", reps=min(args.warm, 3), configs=cfgs,
                                     fracs=[float(x) for x in args.changed.split(",") if x])
