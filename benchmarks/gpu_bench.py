@@ -130,7 +130,23 @@ class Worker:
         if not self.cuda:
             return {"bytes": nbytes, "flat_ms": 1.0}
         times = flat_copy_times(nbytes, reps)
-        return {"bytes": nbytes, "flat_ms": statistics.median(times), "flat_all_ms": times}
+        # the same bytes as the model's tensors, one copy_ each, in one process: what a
+        # per-tensor path costs the GPU before any transport
+        dst = {n: torch.empty_like(p) for n, p in self.params.items()}
+        per = []
+        for k in range(reps + 2):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for n, p in self.params.items():
+                dst[n].copy_(p)
+            b.record()
+            b.synchronize()
+            if k >= 2:
+                per.append(a.elapsed_time(b))
+        del dst
+        torch.cuda.empty_cache()
+        return {"bytes": nbytes, "flat_ms": statistics.median(times), "flat_all_ms": times,
+                "per_tensor_ms": statistics.median(per)}
 
     def op_kernels(self, fracs: list, configs: list, reps: int) -> dict:
         """The codec's kernels alone on this process's model (the ``kernels`` row)."""
@@ -490,6 +506,10 @@ def report(out: dict) -> str:
              "| path | ms | x flat copy | trainer host ms | bytes to the transport | "
              "x fewer bytes than dense | bit-exact |", "|---|---|---|---|---|---|---|",
              f"| flat D2D copy of the same bytes | {a:.2f} | 1.00 | - | - | - | - |"]
+    per = out["d2d"].get("per_tensor_ms")
+    if per:
+        lines.append(f"| the same tensors, a copy_ each, one process | {per:.2f} | "
+                     f"{per / a:.2f} | - | - | - | - |")
     dense = next((e["bytes"] for e in out["engine"] if e["cfg"].get("delta") is None), None)
     for e in out["engine"]:
         fewer = f"{dense / e['bytes']:.0f}" if dense and e["bytes"] and \
@@ -500,11 +520,13 @@ def report(out: dict) -> str:
     kern = out.get("kernels", {}).get("rows", [])
     if kern:
         lines += ["", "codec kernels alone (trainer process): diff GPU ms (CUDA events), "
-                  "encode and apply wall ms", "| changed | elements x warps x steps | diff ms | "
+                  "encode and apply wall ms", "| changed | elements x warps x steps x MiB per "
+                  "launch | diff ms | "
                   "diff x flat copy | diff GB/s read | encode ms | apply ms | record MB | "
                   "dense | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|"]
         for k in kern:
-            lines.append(f"| {k['changed']:.1%} | {k['block']} x {k['warps']} x {k['sub']} | "
+            lines.append(f"| {k['changed']:.1%} | {k['block']} x {k['warps']} x {k['sub']} x "
+                         f"{k.get('group_mib', '-')} | "
                          f"{k['diff_ms']:.2f} | {k['diff_ms'] / a:.2f} | "
                          f"{2 * k['bytes'] / k['diff_ms'] / 1e6:,.0f} | {k['encode_ms']:.2f} | "
                          f"{k['apply_ms']:.2f} | {k['record_bytes'] / 1e6:,.1f} | "
