@@ -92,6 +92,10 @@ class FakeOps(IpcOps):
     def sync(self, stream):
         stream.run_until(stream.queued)
 
+    def idle(self, stream):
+        with stream.lock:
+            return stream.ran == stream.queued
+
     def new_stream(self):
         return FakeStream()
 
@@ -322,6 +326,40 @@ def test_zero_copy_batches_grow(fake_ops):
         # 2, 4, 8, 16 tensors, then the 10 left: few messages, the first one early
         assert sent[0]["ref_batches"] == 5 and sent[0]["ref_tensors"] == 40
         assert all(same_bytes(got[0][n][0], p) for n, p in params.items())
+    finally:
+        _finalize(ts + rs)
+
+
+def test_zero_copy_batches_wait_for_the_trainers_stream_only_while_it_has_work(
+        fake_ops, monkeypatch):
+    """A zero-copy batch announced while the trainer's stream has nothing left to run is
+    read at once (no event of the trainer's is polled: on a GPU its record would wait for
+    the trainer's next time slice); one announced behind pending writes to the tensors
+    is read only after them."""
+    g = torch.Generator().manual_seed(3)
+    params = {f"w{i}": torch.randn(256, generator=g) for i in range(12)}
+    ts, rs = _group(1, 1, zero_copy=True, bucket_size=2048)
+    waited = []
+    real_wait = rs[0]._wait_event
+
+    def spy(event, **kw):
+        waited.append(event is rs[0]._rx_filled[0][-1])   # the zero-copy batches' event
+        return real_wait(event, **kw)
+    monkeypatch.setattr(rs[0], "_wait_event", spy)
+    try:
+        for step in range(3):
+            waited.clear()
+            expect = {n: p.clone() for n, p in params.items()}
+            if step == 2:       # an optimizer step still queued on the trainer's stream
+                expect = {n: p + 1 for n, p in params.items()}
+                for n, p in params.items():
+                    ts[0]._ops.copy(p, expect[n], None)
+            sent, got = _sync(ts, rs, lambda i: list(params.items()), step)
+            assert not any(isinstance(x, BaseException) for x in sent + got), sent + got
+            assert all(same_bytes(got[0][n][0], expect[n]) for n in params)
+            if step:
+                assert sent[0]["ref_tensors"] == len(params) and sent[0]["ref_batches"] >= 2
+                assert any(waited) == (step == 2), (step, waited)
     finally:
         _finalize(ts + rs)
 

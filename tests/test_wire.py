@@ -12,6 +12,7 @@ MESSAGES = [
     BucketMsg(version=3, seq=1, stream=0, index=2, slot=1, nbytes=100, layout="ab",
               entries=(TensorMeta("a", (2, 3), "float32", 0, 24),), checksum=7),
     BucketMsg(version=None, seq=1, stream=0, index=2, slot=1, nbytes=100, layout="ab"),
+    BucketMsg(version=4, seq=2, stream=1, index=3, slot=2, nbytes=8, layout="cd", ready=True),
     DoneMsg(version="v1", seq=1, stream=0, num_buckets=2, num_tensors=3, nbytes=5,
             signature="x"),
     ErrorMsg(version=1, seq=2, error="SyncTimeout", message="m", peer="p", phase="send"),
@@ -35,6 +36,8 @@ def test_roundtrip(msg):
     b'{"wsv": 1, "kind": "ack", "seq": true, "stream": 0, "rank": 0, "index": 1}',
     b'{"wsv": 1, "kind": "ack", "seq": 1, "stream": 0, "rank": 0, "index": 1, "x": 1}',
     b"\x80\x04\x95",  # a pickle header is just bad JSON here
+    b'{"wsv": 1, "kind": "bucket", "version": 1, "seq": 1, "stream": 0, "index": 0, '
+    b'"slot": 0, "nbytes": 0, "layout": "", "ready": 1}',   # ready is a bool
 ])
 def test_rejects_malformed(raw):
     with pytest.raises(WireError):

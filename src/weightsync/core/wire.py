@@ -80,6 +80,8 @@ class BucketMsg(Message):
     #: a direct tensor whose storage the sender shared (torch shared memory): ``(fd, inode,
     #: storage nbytes, byte offset)`` for receivers that map it (``transport.peermem``)
     shared: Optional[tuple[int, int, int, int]] = None
+    #: the bytes were ready when this was sent: no event of the sender's to wait for
+    ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ _KINDS: dict[str, type[Message]] = {
                         PullMsg, StagedMsg, PulledMsg, WantsMsg, LandMsg)}
 _OPTIONAL = {"entries": None, "checksum": None, "names": None, "final": False,
              "segments": (), "handles": (), "origin": None, "staged": True, "blocks": (),
-             "wants": (), "shared": None, "landings": None}
+             "wants": (), "shared": None, "landings": None, "ready": False}
 _ERROR_NAMES = {
     "WeightSyncError", "SyncTimeout", "PeerFailed", "PlanMismatch", "VersionMismatch",
     "WireError", "IntegrityError", "BackendUnavailable", "TopologyError", "AuthenticationError",
@@ -427,7 +429,7 @@ def _check_field(cls: type[Message], name: str, v: Any) -> Any:
         if type(v) is not list:
             _fail("entries must be a list or null")
         return tuple(_meta(item) for item in v)
-    if name in ("final", "staged"):
+    if name in ("final", "staged", "ready"):
         if type(v) is not bool:
             _fail(f"{name} must be a bool")
         return v

@@ -470,8 +470,9 @@ class CudaIpcEngine(ZeroCopyMixin, StoreGroupMixin, ReceiverMixin, BucketedEngin
             raise TopologyError(f"slot {msg.slot} / bucket {msg.index} does not exist",
                                 peer=f"trainer rank {stream}", phase="receive",
                                 version=msg.version)
-        self._wait_event(self._rx_filled[stream][msg.slot], peer=f"trainer rank {stream}",
-                         phase="receive", version=msg.version)
+        if ring or not msg.ready:
+            self._wait_event(self._rx_filled[stream][msg.slot], peer=f"trainer rank {stream}",
+                             phase="receive", version=msg.version)
         return bufs[msg.slot] if ring else self._fetch_regions(stream, msg)
 
     def _rx_copy_runner(self) -> Any:

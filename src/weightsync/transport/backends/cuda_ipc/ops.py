@@ -134,6 +134,10 @@ class IpcOps:
     def sync(self, stream: Any) -> None:
         """Block until the work queued on ``stream`` is done."""
 
+    def idle(self, stream: Any) -> bool:
+        """Whether every piece of work queued on ``stream`` is done (no wait)."""
+        return True
+
     def new_stream(self) -> Any:
         """A stream of this device's own (work queued on it runs beside the caller's)."""
         return self.current_stream()
@@ -244,6 +248,9 @@ class CudaIpcOps(IpcOps):
 
     def sync(self, stream: Any) -> None:
         stream.synchronize()
+
+    def idle(self, stream: Any) -> bool:
+        return stream.query()
 
     def new_stream(self) -> Any:
         return torch.cuda.Stream(self.device)

@@ -8,7 +8,9 @@ into a bucket: the trainer exports its *storage* once (a *region*, descriptors i
 trainer's control store, one reference per receiver) and announces batches of ``(name,
 shape, dtype, region << 40 | byte offset)`` entries as buckets of their own (indices from
 ``REF_INDEX_BASE``, slot ``num_slots``; their layouts are replayed like ring buckets).
-Receivers map each region once and hand out views into it. Any other tensor (a temporary,
+Receivers map each region once and hand out views into it. A batch announced while the
+trainer's stream has nothing left to run is read at once; one announced behind pending
+work is read after an event recorded behind it. Any other tensor (a temporary,
 a buffer the export refills for several names) goes through the ring, so the export may
 free or rewrite it once the iterator moves on. Regions not used in a sync are released by
 both sides at its end. The tensors must stay unchanged until ``send_weights`` returns;
@@ -214,10 +216,16 @@ class ZeroCopyMixin:
         cached, digest = self._tx_ref_plan[k] if k < len(self._tx_ref_plan) else (None, "")
         replay = cached == bucket
         digest = digest if replay else bucket_digest(bucket)
-        self._tx_done(len(self._bufs), state.version)
+        # The tensors are ready behind the caller's stream. If it has nothing left to run,
+        # they are ready now: receivers need not wait for an event of this process, whose
+        # record runs only when the GPU next schedules this process (while a receiver's
+        # copies run, that can be a time slice away).
+        ready = self._ops.idle(self._tx_stream)
+        if not ready:
+            self._tx_done(len(self._bufs), state.version)
         msg = BucketMsg(version=wire_version(state.version), seq=state.seq, stream=self._rank,
                         index=bucket.index, slot=len(self._bufs), nbytes=bucket.nbytes,
-                        layout=digest, entries=None if replay else entries)
+                        layout=digest, entries=None if replay else entries, ready=ready)
         self._tx_control().push_many(self._receiver_boxes(), msg)
         self._ref_plan_new.append((bucket, digest))
         self._ref_entries, self._ref_bytes = [], 0
