@@ -11,11 +11,11 @@ median of ``--warm`` warm syncs after a cold one:
 * ``delta``: ``connect("cuda_ipc", delta=True)``, ``receive_into``; one row per fraction of
   ``--changed``;
 * ``kernels``: the codec's device kernels alone, in the trainer process, at each fraction
-  of ``--changed`` and each ``--kernel-configs`` (the diff's elements per step x warps x
-  steps per program x MiB of tensors per launch): the
-  diff's GPU time (CUDA events, the GPU kept busy while the host queues each launch), the
-  whole encode as a sync runs it (launch a group, finish the one before) and the
-  receiver's verify and commit of the records, each checked bit for bit;
+  of ``--changed`` and each ``--kernel-configs`` (elements per program x warps x MiB of
+  tensors per launch): the GPU time of the mark launches and of the record launches (CUDA
+  events, the GPU kept busy while the host queues them), the whole encode as a sync runs
+  it (launch a group, finish the one before) and the receiver's verify and commit of the
+  records, each checked bit for bit;
 * ``ring`` (``--rows ring`` or ``--ring-probe``): ``zero_copy=False``, ``receive_into``, at
   each ``--ring-buckets`` size; with ``--timeline`` every warm sync's engine steps are
   printed (``benchmarks/timeline_costs.py`` reads them: ``weightsync plan``'s ring costs).
@@ -170,28 +170,28 @@ class Worker:
         nbytes = sum(self.params[n].numel() * 2 for n in names)
         base = {n: self.params[n].clone() for n in names}
         target = {n: torch.empty_like(base[n]) for n in names}
-        saved = (gpu.BLOCK, gpu.WARPS, gpu.SUB, gpu.GROUP_BYTES)
+        saved = (gpu.BLOCK, gpu.WARPS, gpu.GROUP_BYTES)
         rows = []
         try:
             for frac in fracs:
-                for block, warps, sub, group_mib in configs:
-                    group_bytes = group_mib * MiB if group_mib else saved[3]
-                    gpu.BLOCK, gpu.WARPS, gpu.SUB, gpu.GROUP_BYTES = block, warps, sub, group_bytes
+                for block, warps, group_mib in configs:
+                    group_bytes = group_mib * MiB if group_mib else saved[2]
+                    gpu.BLOCK, gpu.WARPS, gpu.GROUP_BYTES = block, warps, group_bytes
                     groups = grouped(group_bytes)
                     runs = [self._kernel_run(groups, base, target, frac, gpu, deque)
                             for _ in range(reps + 1)][1:]
-                    row = {"changed": frac, "block": block, "warps": warps, "sub": sub,
+                    row = {"changed": frac, "block": block, "warps": warps,
                            "group_mib": group_bytes // MiB, "groups": len(groups),
                            "bytes": nbytes,
                            "ok": all(r["ok"] for r in runs),
                            "record_bytes": runs[-1]["record_bytes"],
                            "dense": runs[-1]["dense"]}
-                    for key in ("diff_ms", "encode_ms", "apply_ms"):
+                    for key in ("mark_ms", "records_ms", "encode_ms", "apply_ms"):
                         row[key] = statistics.median(r[key] for r in runs)
                     rows.append(row)
                     print("kernels", json.dumps(row), flush=True)
         finally:
-            gpu.BLOCK, gpu.WARPS, gpu.SUB, gpu.GROUP_BYTES = saved
+            gpu.BLOCK, gpu.WARPS, gpu.GROUP_BYTES = saved
             del base, target
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -203,24 +203,30 @@ class Worker:
         for n in base:
             target[n].copy_(base[n])         # the receiver holds the last version
         self.sync()
-        diff_ms = 0.0
+        gpu_ms = [0.0, 0.0]
         enc = gpu.Encoder()
-        for names in groups:                 # the diff alone, per group, on copies
-            scratch = [base[n].clone() for n in names]
-            self.sync()
-            start = time.perf_counter()
+
+        def timed(k: int, fn):             # GPU ms of what fn queues (events; the GPU
+            start = time.perf_counter()    # kept busy while the host queues it)
             if self.cuda:
-                torch.cuda._sleep(1 << 21)   # busy while the host queues the launch
+                torch.cuda._sleep(1 << 21)
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-            g = enc.launch([(n, self.params[n], c) for n, c in zip(names, scratch)])
+            out = fn()
             if self.cuda:
                 b.record()
                 b.synchronize()
-                diff_ms += a.elapsed_time(b)
+                gpu_ms[k] += a.elapsed_time(b)
             else:
-                diff_ms += (time.perf_counter() - start) * 1e3
-            enc.finish(g)
+                gpu_ms[k] += (time.perf_counter() - start) * 1e3
+            return out
+        for names in groups:                 # mark, then the records, per group, on copies
+            scratch = [base[n].clone() for n in names]
+            self.sync()
+            g = timed(0, lambda: enc.launch([(n, self.params[n], c)
+                                             for n, c in zip(names, scratch)]))
+            g.readback.get()
+            timed(1, lambda: enc.finish(g))
             del scratch
         self.sync()
         start, pending, recs = time.perf_counter(), deque(), []
@@ -246,7 +252,7 @@ class Worker:
         ok = all(v for _, v in results) and all(
             torch.equal(target[n].view(torch.int16), self.params[n].view(torch.int16))
             for n in target)
-        return {"diff_ms": diff_ms, "encode_ms": encode_ms, "apply_ms": apply_ms, "ok": ok,
+        return {"mark_ms": gpu_ms[0], "records_ms": gpu_ms[1], "encode_ms": encode_ms, "apply_ms": apply_ms, "ok": ok,
                 "dense": dense,
                 "record_bytes": sum(r.record.numel() for r in recs if r.record is not None)}
 
@@ -519,16 +525,16 @@ def report(out: dict) -> str:
                      f"{'yes' if e['all_ok'] else 'NO'} |")
     kern = out.get("kernels", {}).get("rows", [])
     if kern:
-        lines += ["", "codec kernels alone (trainer process): diff GPU ms (CUDA events), "
-                  "encode and apply wall ms", "| changed | elements x warps x steps x MiB per "
-                  "launch | diff ms | "
-                  "diff x flat copy | diff GB/s read | encode ms | apply ms | record MB | "
-                  "dense | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "codec kernels alone (trainer process): mark and records GPU ms (CUDA "
+                  "events), encode and apply wall ms",
+                  "| changed | elements x warps x MiB per launch | mark ms | mark x flat copy | "
+                  "mark GB/s read | records ms | encode ms | encode x flat copy | apply ms | "
+                  "record MB | dense | bit-exact |", "|---" * 12 + "|"]
         for k in kern:
-            lines.append(f"| {k['changed']:.1%} | {k['block']} x {k['warps']} x {k['sub']} x "
-                         f"{k.get('group_mib', '-')} | "
-                         f"{k['diff_ms']:.2f} | {k['diff_ms'] / a:.2f} | "
-                         f"{2 * k['bytes'] / k['diff_ms'] / 1e6:,.0f} | {k['encode_ms']:.2f} | "
+            lines.append(f"| {k['changed']:.1%} | {k['block']} x {k['warps']} x "
+                         f"{k['group_mib']} | {k['mark_ms']:.2f} | {k['mark_ms'] / a:.2f} | "
+                         f"{2 * k['bytes'] / k['mark_ms'] / 1e6:,.0f} | {k['records_ms']:.2f} | "
+                         f"{k['encode_ms']:.2f} | {k['encode_ms'] / a:.2f} | "
                          f"{k['apply_ms']:.2f} | {k['record_bytes'] / 1e6:,.1f} | "
                          f"{k['dense']} | {'yes' if k['ok'] else 'NO'} |")
     return "\n".join(lines)
@@ -541,9 +547,9 @@ def main() -> None:
                     help="comma-separated: copy, into, weights, delta, ring")
     ap.add_argument("--changed", default="0.005,0.05",
                     help="fractions of elements changed between syncs (delta rows)")
-    ap.add_argument("--kernel-configs", default="4096x4,2048x8,1024x4x4,2048x8x4,1024x4x8",
-                    help="diff shapes of the kernels row: elements per step x warps [x steps "
-                         "per program, default 1 [x MiB per launch, default the library's]]")
+    ap.add_argument("--kernel-configs", default="4096x4,2048x4,4096x8,8192x8,4096x4x2048",
+                    help="shapes of the kernels row: elements per program x warps [x MiB of "
+                         "tensors per launch, default the library's]")
     ap.add_argument("--ring-buckets", default="256,512,1024,4096", help="MiB (ring rows)")
     ap.add_argument("--bucket-mib", type=int, default=None,
                     help="bucket size of the into / weights / delta rows (default: the "
@@ -572,7 +578,7 @@ def main() -> None:
         out["d2d"] = d.call("trainer", "d2d")
         print("d2d", json.dumps(out["d2d"]), flush=True)
         if "kernels" in args.rows.split(","):
-            cfgs = [(tuple(int(x) for x in c.split("x")) + (1, 0)[len(c.split("x")) - 2:])[:4]
+            cfgs = [(tuple(int(x) for x in c.split("x")) + (0,))[:3]
                     for c in args.kernel_configs.split(",") if c]
             out["kernels"] = d.call("trainer", "kernels", reps=min(args.warm, 3), configs=cfgs,
                                     fracs=[float(x) for x in args.changed.split(",") if x])

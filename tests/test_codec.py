@@ -157,15 +157,14 @@ def _interpreting() -> bool:
 
 @pytest.mark.skipif("not _interpreting()", reason="the device kernels run on the host only "
                     "under TRITON_INTERPRET=1 (test_device_kernels_through_the_interpreter)")
-@pytest.mark.parametrize("shape", [None, (256, 3)])
-def test_interp_device_kernels_make_and_check_the_hosts_records(codec, shape, monkeypatch):
+@pytest.mark.parametrize("block", [None, 64])
+def test_interp_device_kernels_make_and_check_the_hosts_records(codec, block, monkeypatch):
     """The device kernels, run by Triton's interpreter on host tensors (on a GPU:
-    test_gpu_codec.py); also with several diff steps per program (small steps, so every
-    test tensor spans programs, steps and a partial last step)."""
+    test_gpu_codec.py); also with small blocks, so every test tensor spans many programs
+    and a partial last one."""
     from weightsync.transport.codec import gpu
-    if shape is not None:
-        monkeypatch.setattr(gpu, "BLOCK", shape[0])
-        monkeypatch.setattr(gpu, "SUB", shape[1])
+    if block is not None:
+        monkeypatch.setattr(gpu, "BLOCK", block)
     device_kernel_checks(codec, torch.device("cpu"))
 
 
@@ -288,20 +287,22 @@ def _sm90_usage(fn, signature: dict, constexprs: dict, warps: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_device_kernels_fit_an_h100s_registers_without_spilling():
-    """The diff reads every weight once: its lanes must not spill to local memory (64-bit
+    """The mark reads every weight once: its lanes must not spill to local memory (64-bit
     lane offsets took all 255 registers and spilled at 4096 elements x 4 warps), nor may
-    the record kernels."""
+    the other kernels."""
     from weightsync.transport.codec import gpu
     if gpu.triton is None:
         pytest.skip("no Triton")
     tl = gpu.tl
-    common = {"tab": "*i64", "starts": "*i64", "T": "i32"}
-    rec = {"ELEM": tl.int16, "POS": tl.int32, "IW": 4, "EB": gpu.EB, "LOG": gpu._LOG}
+    common = {"tab": "*i64", "owner": "*i64"}
+    rec = {"ELEM": tl.int16, "POS": tl.int32, "IW": 4, "EB": gpu.EB}
+    marks = dict(common, masks="*i32", bcounts="*i32")
     cases = {
-        "diff": (gpu._diff, dict(common, counts="*i64"),
-                 {"ELEM": tl.int16, "IW": 4, "BLOCK": gpu.BLOCK, "SUB": gpu.SUB,
-                  "LOG": gpu._LOG, "ALIGNED": True}, 255),
-        "pack": (gpu._pack, dict(common, digs="*i64"), dict(rec, UELEM=tl.uint16), 255),
+        "mark": (gpu._mark, dict(marks, counts="*i64"),
+                 {"ELEM": tl.int16, "BLOCK": gpu.BLOCK, "ALIGNED": True}, 255),
+        "compact": (gpu._compact, dict(marks, cum="*i64"),
+                    {"ELEM": tl.int16, "IW": 4, "BLOCK": gpu.BLOCK}, 255),
+        "digest": (gpu._digest, dict(common, digs="*i64"), dict(rec, UELEM=tl.uint16), 255),
         "verify": (gpu._verify, dict(common, digs="*i64", bad="*i32"),
                    dict(rec, UELEM=tl.uint16), 128),
         "commit": (gpu._commit, dict(common, ok="*i32"), rec, 128),

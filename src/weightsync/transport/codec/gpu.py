@@ -1,16 +1,16 @@
 """Delta encode and apply as device kernels (Triton), many tensors per launch.
 
-Sender (:class:`Encoder`): one *diff* launch per group of tensors (up to
-:data:`GROUP_BYTES` of them) reads each new tensor and its base once (each program
-:data:`SUB` steps of :data:`BLOCK` elements of one tensor, the next step's loads issued
-before the current step's count goes out), compares them
-bitwise, and writes the changed positions, new values and old values into a staging area
-(at most :func:`~.delta.max_changes` per tensor), counting the changes per tensor; it
-updates the base where it changed, so the base equals the new tensor after it. One
-readback of the counts per group (taken while the next group runs) sizes the records; a
-*pack* launch then copies each tensor's changes into its record and sums their change
-digest, and a tiny launch writes the headers. No host work per change, no host sync per
-tensor, everything on the caller's current stream.
+Sender (:class:`Encoder`): per group of tensors (up to :data:`GROUP_BYTES`), a *mark*
+launch reads each new tensor and its base once, a program per :data:`BLOCK` elements,
+and writes which elements differ (a bit each) and how many per block; no program waits on
+another. One readback of the counts per group (taken while the next group runs) sizes the
+records. A *compact* launch then writes each changed element's position and new value
+into its tensor's record (at its block's place among the tensor's changes, from a running
+sum of the block counts), its old value into a scratch, and the new value into the base,
+so the base equals the new tensor after it; it reads only the changed elements. A
+*digest* launch sums each record's change digest, and a tiny launch writes the headers.
+No host work per change, no host sync per tensor, everything on the caller's current
+stream.
 
 Receiver (:class:`Decoder`): records are copied into an arena as they arrive; each flush
 (a full arena, or the end of the records) *verifies* every staged record against the
@@ -19,8 +19,8 @@ positions, the record's values and the values the tensor holds there) and *commi
 the records that passed, on the device; one readback per receive says which did. A
 record that fails leaves its tensor untouched.
 
-Memory: the sender stages at most two groups at a time, each ``(index width + 2 x element
-size) / 8`` bytes per element of the group (1 byte per bf16 element), plus the records; the
+Memory: the sender holds at most two groups' marks at a time, a bit per element plus 12
+bytes per block, and per group the old values of its changes, plus the records; the
 receiver an arena of :data:`ARENA_BYTES` (more only for a single larger record).
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on host tensors (tests).
@@ -50,15 +50,13 @@ __all__ = ["available", "Encoder", "Decoder", "encode_one", "apply_one", "GROUP_
 
 #: Bytes of tensors diffed per launch (the pipeline's step).
 GROUP_BYTES = 512 << 20
-#: Most tensors per launch (the kernels find a program's tensor by binary search).
+#: Most tensors per launch.
 GROUP_TENSORS = 128
-_LOG = 7                              # 2**_LOG >= GROUP_TENSORS
 #: Receiver: bytes of records verified and committed per flush.
 ARENA_BYTES = 256 << 20
-BLOCK = 4096                          # elements per diff step
-SUB = 1                               # diff steps per program (the next one's loads overlap)
+BLOCK = 4096                          # elements per mark / compact program
 WARPS = 4                             # warps per program of every kernel here
-EB = 2048                             # record entries per pack / verify / commit program
+EB = 2048                             # record entries per digest / verify / commit program
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -73,16 +71,6 @@ if triton is not None:
     _POS = {4: tl.int32, 8: tl.int64}
 
     @triton.jit
-    def _find(starts, T, pid, LOG: tl.constexpr):
-        """The largest t < T with starts[t] <= pid (starts ascending)."""
-        t = pid * 0
-        for i in tl.static_range(LOG):
-            cand = t + (1 << (LOG - 1 - i))
-            s = tl.load(starts + tl.minimum(cand, T - 1))
-            t = tl.where((cand < T) & (s <= pid), cand, t)
-        return t
-
-    @triton.jit
     def _h(pos, bits):
         """kernels.hash_np: h(p, e) in wrapping 64-bit arithmetic."""
         x = bits ^ (pos.to(tl.uint64, bitcast=True) * 0x2545F4914F6CDD1D)
@@ -93,82 +81,98 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _diff(tab, starts, T, counts, ELEM: tl.constexpr, IW: tl.constexpr,
-              BLOCK: tl.constexpr, SUB: tl.constexpr, LOG: tl.constexpr,
+    def _mark(tab, owner, masks, bcounts, counts, ELEM: tl.constexpr, BLOCK: tl.constexpr,
               ALIGNED: tl.constexpr):
-        # a program diffs SUB blocks of BLOCK elements of one tensor, loading block i + 1
-        # before it reports block i (the count's atomic round trip then overlaps the
-        # loads); lane offsets are 32-bit from the program's start (64-bit lanes spill)
+        # one block of BLOCK elements of one tensor: compare it with its base bitwise, and
+        # write which elements differ (a bit each) and how many; nothing waits on another
+        # program, so the loads set the pace
         pid = tl.program_id(0)
-        t = _find(starts, T, pid, LOG)
-        row = tab + t * 8
+        t = tl.load(owner + pid)
+        row = tab + t * 4
         n = tl.load(row + 2)
-        cap = tl.load(row + 6)
-        first = (pid - tl.load(starts + t)).to(tl.int64) * (BLOCK * SUB)
+        first = (pid - tl.load(row + 3)).to(tl.int64) * BLOCK
         new = tl.load(row).to(tl.pointer_type(ELEM)) + first
         base = tl.load(row + 1).to(tl.pointer_type(ELEM)) + first
         if ALIGNED:
             new = tl.multiple_of(new, 16)
             base = tl.multiple_of(base, 16)
-        lim = tl.minimum(n - first, BLOCK * SUB).to(tl.int32)   # elements of this program
-        offs = tl.arange(0, BLOCK)
-        if BLOCK <= lim:                  # whole blocks load unmasked (vectorized)
+        lim = tl.minimum(n - first, BLOCK).to(tl.int32)
+        offs = tl.arange(0, BLOCK)            # 32-bit lane offsets (64-bit ones spill)
+        if BLOCK <= lim:                      # whole blocks load unmasked (vectorized)
             a = tl.load(new + offs)
             c = tl.load(base + offs)
         else:
             a = tl.load(new + offs, mask=offs < lim, other=0)
             c = tl.load(base + offs, mask=offs < lim, other=0)
-        for i in tl.static_range(SUB):
-            at_ = i * BLOCK
-            nxt = offs + (at_ + BLOCK)
-            if i + 1 < SUB:
-                if at_ + 2 * BLOCK <= lim:
-                    a_next = tl.load(new + nxt)
-                    c_next = tl.load(base + nxt)
-                else:
-                    a_next = tl.load(new + nxt, mask=nxt < lim, other=0)
-                    c_next = tl.load(base + nxt, mask=nxt < lim, other=0)
-            ne = (a != c) & (offs + at_ < lim)
-            cnt = tl.sum(ne.to(tl.int32), axis=0)
-            if cnt > 0:
-                got = tl.atomic_add(counts + t, cnt.to(tl.int64))
-                dst = tl.cumsum(ne.to(tl.int32), axis=0) - 1
-                keep = ne & (dst < tl.minimum(tl.maximum(cap - got, 0), BLOCK).to(tl.int32))
-                if IW == 4:
-                    pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int32)) + got
-                    tl.store(pos_out + dst, offs + (first.to(tl.int32) + at_), mask=keep)
-                else:
-                    pos_out = tl.load(row + 3).to(tl.pointer_type(tl.int64)) + got
-                    tl.store(pos_out + dst, offs.to(tl.int64) + (first + at_), mask=keep)
-                new_out = tl.load(row + 4).to(tl.pointer_type(ELEM)) + got
-                old_out = tl.load(row + 5).to(tl.pointer_type(ELEM)) + got
-                tl.store(new_out + dst, a, mask=keep)
-                tl.store(old_out + dst, c, mask=keep)
-                tl.store(base + at_ + offs, a, mask=ne)
-            if i + 1 < SUB:
-                a = a_next
-                c = c_next
+        ne = ((a != c) & (offs < lim)).to(tl.int32)
+        cnt = tl.sum(ne, axis=0)
+        tl.store(bcounts + pid, cnt)
+        if cnt > 0:
+            bits = tl.reshape(ne, (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :]
+            words = tl.sum(bits, axis=1)
+            tl.store(masks + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32),
+                     words)
+            tl.atomic_add(counts + t, cnt.to(tl.int64))
 
     @triton.jit
-    def _pack(tab, starts, T, digs, ELEM: tl.constexpr, UELEM: tl.constexpr,
-              POS: tl.constexpr, IW: tl.constexpr, EB: tl.constexpr, LOG: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        t = _find(starts, T, pid, LOG)
+    def _compact(tab, owner, masks, bcounts, cum, ELEM: tl.constexpr, IW: tl.constexpr,
+                 BLOCK: tl.constexpr):
+        # a marked block of a tensor with a record: its changed elements' positions and new
+        # values go to the record (at the block's place among the tensor's changes), the
+        # old values to the scratch, and the new values into the base
+        pid = tl.program_id(0)
+        cnt = tl.load(bcounts + pid)
+        if cnt > 0:
+            t = tl.load(owner + pid)
+            row = tab + t * 8
+            rec = tl.load(row)
+            if rec != 0:
+                fb = tl.load(row + 4)
+                cap = tl.load(row + 5)
+                start = (pid - fb).to(tl.int64) * BLOCK
+                before = tl.load(cum + tl.maximum(fb - 1, 0))
+                at = tl.load(cum + pid) - cnt - tl.where(fb > 0, before, 0)
+                words = tl.load(masks + pid.to(tl.int64) * (BLOCK // 32)
+                                + tl.arange(0, BLOCK // 32))
+                ne = tl.reshape((words[:, None] >> tl.arange(0, 32)[None, :]) & 1, (BLOCK,))
+                dst = tl.cumsum(ne, axis=0) - 1 + at
+                ne = ne != 0
+                offs = tl.arange(0, BLOCK)
+                new = tl.load(row + 1).to(tl.pointer_type(ELEM)) + start
+                base = tl.load(row + 2).to(tl.pointer_type(ELEM)) + start
+                a = tl.load(new + offs, mask=ne, other=0)
+                c = tl.load(base + offs, mask=ne, other=0)
+                tl.store(base + offs, a, mask=ne)
+                if IW == 4:
+                    tl.store((rec + 64).to(tl.pointer_type(tl.int32)) + dst,
+                             offs + start.to(tl.int32), mask=ne)
+                else:
+                    tl.store((rec + 64).to(tl.pointer_type(tl.int64)) + dst,
+                             offs.to(tl.int64) + start, mask=ne)
+                tl.store((rec + 64 + cap * IW).to(tl.pointer_type(ELEM)) + dst, a, mask=ne)
+                tl.store(tl.load(row + 6).to(tl.pointer_type(ELEM)) + dst, c, mask=ne)
+
+    @triton.jit
+    def _digest(tab, owner, digs, ELEM: tl.constexpr, UELEM: tl.constexpr,
+                POS: tl.constexpr, IW: tl.constexpr, EB: tl.constexpr):
+        # EB entries of a record: their change digest (old values from the scratch), and
+        # zeros in the entries past the count
+        pid = tl.program_id(0)
+        t = tl.load(owner + pid)
         row = tab + t * 8
         rec = tl.load(row)
-        pos_in = tl.load(row + 1).to(tl.pointer_type(POS))
-        new_in = tl.load(row + 2).to(tl.pointer_type(ELEM))
-        old_in = tl.load(row + 3).to(tl.pointer_type(ELEM))
-        m = tl.load(row + 4)
-        cap = tl.load(row + 5)
-        j = (pid - tl.load(starts + t)) * EB + tl.arange(0, EB)
+        m = tl.load(row + 2)
+        cap = tl.load(row + 3)
+        j = (pid - tl.load(row + 4)).to(tl.int64) * EB + tl.arange(0, EB)
         live = j < m
-        inside = j < cap
-        p = tl.load(pos_in + j, mask=live, other=0)
-        v = tl.load(new_in + j, mask=live, other=0)
-        o = tl.load(old_in + j, mask=live, other=0)
-        tl.store((rec + 64).to(tl.pointer_type(POS)) + j, p, mask=inside)
-        tl.store((rec + 64 + cap * IW).to(tl.pointer_type(ELEM)) + j, v, mask=inside)
+        pad = (j >= m) & (j < cap)
+        pos = (rec + 64).to(tl.pointer_type(POS))
+        val = (rec + 64 + cap * IW).to(tl.pointer_type(ELEM))
+        p = tl.load(pos + j, mask=live, other=0)
+        v = tl.load(val + j, mask=live, other=0)
+        o = tl.load(tl.load(row + 1).to(tl.pointer_type(ELEM)) + j, mask=live, other=0)
+        tl.store(pos + j, p, mask=pad)
+        tl.store(val + j, v, mask=pad)
         pp = p.to(tl.int64)
         d = _h(pp, v.to(UELEM, bitcast=True).to(tl.uint64)) - \
             _h(pp, o.to(UELEM, bitcast=True).to(tl.uint64))
@@ -185,17 +189,17 @@ if triton is not None:
         tl.store(tl.load(row).to(tl.pointer_type(tl.int64)) + w, words)
 
     @triton.jit
-    def _verify(tab, starts, T, digs, bad, ELEM: tl.constexpr, UELEM: tl.constexpr,
-                POS: tl.constexpr, IW: tl.constexpr, EB: tl.constexpr, LOG: tl.constexpr):
+    def _verify(tab, owner, digs, bad, ELEM: tl.constexpr, UELEM: tl.constexpr,
+                POS: tl.constexpr, IW: tl.constexpr, EB: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        t = _find(starts, T, pid, LOG)
+        t = tl.load(owner + pid)
         row = tab + t * 8
         rec = tl.load(row)
         dest = tl.load(row + 1).to(tl.pointer_type(ELEM))
         n = tl.load(row + 2)
         cap = tl.load(row + 3)
         m = tl.minimum(tl.maximum(tl.load((rec + 24).to(tl.pointer_type(tl.int64))), 0), cap)
-        j = (pid - tl.load(starts + t)) * EB + tl.arange(0, EB)
+        j = (pid - tl.load(row + 6)) * EB + tl.arange(0, EB)
         live = j < m
         p = tl.load((rec + 64).to(tl.pointer_type(POS)) + j, mask=live, other=0).to(tl.int64)
         v = tl.load((rec + 64 + cap * IW).to(tl.pointer_type(ELEM)) + j, mask=live, other=0)
@@ -227,17 +231,17 @@ if triton is not None:
         tl.store(ok + t, good.to(tl.int32))
 
     @triton.jit
-    def _commit(tab, starts, T, ok, ELEM: tl.constexpr, POS: tl.constexpr,
-                IW: tl.constexpr, EB: tl.constexpr, LOG: tl.constexpr):
+    def _commit(tab, owner, ok, ELEM: tl.constexpr, POS: tl.constexpr,
+                IW: tl.constexpr, EB: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        t = _find(starts, T, pid, LOG)
+        t = tl.load(owner + pid)
         if tl.load(ok + t) != 0:
             row = tab + t * 8
             rec = tl.load(row)
             dest = tl.load(row + 1).to(tl.pointer_type(ELEM))
             cap = tl.load(row + 3)
             m = tl.load((rec + 24).to(tl.pointer_type(tl.int64)))
-            j = (pid - tl.load(starts + t)) * EB + tl.arange(0, EB)
+            j = (pid - tl.load(row + 6)) * EB + tl.arange(0, EB)
             live = j < m
             p = tl.load((rec + 64).to(tl.pointer_type(POS)) + j, mask=live, other=0)
             v = tl.load((rec + 64 + cap * IW).to(tl.pointer_type(ELEM)) + j, mask=live,
@@ -253,12 +257,16 @@ def _table(rows: list, width: int, device: torch.device) -> torch.Tensor:
     return arr
 
 
-def _starts(blocks: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
-    """Each tensor's first program (ascending) and the programs in all."""
+def _owners(blocks: list[int], device: torch.device) -> tuple[torch.Tensor, list[int], int]:
+    """Per program, the index of the tensor it works on (tensor i has ``blocks[i]``
+    programs, in order); each tensor's first program; the programs in all."""
     first = np.zeros(len(blocks), dtype=np.int64)
     if len(blocks) > 1:
         np.cumsum(blocks[:-1], out=first[1:])
-    return _table(list(first), 1, device).view(-1), int(sum(blocks))
+    grid = int(sum(blocks))
+    owner = torch.repeat_interleave(torch.arange(len(blocks), device=device),
+                                    _table(blocks, 1, device).view(-1), output_size=grid)
+    return owner, first.tolist(), grid
 
 
 def _elem_view(t: torch.Tensor) -> torch.Tensor:
@@ -287,10 +295,20 @@ class _Readback:
 
 
 @dataclass
+class _Marked:
+    """One launch of :func:`_mark`: tensors of one element size and index width."""
+    idx: list                       # indices into the group's items
+    owner: torch.Tensor
+    firsts: list                    # each tensor's first block
+    masks: torch.Tensor
+    bcounts: torch.Tensor
+    cum: torch.Tensor               # running sum of the blocks' counts
+
+
+@dataclass
 class _Group:
     items: list                     # (key, new, base)
-    counts: torch.Tensor
-    staged: dict                    # (k, iw) -> (indices into items, staging tensors, offsets)
+    marked: dict                    # (k, iw) -> _Marked
     readback: _Readback
 
 
@@ -309,47 +327,40 @@ class Encoder:
 
     def launch(self, items: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> _Group:
         """Queue the diff of ``(key, new, base)`` items (contiguous, same dtype, numel and
-        device, :func:`~.delta.deltable`); each base equals its new tensor behind it."""
+        device, :func:`~.delta.deltable`); :meth:`finish` makes each base equal to its new
+        tensor."""
         device = items[0][1].device
         counts = torch.zeros(len(items), dtype=torch.int64, device=device)
         classes: dict[tuple, list[int]] = {}
         for i, (_, new, _) in enumerate(items):
             classes.setdefault((new.element_size(), _delta.index_width(new.numel())),
                                []).append(i)
-        staged = {}
+        marked = {}
         for (k, iw), idx in classes.items():
-            caps = [_delta.max_changes(items[i][1].numel()) for i in idx]
-            total = sum(caps)
-            pos = torch.empty(total, dtype=torch.int32 if iw == 4 else torch.int64,
-                              device=device)
-            vals = torch.empty(total, dtype=_elem_view(items[idx[0]][1]).dtype, device=device)
-            olds = torch.empty_like(vals)
-            offsets = [0]
-            for c in caps[:-1]:
-                offsets.append(offsets[-1] + c)
-            rows, blocks, aligned = [], [], True
-            for i, cap, off in zip(idx, caps, offsets):
-                new, base = items[i][1], items[i][2]
-                n = new.numel()
-                rows.append([_elem_view(new).data_ptr(), _elem_view(base).data_ptr(), n,
-                             pos.data_ptr() + off * iw, vals.data_ptr() + off * k,
-                             olds.data_ptr() + off * k, cap, 0])
-                blocks.append(math.ceil(n / (BLOCK * SUB)))
-                aligned &= new.data_ptr() % 16 == 0 and base.data_ptr() % 16 == 0
-            # the programs' counts go to the group's slots of these tensors
+            blocks = [math.ceil(items[i][1].numel() / BLOCK) for i in idx]
+            owner, firsts, grid = _owners(blocks, device)
+            masks = torch.empty(grid * (BLOCK // 32), dtype=torch.int32, device=device)
+            bcounts = torch.empty(grid, dtype=torch.int32, device=device)
             sub = counts if len(idx) == len(items) else torch.zeros(len(idx), dtype=torch.int64,
                                                                     device=device)
-            starts, grid = _starts(blocks, device)
-            _diff[(grid,)](_table(rows, 8, device), starts, len(idx), sub, ELEM=_ELEM[k],
-                           IW=iw, BLOCK=BLOCK, SUB=SUB, LOG=_LOG, ALIGNED=aligned,
-                           num_warps=WARPS)
+            rows, aligned = [], True
+            for i, fb in zip(idx, firsts):
+                new, base = items[i][1], items[i][2]
+                rows.append([_elem_view(new).data_ptr(), _elem_view(base).data_ptr(),
+                             new.numel(), fb])
+                aligned &= new.data_ptr() % 16 == 0 and base.data_ptr() % 16 == 0
+            if grid:
+                _mark[(grid,)](_table(rows, 4, device), owner, masks, bcounts, sub,
+                               ELEM=_ELEM[k], BLOCK=BLOCK, ALIGNED=aligned, num_warps=WARPS)
             if sub is not counts:
                 counts[torch.tensor(idx, device=device)] = sub
-            staged[(k, iw)] = (idx, pos, vals, olds, offsets)
-        return _Group(items, counts, staged, _Readback(counts))
+            marked[(k, iw)] = _Marked(idx, owner, firsts, masks, bcounts,
+                                      torch.cumsum(bcounts, 0, dtype=torch.int64))
+        return _Group(items, marked, _Readback(counts))
 
     def finish(self, group: _Group) -> list[Encoded]:
-        """The records of a launched group, in its order (waits for its counts)."""
+        """The records of a launched group, in its order (waits for its counts); every
+        base equals its new tensor behind them."""
         counts = group.readback.get()
         items = group.items
         device = items[0][1].device
@@ -361,29 +372,45 @@ class Encoder:
                 starts_of[i] = at
                 at += s
         out = torch.empty(at, dtype=torch.uint8, device=device) if at else None
-        for (k, iw), (idx, pos, vals, olds, offsets) in group.staged.items():
-            rows, blocks, heads = [], [], []
-            for i, off in zip(idx, offsets):
-                if not sizes[i]:
+        for (k, iw), mk in group.marked.items():
+            olds_n = sum(counts[i] for i in mk.idx if sizes[i])
+            olds = torch.empty(max(olds_n, 1), dtype=_elem_view(items[mk.idx[0]][1]).dtype,
+                               device=device)
+            rows, drows, dblocks, heads, o_at = [], [], [], [], 0
+            for i, fb in zip(mk.idx, mk.firsts):
+                new, base = items[i][1], items[i][2]
+                if not sizes[i]:          # dense: its base takes the new bytes whole
+                    if counts[i]:
+                        base.copy_(new)
+                    rows.append([0, 0, 0, 0, fb, 0, 0, 0])
                     continue
-                new, m = items[i][1], counts[i]
+                m = counts[i]
                 e = _delta.entries_for(m)
                 rec_at = out.data_ptr() + starts_of[i]
-                rows.append([rec_at, pos.data_ptr() + off * iw, vals.data_ptr() + off * k,
-                             olds.data_ptr() + off * k, m, e, 0, 0])
-                blocks.append(math.ceil(e / EB))
+                olds_at = olds.data_ptr() + o_at * k
+                o_at += m
+                rows.append([rec_at, _elem_view(new).data_ptr(), _elem_view(base).data_ptr(),
+                             new.numel(), fb, e, olds_at, 0])
+                drows.append([rec_at, olds_at, m, e, 0, 0, 0, 0])
+                dblocks.append(math.ceil(e / EB))
                 words = np.frombuffer(_delta.header_bytes(_delta.INDEX, new.dtype, new.numel(),
                                                           m, e, 0), dtype=np.int64)
                 heads.append([rec_at, *words.tolist()])
-            if not rows:
+            grid = mk.owner.numel()
+            if grid and drows:
+                _compact[(grid,)](_table(rows, 8, device), mk.owner, mk.masks, mk.bcounts,
+                                  mk.cum, ELEM=_ELEM[k], IW=iw, BLOCK=BLOCK, num_warps=WARPS)
+            if not drows:
                 continue
-            digs = torch.zeros(len(rows), dtype=torch.int64, device=device)
-            starts, grid = _starts(blocks, device)
-            if grid:
-                _pack[(grid,)](_table(rows, 8, device), starts, len(rows), digs, ELEM=_ELEM[k],
-                               UELEM=_UELEM[k], POS=_POS[iw], IW=iw, EB=EB, LOG=_LOG,
-                               num_warps=WARPS)
-            _heads[(len(rows),)](_table(heads, 9, device), digs)
+            owner, firsts, dgrid = _owners(dblocks, device)
+            for r, f in zip(drows, firsts):
+                r[4] = f
+            digs = torch.zeros(len(drows), dtype=torch.int64, device=device)
+            if dgrid:
+                _digest[(dgrid,)](_table(drows, 8, device), owner, digs, ELEM=_ELEM[k],
+                                  UELEM=_UELEM[k], POS=_POS[iw], IW=iw, EB=EB,
+                                  num_warps=WARPS)
+            _heads[(len(drows),)](_table(heads, 9, device), digs)
         return [Encoded(key, out[starts_of[i]: starts_of[i] + sizes[i]] if sizes[i] else None,
                         m) for i, ((key, _, _), m) in enumerate(zip(items, counts))]
 
@@ -448,11 +475,7 @@ class Decoder:
             classes.setdefault((s.dest.element_size(), _delta.index_width(s.dest.numel())),
                                []).append(i)
         base = self._arena.data_ptr()
-        # the kernels find a program's record by a binary search over at most
-        # GROUP_TENSORS of them: one launch per GROUP_TENSORS records
-        chunks = [((k, iw), idx[at: at + GROUP_TENSORS])
-                  for (k, iw), idx in classes.items() for at in range(0, len(idx), GROUP_TENSORS)]
-        for (k, iw), idx in chunks:
+        for (k, iw), idx in classes.items():
             rows, blocks = [], []
             for i in idx:
                 s = staged[i]
@@ -462,16 +485,20 @@ class Decoder:
                 rows.append([base + s.at, _elem_view(s.dest).data_ptr(), s.dest.numel(),
                              s.entries, int(w[0]), int(w[1]), 0, 0])
                 blocks.append(max(1, math.ceil(s.entries / EB)))
+            owner, firsts, grid = _owners(blocks, device)
+            for r, f in zip(rows, firsts):
+                r[6] = f
             tab = _table(rows, 8, device)
-            starts, grid = _starts(blocks, device)
             digs = torch.zeros(len(idx), dtype=torch.int64, device=device)
             bad = torch.zeros(len(idx), dtype=torch.int32, device=device)
-            sub = torch.zeros(len(idx), dtype=torch.int32, device=device)
-            kw = dict(ELEM=_ELEM[k], POS=_POS[iw], IW=iw, EB=EB, LOG=_LOG, num_warps=WARPS)
-            _verify[(grid,)](tab, starts, len(idx), digs, bad, UELEM=_UELEM[k], **kw)
+            sub = ok if len(idx) == len(staged) else torch.zeros(len(idx), dtype=torch.int32,
+                                                                 device=device)
+            kw = dict(ELEM=_ELEM[k], POS=_POS[iw], IW=iw, EB=EB, num_warps=WARPS)
+            _verify[(grid,)](tab, owner, digs, bad, UELEM=_UELEM[k], **kw)
             _judge[(len(idx),)](tab, digs, bad, sub)
-            _commit[(grid,)](tab, starts, len(idx), sub, **kw)
-            ok[torch.tensor(idx, device=device)] = sub
+            _commit[(grid,)](tab, owner, sub, **kw)
+            if sub is not ok:
+                ok[torch.tensor(idx, device=device)] = sub
         self._flags.append(([s.key for s in staged], ok))
 
     def results(self) -> list[tuple[Any, bool]]:

@@ -177,11 +177,11 @@ class EncodeRun:
     wire, in order, and send what it returns; then send what :meth:`close` returns.
 
     Device tensors whose base is tracked are diffed in groups (:class:`~.gpu.Encoder`): a
-    group is launched once it holds :data:`~.gpu.GROUP_BYTES`, or at once when the tensor
-    is the caller's own and may be rewritten by its next item (the diff then reads it
-    before the iterator moves on); a launched group's records are handed out once the
-    next group is launched (its counts read back while that one runs). A tensor that goes
-    dense after its diff is sent from its base, which holds its bytes by then."""
+    group is launched once it holds :data:`~.gpu.GROUP_BYTES`; a caller's tensor that its
+    next item may rewrite is diffed from a copy taken at once. A launched group's records
+    are handed out once the next group is launched (its counts read back while that one
+    runs). A tensor that goes dense after its diff is sent from its base, which holds its
+    bytes by then."""
 
     def __init__(self, bases: SenderBases, *, allow: bool, wrap: bool, stats: SendStats,
                  version: Any = None) -> None:
@@ -233,10 +233,13 @@ class EncodeRun:
             if rec is not None and not host:
                 rec = rec.to(t.device)
             return [self._result(name, t, rec, idx.numel())]
+        if not (own or lasting):
+            # the export may rewrite it once its iterator moves on; the records are made
+            # from it after that: diff a copy of it (queued now, so ordered before them)
+            t = t.clone()
         self._group.append((name, t, base))
         self._group_bytes += nbytes
-        if not (own or lasting) or self._group_bytes >= gpu.GROUP_BYTES \
-                or len(self._group) >= gpu.GROUP_TENSORS:
+        if self._group_bytes >= gpu.GROUP_BYTES or len(self._group) >= gpu.GROUP_TENSORS:
             return self._launch()
         return []
 
