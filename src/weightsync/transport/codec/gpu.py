@@ -353,7 +353,7 @@ class Encoder:
                 _mark[(grid,)](_table(rows, 4, device), owner, masks, bcounts, sub,
                                ELEM=_ELEM[k], BLOCK=BLOCK, ALIGNED=aligned, num_warps=WARPS)
             if sub is not counts:
-                counts[torch.tensor(idx, device=device)] = sub
+                counts[_table(idx, 1, device).view(-1)] = sub   # no host sync
             marked[(k, iw)] = _Marked(idx, owner, firsts, masks, bcounts,
                                       torch.cumsum(bcounts, 0, dtype=torch.int64))
         return _Group(items, marked, _Readback(counts))
@@ -498,7 +498,7 @@ class Decoder:
             _judge[(len(idx),)](tab, digs, bad, sub)
             _commit[(grid,)](tab, owner, sub, **kw)
             if sub is not ok:
-                ok[torch.tensor(idx, device=device)] = sub
+                ok[_table(idx, 1, device).view(-1)] = sub   # no host sync
         self._flags.append(([s.key for s in staged], ok))
 
     def results(self) -> list[tuple[Any, bool]]:
