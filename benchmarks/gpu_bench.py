@@ -263,6 +263,9 @@ class Worker:
             kw.pop("zero_copy", None)
         if cfg.get("delta") is not None:
             kw["delta"] = True
+        from weightsync.transport.codec import gpu   # this process's codec, per launch
+        self.group_bytes = getattr(self, "group_bytes", gpu.GROUP_BYTES)   # the library's
+        gpu.GROUP_BYTES = cfg.get("group_mib", 0) * MiB or self.group_bytes
         backend = "shm" if self.args["cpu_smoke"] else "cuda_ipc"
         self.consume = cfg.get("consume", "into")
         self.changed = cfg.get("delta") or DENSE_CHANGED
@@ -492,9 +495,13 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict]]:
         elif row == "weights":
             out.append(("default, receive_weights + copy_", {**base, "consume": "copy"}))
         elif row == "delta":
+            groups = [int(x) for x in args.delta_group_mib.split(",") if x] or [0]
             for f in (float(x) for x in args.changed.split(",") if x):
-                out.append((f"delta=True, {f:.1%} changed, receive_into",
-                            {**base, "consume": "into", "delta": f}))
+                for g in groups:
+                    label = f", {g} MiB per launch" if g else ""
+                    out.append((f"delta=True, {f:.1%} changed, receive_into{label}",
+                                {**base, "consume": "into", "delta": f,
+                                 **({"group_mib": g} if g else {})}))
         elif row == "ring":
             for b in (int(x) for x in args.ring_buckets.split(",") if x):
                 out.append((f"ring {b} MiB, zero_copy=False, receive_into",
@@ -550,6 +557,9 @@ def main() -> None:
     ap.add_argument("--kernel-configs", default="4096x4,2048x4,4096x8,8192x8,4096x4x2048",
                     help="shapes of the kernels row: elements per program x warps [x MiB of "
                          "tensors per launch, default the library's]")
+    ap.add_argument("--delta-group-mib", default="",
+                    help="delta rows at each of these MiB of tensors diffed per launch "
+                         "(default: the library's)")
     ap.add_argument("--ring-buckets", default="256,512,1024,4096", help="MiB (ring rows)")
     ap.add_argument("--bucket-mib", type=int, default=None,
                     help="bucket size of the into / weights / delta rows (default: the "

@@ -289,3 +289,19 @@ def test_verl_baseline_script_syncs_bit_exact_on_one_gpu(tmp_path):
     res = json.loads((tmp_path / "verl_baseline.json").read_text())
     assert res["all_ok"] and len(res["warm_ms"]) == 2 and res["flat_ms"] > 0
     assert res["bytes"] > 8 << 20 and "checks ok" in done.stdout
+
+
+def test_gpu_bench_delta_rows_at_each_launch_size():
+    """--delta-group-mib: a delta row per fraction changed and per MiB diffed per launch
+    (each row's processes set the codec's launch size; none: the library's)."""
+    import argparse
+    bench = _script("gpu_bench")
+    args = argparse.Namespace(rows="into,delta", changed="0.005,0.05", bucket_mib=None,
+                              delta_group_mib="512,2048", ring_buckets="")
+    got = [(name, cfg.get("delta"), cfg.get("group_mib")) for name, cfg in bench.configs(args)]
+    assert got[0] == ("default, receive_into", None, None)
+    assert [(f, g) for _, f, g in got[1:]] == [(0.005, 512), (0.005, 2048), (0.05, 512),
+                                               (0.05, 2048)]
+    assert got[2][0] == "delta=True, 0.5% changed, receive_into, 2048 MiB per launch"
+    args.delta_group_mib = ""
+    assert [cfg.get("group_mib") for _, cfg in bench.configs(args)] == [None] * 3
