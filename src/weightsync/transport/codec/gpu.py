@@ -135,7 +135,7 @@ if triton is not None:
                 words = tl.load(masks + pid.to(tl.int64) * (BLOCK // 32)
                                 + tl.arange(0, BLOCK // 32))
                 ne = tl.reshape((words[:, None] >> tl.arange(0, 32)[None, :]) & 1, (BLOCK,))
-                dst = tl.cumsum(ne, axis=0) - 1 + at
+                dst = tl.cumsum(ne, axis=0) - 1       # 32-bit, from the block's place
                 ne = ne != 0
                 offs = tl.arange(0, BLOCK)
                 new = tl.load(row + 1).to(tl.pointer_type(ELEM)) + start
@@ -144,13 +144,14 @@ if triton is not None:
                 c = tl.load(base + offs, mask=ne, other=0)
                 tl.store(base + offs, a, mask=ne)
                 if IW == 4:
-                    tl.store((rec + 64).to(tl.pointer_type(tl.int32)) + dst,
+                    tl.store((rec + 64).to(tl.pointer_type(tl.int32)) + at + dst,
                              offs + start.to(tl.int32), mask=ne)
                 else:
-                    tl.store((rec + 64).to(tl.pointer_type(tl.int64)) + dst,
+                    tl.store((rec + 64).to(tl.pointer_type(tl.int64)) + at + dst,
                              offs.to(tl.int64) + start, mask=ne)
-                tl.store((rec + 64 + cap * IW).to(tl.pointer_type(ELEM)) + dst, a, mask=ne)
-                tl.store(tl.load(row + 6).to(tl.pointer_type(ELEM)) + dst, c, mask=ne)
+                tl.store((rec + 64 + cap * IW).to(tl.pointer_type(ELEM)) + at + dst, a,
+                         mask=ne)
+                tl.store(tl.load(row + 6).to(tl.pointer_type(ELEM)) + at + dst, c, mask=ne)
 
     @triton.jit
     def _digest(tab, owner, digs, ELEM: tl.constexpr, UELEM: tl.constexpr,
