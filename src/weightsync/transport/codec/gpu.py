@@ -49,7 +49,7 @@ __all__ = ["available", "Encoder", "Decoder", "encode_one", "apply_one", "GROUP_
            "GROUP_TENSORS", "ARENA_BYTES"]
 
 #: Bytes of tensors diffed per launch (the pipeline's step).
-GROUP_BYTES = 512 << 20
+GROUP_BYTES = 2 << 30
 #: Most tensors per launch.
 GROUP_TENSORS = 128
 #: Receiver: bytes of records verified and committed per flush.
