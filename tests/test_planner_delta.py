@@ -215,7 +215,10 @@ def test_workers_apply_at_their_own_nodes_codec_costs():
                                      for i in range(4)])
     base = Scenario(model=model, links=load_links("h100-8gpu-400g"), trainer_gpus=8,
                     replicas=2, strategies=("p2p",), delta=0.01)
-    slow = load_links("h200-8gpu-400g", {"codec.apply_GBps": 42.6})
+    with open(f"{PRESET_DIR}/h100-8gpu-400g.json") as f:
+        codec = json.load(f)["codec"]
+    slow = load_links("h200-8gpu-400g", {"codec.apply_GBps": codec["apply_GBps"] / 10,
+                                         "codec.apply_ns": codec.get("apply_ns", 0) * 10})
     a = predict(base).delta["p2p"]
     b = predict(dataclasses.replace(base, rollout_links=slow)).delta["p2p"]
     assert b["encode_s"] == pytest.approx(a["encode_s"])
