@@ -8,7 +8,7 @@ dense); tensors of at most :data:`SMALL` bytes are never tracked (a record is ne
 smaller). ``id`` names the base receivers must hold for a delta (None: none yet, or the
 last sync failed): a new random one after every completed sync. One sync's encode is an
 :class:`EncodeRun`: host tensors are diffed one by one (numpy), device tensors in groups by
-:mod:`.gpu` (staging: see there).
+:mod:`.gpu` (its memory: see there).
 
 Receiver (:class:`ReceiverBases`): the base of a tensor is the receiver's own tensor
 when it was passed to ``receive_into`` with the same dtype and shape (no memory); else a
