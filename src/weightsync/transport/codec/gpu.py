@@ -19,7 +19,7 @@ positions, the record's values and the values the tensor holds there) and *commi
 the records that passed, on the device; one readback per receive says which did. A
 record that fails leaves its tensor untouched.
 
-Memory: the sender holds at most two groups' marks at a time, a bit per element plus 12
+Memory: the sender holds at most two groups' marks at a time, a bit per element plus 20
 bytes per block, and per group the old values of its changes, plus the records; the
 receiver an arena of :data:`ARENA_BYTES` (more only for a single larger record).
 
@@ -54,7 +54,7 @@ GROUP_BYTES = 2 << 30
 GROUP_TENSORS = 128
 #: Receiver: bytes of records verified and committed per flush.
 ARENA_BYTES = 256 << 20
-BLOCK = 4096                          # elements per mark / compact program
+BLOCK = 4096                          # elements per mark / compact program (a power of 2, >= 32)
 WARPS = 4                             # warps per program of every kernel here
 EB = 2048                             # record entries per digest / verify / commit program
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
