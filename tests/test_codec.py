@@ -442,8 +442,10 @@ class Inproc:
                 got[name] = t.clone()
             return got
 
+        items = list(weights.items()) if isinstance(weights, dict) else weights
+
         async def main():
-            return await asyncio.gather(self.trainer.send_weights(list(weights.items()), version),
+            return await asyncio.gather(self.trainer.send_weights(items, version),
                                         *[rx(e, p) for e, p in zip(self.members, params)])
         out = asyncio.run(main())
         return out[0], out[1:]
@@ -488,6 +490,31 @@ def test_delta_in_place_then_missed_version_gets_dense(codec):
     m, got = g.sync(w.d, 6, [pa, None, None])
     assert m["codec"]["mode"] == "dense" and "rollout rank 2" in m["codec"]["reason"]
     _exact(got[2], w.d)
+
+
+def test_delta_in_place_from_one_refilled_export_buffer(codec):
+    """An export that refills one buffer for every name (its next item rewrites the bytes):
+    each name's record is made from the bytes it had when it was yielded."""
+    gen = torch.Generator().manual_seed(2)
+    want = {f"l.{i}.w": _rand(gen, (128, 96), torch.bfloat16) for i in range(4)}
+    g = Inproc()
+    r = g.receiver()
+    g.join([r])
+    params = {n: torch.zeros_like(t) for n, t in want.items()}
+    buf = torch.empty(128, 96, dtype=torch.bfloat16)
+
+    def refilled():
+        for n, t in want.items():
+            buf.copy_(t)
+            yield n, buf
+    for v in range(3):
+        m, _ = g.sync(refilled(), v, [params])
+        _exact(params, want)
+        if v:
+            assert m["codec"]["mode"] == "delta" and m["codec"]["delta"] == len(want), m
+            assert (m["codec"]["groups"] > 0) == _interpreting()     # the device kernels
+        for t in want.values():
+            _flip(t, 0.01, gen)
 
 
 def test_corrupted_base_and_corrupted_record_are_resent_dense(codec):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from weightsync.core.errors import IntegrityError, WireError
-from weightsync.transport.codec import delta
+from weightsync.transport.codec import delta, gpu
 from weightsync.transport.codec.state import EncodeRun, SendStats, new_id
 from weightsync.transport.tensors import CASTABLE, aiter_items
 
@@ -127,8 +127,9 @@ class CodecSender:
                 stats.sent_dense_bytes += p.numel() * p.element_size()
                 out.append((n, delta.raw_record(p) if run.wrap and delta.is_record(p) else p))
                 continue
-            # the caller's own tensor on a device: may its diff wait for a group?
-            mine = p is t and p.device.type != "cpu" and p.is_contiguous()
+            # the caller's own tensor, diffed by the device kernels: may its diff wait for
+            # a group? (the host diffs at once)
+            mine = p is t and p.is_contiguous() and gpu.available(p.device)
             out += run.add(n, p, own=not mine, lasting=mine and run.lasting(n, p))
         return out
 
