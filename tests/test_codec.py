@@ -329,7 +329,7 @@ def test_device_kernels_through_the_interpreter(tmp_path):
                            __file__, "-k", keys], env=env, capture_output=True, text=True,
                           timeout=560, cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "8 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-500:]
+    assert "9 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-500:]
 
 
 # -- FP8 ----------------------------------------------------------------------------------
