@@ -80,20 +80,27 @@ def model_shapes(layers: int, scale: int = 1) -> list[tuple[str, tuple[int, ...]
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
-def flat_copy_times(nbytes: int, reps: int = 10) -> list[float]:
-    """Milliseconds of ``reps`` device-to-device copies of ``nbytes`` (CUDA events), after
-    two unmeasured ones: the physical limit each row is a multiple of."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
-    dst = torch.empty_like(src)
+def event_times(fn, reps: int = 10) -> list[float]:
+    """Milliseconds (CUDA events) of the GPU work ``fn`` queues, ``reps`` times after two
+    unmeasured runs."""
     times = []
     for k in range(reps + 2):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        dst.copy_(src)
+        fn()
         b.record()
         b.synchronize()
         if k >= 2:
             times.append(a.elapsed_time(b))
+    return times
+
+
+def flat_copy_times(nbytes: int, reps: int = 10) -> list[float]:
+    """Milliseconds of ``reps`` device-to-device copies of ``nbytes``: the physical limit
+    each row is a multiple of."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 256)
+    dst = torch.empty_like(src)
+    times = event_times(lambda: dst.copy_(src), reps)
     del src, dst
     torch.cuda.empty_cache()
     return times
@@ -108,6 +115,8 @@ class Worker:
             torch.cuda.set_device(0)
         self.role, self.args, self.peer, self.barrier = role, args, peer, barrier
         self.engine, self.log = None, []
+        from weightsync.transport.codec import gpu
+        self.group_bytes = gpu.GROUP_BYTES     # the library's launch size
         self.loop = asyncio.new_event_loop()   # one loop for every sync
         self.params = {n: torch.empty(s, dtype=torch.bfloat16, device=self.dev)
                        for n, s in model_shapes(args["layers"], args["scale"])}
@@ -133,16 +142,11 @@ class Worker:
         # the same bytes as the model's tensors, one copy_ each, in one process: what a
         # per-tensor path costs the GPU before any transport
         dst = {n: torch.empty_like(p) for n, p in self.params.items()}
-        per = []
-        for k in range(reps + 2):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+
+        def each() -> None:
             for n, p in self.params.items():
                 dst[n].copy_(p)
-            b.record()
-            b.synchronize()
-            if k >= 2:
-                per.append(a.elapsed_time(b))
+        per = event_times(each, reps)
         del dst
         torch.cuda.empty_cache()
         return {"bytes": nbytes, "flat_ms": statistics.median(times), "flat_all_ms": times,
@@ -252,7 +256,8 @@ class Worker:
         ok = all(v for _, v in results) and all(
             torch.equal(target[n].view(torch.int16), self.params[n].view(torch.int16))
             for n in target)
-        return {"mark_ms": gpu_ms[0], "records_ms": gpu_ms[1], "encode_ms": encode_ms, "apply_ms": apply_ms, "ok": ok,
+        return {"mark_ms": gpu_ms[0], "records_ms": gpu_ms[1], "encode_ms": encode_ms,
+                "apply_ms": apply_ms, "ok": ok,
                 "dense": dense,
                 "record_bytes": sum(r.record.numel() for r in recs if r.record is not None)}
 
@@ -264,7 +269,6 @@ class Worker:
         if cfg.get("delta") is not None:
             kw["delta"] = True
         from weightsync.transport.codec import gpu   # this process's codec, per launch
-        self.group_bytes = getattr(self, "group_bytes", gpu.GROUP_BYTES)   # the library's
         gpu.GROUP_BYTES = cfg.get("group_mib", 0) * MiB or self.group_bytes
         backend = "shm" if self.args["cpu_smoke"] else "cuda_ipc"
         self.consume = cfg.get("consume", "into")
